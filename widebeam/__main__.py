@@ -1,0 +1,5 @@
+import sys
+
+from widebeam.cli import main
+
+sys.exit(main())

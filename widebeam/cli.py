@@ -1,0 +1,162 @@
+"""`widebeam` command line. Bad input gets one line naming the argument, and exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from widebeam.units import format_bytes, parse_bytes
+
+EXIT_USAGE = 2
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse prints the whole usage on error; users asked for one line they can read."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def _int_at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+def _byte_size(text: str) -> int:
+    try:
+        value = parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 bytes, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _OneLineParser(prog="widebeam", description="Beam search at any width, with exact KV accounting.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
+
+    p = sub.add_parser("plan", help="KV capacity plan for a model, a memory size and a request shape")
+    p.add_argument("--model", default="smollm2-135m-instruct",
+                   help="built-in name (see --list-models), a Hugging Face model dir, or a config.json")
+    p.add_argument("--memory", type=_byte_size, default=_byte_size("16GiB"),
+                   help="device memory for weights + activations + KV, e.g. 141GiB (default 16GiB)")
+    p.add_argument("--kv-cache-fraction", type=_fraction, default=0.9,
+                   help="share of the memory left after weights and activations given to KV (default 0.9)")
+    p.add_argument("--beam-width", type=_int_at_least(1), default=1)
+    p.add_argument("--prompt-len", type=_int_at_least(1), default=512)
+    p.add_argument("--max-new-tokens", type=_int_at_least(1), default=128)
+    p.add_argument("--tokens-per-block", type=_int_at_least(1), default=16)
+    p.add_argument("--max-num-batched-tokens", type=_int_at_least(1), default=2048,
+                   help="prefill chunk size, for the activation reserve (default 2048)")
+    p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="weights and KV dtype")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--list-models", action="store_true", help="list the built-in model names and exit")
+    p.set_defaults(func=_cmd_plan)
+    return parser
+
+
+def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from widebeam.model.arch import BUILTIN_CONFIGS, ConfigError, load_arch
+    from widebeam.plan import PlanError, PlanInputs, plan
+
+    if args.list_models:
+        print("\n".join(BUILTIN_CONFIGS))
+        return 0
+    try:
+        arch = load_arch(args.model)
+    except ConfigError as exc:
+        parser.error(f"argument --model: {exc}")
+    inputs = PlanInputs(
+        memory_bytes=args.memory,
+        beam_width=args.beam_width,
+        prompt_len=args.prompt_len,
+        max_new_tokens=args.max_new_tokens,
+        tokens_per_block=args.tokens_per_block,
+        kv_cache_fraction=args.kv_cache_fraction,
+        dtype=args.dtype,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    try:
+        result = plan(arch, inputs)
+    except PlanError as exc:
+        parser.error(f"argument --memory: {exc}")
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        _print_plan(result)
+    return 0
+
+
+def _print_plan(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if not console.is_terminal:  # pipes get 80 columns by default, which wraps the pool table
+        console = Console(width=120)
+    req = result["request"]
+    sizing = Table(title=f"KV plan: {result['model']} ({result['dtype']})", show_header=False)
+    sizing.add_column("term")
+    sizing.add_column("value", justify="right")
+    sizing.add_row("memory", format_bytes(result["memory_bytes"]))
+    sizing.add_row("- weights", format_bytes(result["weight_bytes"]))
+    sizing.add_row("- activation reserve", format_bytes(result["activation_reserve_bytes"]))
+    sizing.add_row("x kv cache fraction", f"{result['kv_cache_fraction']:g}")
+    sizing.add_row("= KV cache", format_bytes(result["kv_cache_bytes"]))
+    sizing.add_row("KV bytes per token (all layers)", str(result["bytes_per_token"]))
+    sizing.add_row("tokens per block", str(result["tokens_per_block"]))
+    sizing.add_row("max_seq_len (model limit)", f"{result['max_seq_len']} ({result['model_max_seq_len']})")
+    console.print(sizing)
+
+    pools = Table(title=f"request: prompt {req['prompt_len']}, new {req['max_new_tokens']}, beam {req['beam_width']}")
+    for column in ("pool", "kind", "layers", "bytes/token", "required blocks", "capacity blocks", "fits", "at once"):
+        pools.add_column(column, justify="right" if column not in ("pool", "kind") else "left")
+    for p in result["pools"]:
+        pools.add_row(p["name"], p["kind"], str(p["num_layers"]), str(p["bytes_per_token"]),
+                      str(p["required_blocks"]), str(p["capacity_blocks"]), "yes" if p["fits"] else "NO",
+                      str(p["max_concurrent_requests"]))
+    console.print(pools)
+
+    naive = result["naive"]
+    compare = Table(title="widebeam vs naive per-beam prompt copies")
+    for column in ("model", "max_seq_len", "required blocks", "fits", "requests at once"):
+        compare.add_column(column, justify="right" if column != "model" else "left")
+    widebeam_required = max(p["required_blocks"] for p in result["pools"])
+    compare.add_row("widebeam (shared prompt)", str(result["max_seq_len"]), str(widebeam_required),
+                    "yes" if result["fits"] else "NO", str(result["max_concurrent_requests"]))
+    compare.add_row("naive (prompt x beam)", str(naive["max_seq_len"]), str(naive["required_blocks"]),
+                    "yes" if naive["fits"] else "NO", str(naive["max_concurrent_requests"]))
+    console.print(compare)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    subparser = parser._subparsers._group_actions[0].choices[args.command]  # type: ignore[union-attr]
+    return args.func(args, subparser)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

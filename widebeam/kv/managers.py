@@ -1,0 +1,237 @@
+"""Per-kind block managers: how a request's beams take, share and give back blocks in one pool.
+
+A beam's `BlockTable` lists its blocks in order; slot `block_id * T + offset` holds one token's K/V.
+Beams of one request share blocks by reference count:
+- the prompt is allocated once; `fork` gives every beam the same blocks;
+- a full block is never written again, so it stays shared for good;
+- a shared partial block is copied before a beam writes into it (copy-on-write); the copy is queued
+  in `pending_copies` for the model runner, which must run it before the step's forward pass;
+- `release` drops a beam's references at once (pruned, finished, aborted).
+
+Within a beam-search step the caller releases pruned beams first, then forks, then appends, so the
+distinct blocks a request holds never exceed `required_blocks` at any instant.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from widebeam.errors import BlockStateError
+from widebeam.kv.block_pool import BlockPool
+from widebeam.kv.budget import (
+    KVRequest,
+    beam_width_that_fits,
+    cross_attention_blocks,
+    full_attention_blocks,
+    max_new_tokens_that_fit,
+)
+from widebeam.kv.spec import CrossAttentionSpec, FullAttentionSpec, PoolSpec, SlidingWindowSpec
+
+
+class Holding:
+    """The distinct blocks one request holds in one pool (shared blocks count once)."""
+
+    __slots__ = ("num_held_blocks", "peak_held_blocks")
+
+    def __init__(self) -> None:
+        self.num_held_blocks = 0
+        self.peak_held_blocks = 0
+
+    def _add(self, num_blocks: int) -> None:
+        self.num_held_blocks += num_blocks
+        self.peak_held_blocks = max(self.peak_held_blocks, self.num_held_blocks)
+
+    def _sub(self, num_blocks: int) -> None:
+        self.num_held_blocks -= num_blocks
+
+
+class BlockTable:
+    """One sequence's (one beam's) ordered blocks and how many tokens they hold."""
+
+    __slots__ = ("holding", "block_ids", "num_tokens", "released")
+
+    def __init__(self, holding: Holding, block_ids: list[int] | None = None, num_tokens: int = 0):
+        self.holding = holding
+        self.block_ids = block_ids if block_ids is not None else []
+        self.num_tokens = num_tokens
+        self.released = False
+
+    def __repr__(self) -> str:
+        return f"BlockTable(block_ids={self.block_ids}, num_tokens={self.num_tokens})"
+
+
+class PoolManager(ABC):
+    """One pool kind's contract: `required_blocks` and `capacity_blocks`, in blocks of this pool."""
+
+    def __init__(self, spec: PoolSpec, pool: BlockPool, tokens_per_block: int):
+        if tokens_per_block < 1:
+            raise ValueError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
+        self.spec = spec
+        self.pool = pool
+        self.tokens_per_block = tokens_per_block
+        self.pending_copies: list[tuple[int, int]] = []
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @abstractmethod
+    def required_blocks(self, request: KVRequest) -> int:
+        """The most blocks `request` can ever hold in this pool, from admission to finish."""
+
+    def capacity_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def uses(self, request: KVRequest) -> bool:
+        """Whether `request` takes any blocks from this pool."""
+        return True
+
+    def fit_hints(self, request: KVRequest) -> dict[str, int | None]:
+        """What would fit instead: keyword arguments for `RequestTooLargeError`."""
+        return {"max_new_tokens_that_fit": None, "beam_width_that_fits": None}
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """Hand the queued (src_block_id, dst_block_id) copies to the runner and forget them."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    def release(self, table: BlockTable) -> None:
+        """Drop the table's references; blocks no other table holds go back to the pool."""
+        self._check_live(table)
+        table.holding._sub(self.pool.free(table.block_ids))
+        table.block_ids = []
+        table.released = True
+
+    def _allocate(self, holding: Holding) -> int:
+        block_id = self.pool.allocate()
+        holding._add(1)
+        return block_id
+
+    @staticmethod
+    def _check_live(table: BlockTable) -> None:
+        if table.released:
+            raise BlockStateError("block table used after release")
+
+
+class FullAttentionManager(PoolManager):
+    """Self-attention over the whole sequence: blocks are kept until the beam is released."""
+
+    def required_blocks(self, request: KVRequest) -> int:
+        return full_attention_blocks(
+            request.prompt_tokens,
+            request.max_new_tokens,
+            request.beam_width,
+            self.tokens_per_block,
+            request.extra_tokens,
+        )
+
+    def fit_hints(self, request: KVRequest) -> dict[str, int | None]:
+        capacity, t = self.capacity_blocks(), self.tokens_per_block
+        p, d = request.prompt_tokens, request.extra_tokens
+        return {
+            "max_new_tokens_that_fit": max_new_tokens_that_fit(capacity, p, request.beam_width, t, d),
+            "beam_width_that_fits": beam_width_that_fits(capacity, p, request.max_new_tokens, t, d),
+        }
+
+    def new_table(self, holding: Holding) -> BlockTable:
+        return BlockTable(holding)
+
+    def allocate_prompt(self, holding: Holding, num_tokens: int) -> BlockTable:
+        """The prompt's blocks, once for the whole request; beams `fork` from the returned table."""
+        table = BlockTable(holding)
+        self.append_slots(table, num_tokens)
+        return table
+
+    def fork(self, table: BlockTable) -> BlockTable:
+        """A new beam that shares every block of `table` (ref counts go up, nothing is copied)."""
+        self._check_live(table)
+        for block_id in table.block_ids:
+            self.pool.inc_ref(block_id)
+        return BlockTable(table.holding, list(table.block_ids), table.num_tokens)
+
+    def reorder(self, tables: list[BlockTable], parent_indices: list[int]) -> list[BlockTable]:
+        """The next step's beams: beam i continues `tables[parent_indices[i]]`.
+
+        Parents nobody continues are released first, then each chosen parent is kept by its first
+        child and forked for the others; so the held count only falls here. Appending the new
+        tokens (and any copy-on-write) comes after, in `append_slots`.
+        """
+        num_children = [0] * len(tables)
+        for parent in parent_indices:
+            num_children[parent] += 1
+        for table, count in zip(tables, num_children):
+            if count == 0:
+                self.release(table)
+        kept = [False] * len(tables)
+        children: list[BlockTable] = []
+        for parent in parent_indices:
+            if kept[parent]:
+                children.append(self.fork(tables[parent]))
+            else:
+                kept[parent] = True
+                children.append(tables[parent])
+        return children
+
+    def append_slots(self, table: BlockTable, num_tokens: int = 1) -> list[int]:
+        """Reserve slots for `num_tokens` more tokens of this beam and return them in order.
+
+        A new block is taken when the last one is full; a shared partial last block is copied first.
+        """
+        self._check_live(table)
+        t = self.tokens_per_block
+        slots: list[int] = []
+        remaining = num_tokens
+        while remaining > 0:
+            offset = table.num_tokens % t
+            if offset == 0:
+                table.block_ids.append(self._allocate(table.holding))
+            elif self.pool.ref_count(table.block_ids[-1]) > 1:
+                # Copy-on-write: the last sharer keeps the original, so W sharers make W-1 copies.
+                src_block_id = table.block_ids[-1]
+                dst_block_id = self._allocate(table.holding)
+                self.pending_copies.append((src_block_id, dst_block_id))
+                self.pool.dec_ref(src_block_id)
+                table.block_ids[-1] = dst_block_id
+            num_written = min(remaining, t - offset)
+            first_slot = table.block_ids[-1] * t + offset
+            slots.extend(range(first_slot, first_slot + num_written))
+            table.num_tokens += num_written
+            remaining -= num_written
+        return slots
+
+
+class SlidingWindowManager(FullAttentionManager):
+    """Sliding-window layers. Blocks are kept like full attention (no window release yet), so the
+    honest bound is the full-attention one; window-aware release tightens it (issue 8)."""
+
+
+class CrossAttentionManager(PoolManager):
+    """Encoder output K/V: allocated once per request, shared by all beams, freed at finish."""
+
+    def required_blocks(self, request: KVRequest) -> int:
+        return cross_attention_blocks(request.encoder_tokens, self.tokens_per_block)
+
+    def uses(self, request: KVRequest) -> bool:
+        return request.encoder_tokens > 0
+
+    def allocate(self, holding: Holding, encoder_tokens: int) -> BlockTable:
+        num_blocks = cross_attention_blocks(encoder_tokens, self.tokens_per_block)
+        table = BlockTable(holding, [], encoder_tokens)
+        for _ in range(num_blocks):
+            table.block_ids.append(self._allocate(holding))
+        return table
+
+    def slots(self, table: BlockTable) -> list[int]:
+        t = self.tokens_per_block
+        return [table.block_ids[i // t] * t + i % t for i in range(table.num_tokens)]
+
+
+def make_manager(spec: PoolSpec, pool: BlockPool, tokens_per_block: int) -> PoolManager:
+    """The manager for a pool kind. Every kind has one: no kind opts out of the cost model."""
+    if isinstance(spec, SlidingWindowSpec):
+        return SlidingWindowManager(spec, pool, tokens_per_block)
+    if isinstance(spec, CrossAttentionSpec):
+        return CrossAttentionManager(spec, pool, tokens_per_block)
+    if isinstance(spec, FullAttentionSpec):
+        return FullAttentionManager(spec, pool, tokens_per_block)
+    raise TypeError(f"no manager for pool kind {type(spec).__name__}")

@@ -1,0 +1,76 @@
+"""Start-up sizing: a memory budget in bytes becomes blocks per pool, and a `max_seq_len` bound.
+
+The bound is a pool's token capacity (`blocks x T`). It is never divided by the beam width: beams
+share their prompt's blocks, and whether a wide request fits is decided per request at admission.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from widebeam.errors import CacheTooSmallError
+from widebeam.kv.spec import CrossAttentionSpec, PoolSpec, SlidingWindowSpec
+
+
+@dataclass(frozen=True)
+class PoolNeed:
+    """A pool and how many tokens one sequence can hold in it (its share of memory follows this)."""
+
+    spec: PoolSpec
+    tokens_per_sequence: int
+
+
+def tokens_per_sequence(spec: PoolSpec, max_seq_len: int, max_encoder_tokens: int = 0) -> int:
+    """How many tokens one sequence can hold in a pool of this kind at once."""
+    if isinstance(spec, CrossAttentionSpec):
+        return max_encoder_tokens
+    if isinstance(spec, SlidingWindowSpec):
+        return min(spec.window_tokens, max_seq_len)
+    return max_seq_len
+
+
+def split_by_need(kv_cache_bytes: int, needs: Sequence[PoolNeed], tokens_per_block: int) -> list[int]:
+    """Blocks per pool, memory shared in proportion to need (bytes per token x tokens held).
+
+    A pool whose layers cost twice as much per token, or which holds twice as many tokens per
+    sequence, gets twice the bytes. An equal split would starve full-attention layers in a model
+    with five sliding layers to one full one.
+    """
+    if kv_cache_bytes < 0:
+        raise ValueError(f"kv_cache_bytes must be >= 0, got {kv_cache_bytes}")
+    weights = [need.spec.bytes_per_token * max(need.tokens_per_sequence, 1) for need in needs]
+    total_weight = sum(weights)
+    return [
+        int(kv_cache_bytes * weight / total_weight) // need.spec.bytes_per_block(tokens_per_block)
+        for need, weight in zip(needs, weights)
+    ]
+
+
+def resolve_max_seq_len(
+    model_max_seq_len: int, capacity_tokens: int, requested_max_seq_len: int | None = None
+) -> int:
+    """The engine's `max_seq_len`: the model's limit bounded by the pool's token capacity.
+
+    A requested value larger than either limit is a start-up error that names both numbers.
+    """
+    if requested_max_seq_len is not None:
+        if requested_max_seq_len < 1:
+            raise CacheTooSmallError(f"max_seq_len must be >= 1, got {requested_max_seq_len}")
+        if requested_max_seq_len > model_max_seq_len:
+            raise CacheTooSmallError(
+                f"max_seq_len={requested_max_seq_len} exceeds the model's limit of {model_max_seq_len} tokens; "
+                f"lower max_seq_len"
+            )
+        if requested_max_seq_len > capacity_tokens:
+            raise CacheTooSmallError(
+                f"max_seq_len={requested_max_seq_len} exceeds the KV cache's token capacity of "
+                f"{capacity_tokens} tokens; raise kv_cache_memory (--kv-cache-memory) or lower max_seq_len"
+            )
+        return requested_max_seq_len
+    bound = min(model_max_seq_len, capacity_tokens)
+    if bound < 1:
+        raise CacheTooSmallError(
+            f"the KV cache holds {capacity_tokens} tokens, not even one sequence; raise kv_cache_memory"
+        )
+    return bound

@@ -1,0 +1,79 @@
+"""Pool kinds: what one pool of KV blocks stores, and how many bytes one token costs in it.
+
+A pool holds the K and V of a group of layers that share an allocation policy: all full-attention
+layers, all layers of one sliding window, or all cross-attention layers. One token in a pool costs
+K and V for every layer of the group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+DTYPE_BYTES = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "fp8": 1,
+}
+
+
+def dtype_bytes(dtype: str) -> int:
+    try:
+        return DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown KV dtype {dtype!r}; allowed: {', '.join(DTYPE_BYTES)}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolSpec:
+    """The layers one pool serves. `name` is how errors, stats and metrics refer to the pool."""
+
+    kind: ClassVar[str] = "abstract"
+
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        for field in ("num_layers", "num_kv_heads", "head_dim"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
+        dtype_bytes(self.dtype)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of every layer in the pool, for one token."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes(self.dtype)
+
+    def bytes_per_block(self, tokens_per_block: int) -> int:
+        return self.bytes_per_token * tokens_per_block
+
+
+@dataclass(frozen=True, kw_only=True)
+class FullAttentionSpec(PoolSpec):
+    """Self-attention over the whole sequence: every token stays until the sequence finishes."""
+
+    kind: ClassVar[str] = "full"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlidingWindowSpec(PoolSpec):
+    """Self-attention over the last `window_tokens` positions only."""
+
+    kind: ClassVar[str] = "sliding"
+    window_tokens: int
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.window_tokens < 1:
+            raise ValueError(f"window_tokens must be >= 1, got {self.window_tokens}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CrossAttentionSpec(PoolSpec):
+    """Decoder-to-encoder attention: the encoder output's K/V, computed once, shared by all beams."""
+
+    kind: ClassVar[str] = "cross"

@@ -1,0 +1,128 @@
+"""Capacity planning: how a model, a memory size and a request shape map onto KV blocks.
+
+`plan()` runs the same sizing and budget code the engine uses (kv/sizing.py, kv/cache.py), and sets
+the naive per-beam-copy model beside it so the difference is visible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from widebeam.kv.budget import KVRequest, naive_full_attention_blocks, naive_max_seq_len
+from widebeam.kv.cache import KVCache
+from widebeam.kv.sizing import PoolNeed, resolve_max_seq_len, split_by_need, tokens_per_sequence
+from widebeam.kv.spec import dtype_bytes
+from widebeam.model.arch import ModelArch
+
+# Activations are computed in float32 or the weights' dtype; logits and log-probs always in float32.
+_LOGITS_BYTES = 4
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    memory_bytes: int
+    beam_width: int
+    prompt_len: int
+    max_new_tokens: int
+    tokens_per_block: int = 16
+    kv_cache_fraction: float = 0.9
+    dtype: str = "bfloat16"
+    max_num_batched_tokens: int = 2048
+
+
+def activation_reserve_bytes(arch: ModelArch, inputs: PlanInputs) -> int:
+    """Peak activations of one step, estimated for widebeam's reference path.
+
+    A prefill chunk of C tokens holds its hidden states and MLP intermediates, and the attention
+    scores of C queries over the whole sequence (the plain-PyTorch path materialises them); a decode
+    step of W beams holds W rows of logits and log-probs over the vocabulary. The engine measures
+    the real peak at warm-up; this estimate is for planning.
+    """
+    act_bytes = dtype_bytes(inputs.dtype)
+    chunk_tokens = min(inputs.max_num_batched_tokens, inputs.prompt_len)
+    seq_tokens = inputs.prompt_len + inputs.max_new_tokens
+    hidden = chunk_tokens * (4 * arch.hidden_size + 3 * arch.intermediate_size) * act_bytes
+    scores = arch.num_heads * chunk_tokens * seq_tokens * _LOGITS_BYTES
+    logits = 2 * inputs.beam_width * arch.vocab_size * _LOGITS_BYTES
+    return hidden + scores + logits
+
+
+class PlanError(ValueError):
+    """The inputs leave nothing for the KV cache."""
+
+
+def plan(arch: ModelArch, inputs: PlanInputs) -> dict:
+    """The capacity plan as a JSON-ready dict (see `widebeam plan --json`)."""
+    weight_bytes = arch.weight_bytes(inputs.dtype)
+    reserve_bytes = activation_reserve_bytes(arch, inputs)
+    left_bytes = inputs.memory_bytes - weight_bytes - reserve_bytes
+    if left_bytes <= 0:
+        raise PlanError(
+            f"--memory {inputs.memory_bytes} bytes leaves nothing for the KV cache: the weights need "
+            f"{weight_bytes} bytes and the activation reserve {reserve_bytes} bytes; "
+            f"use --memory > {weight_bytes + reserve_bytes}"
+        )
+    kv_cache_bytes = int(left_bytes * inputs.kv_cache_fraction)
+    t = inputs.tokens_per_block
+
+    specs = arch.kv_pool_specs(inputs.dtype)
+    needs = [PoolNeed(s, tokens_per_sequence(s, arch.max_position_embeddings)) for s in specs]
+    blocks_per_pool = split_by_need(kv_cache_bytes, needs, t)
+    cache = KVCache(list(zip(specs, blocks_per_pool)), t)
+    # The start-up bound is the token capacity of the pool that binds first, never divided by W.
+    capacity_blocks = min(blocks_per_pool)
+    max_seq_len = min(arch.max_position_embeddings, capacity_blocks * t)
+    if capacity_blocks > 0:
+        max_seq_len = resolve_max_seq_len(arch.max_position_embeddings, capacity_blocks * t)
+
+    request = KVRequest(inputs.prompt_len, inputs.max_new_tokens, inputs.beam_width)
+    budgets = cache.budgets(request)
+    pools = [
+        {
+            "name": b.pool,
+            "kind": cache[b.pool].spec.kind,
+            "num_layers": cache[b.pool].spec.num_layers,
+            "bytes_per_token": cache[b.pool].spec.bytes_per_token,
+            "required_blocks": b.required_blocks,
+            "capacity_blocks": b.capacity_blocks,
+            "fits": b.fits,
+            "max_concurrent_requests": b.capacity_blocks // b.required_blocks,
+            **cache[b.pool].fit_hints(request),
+        }
+        for b in budgets
+    ]
+    fits_length = inputs.prompt_len + inputs.max_new_tokens <= max_seq_len
+    fits = all(p["fits"] for p in pools) and fits_length
+    max_concurrent = min(p["max_concurrent_requests"] for p in pools) if fits else 0
+
+    naive_required = naive_full_attention_blocks(inputs.prompt_len, inputs.max_new_tokens, inputs.beam_width, t)
+    naive_seq_len = min(arch.max_position_embeddings, naive_max_seq_len(capacity_blocks, inputs.beam_width, t))
+    naive_fits = naive_required <= capacity_blocks and inputs.prompt_len + inputs.max_new_tokens <= naive_seq_len
+    return {
+        "model": arch.name,
+        "dtype": inputs.dtype,
+        "memory_bytes": inputs.memory_bytes,
+        "weight_bytes": weight_bytes,
+        "activation_reserve_bytes": reserve_bytes,
+        "kv_cache_fraction": inputs.kv_cache_fraction,
+        "kv_cache_bytes": kv_cache_bytes,
+        "bytes_per_token": sum(s.bytes_per_token for s in specs),
+        "tokens_per_block": t,
+        "capacity_blocks": capacity_blocks,
+        "model_max_seq_len": arch.max_position_embeddings,
+        "max_seq_len": max_seq_len,
+        "request": {
+            "prompt_len": inputs.prompt_len,
+            "max_new_tokens": inputs.max_new_tokens,
+            "beam_width": inputs.beam_width,
+        },
+        "pools": pools,
+        "fits": fits,
+        "max_concurrent_requests": max_concurrent,
+        "naive": {
+            "max_seq_len": naive_seq_len,
+            "required_blocks": naive_required,
+            "fits": naive_fits,
+            "max_concurrent_requests": capacity_blocks // naive_required if naive_fits else 0,
+        },
+    }
