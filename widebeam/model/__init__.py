@@ -1,0 +1,1 @@
+"""Model code: loading, layers, attention, runners."""
