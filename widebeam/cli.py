@@ -74,7 +74,49 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--list-models", action="store_true", help="list the built-in model names and exit")
     p.set_defaults(func=_cmd_plan)
+    g = sub.add_parser("generate", help="generate a completion for one prompt")
+    g.add_argument("prompt", help="the prompt text (with --chat: the user message)")
+    g.add_argument("--model", default="smollm2-135m-instruct",
+                   help="alias (smollm2-135m-instruct, gemma3-270m), a Hugging Face model dir, or a .gguf file")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    g.add_argument("--max-new-tokens", type=_int_at_least(1), default=32)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--dtype", choices=DTYPES, default="float32")
+    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    g.add_argument("--kv-cache-memory", type=_byte_size, default=_byte_size("1GiB"))
+    g.add_argument("--tokens-per-block", type=_int_at_least(1), default=16)
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.set_defaults(func=_cmd_generate)
     return parser
+
+
+def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from widebeam.engine import LLM
+    from widebeam.errors import WidebeamError
+    from widebeam.params import SamplingParams
+
+    try:
+        params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                                top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
+        llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,
+                  tokens_per_block=args.tokens_per_block)
+        prompt = llm.engine.apply_chat_template(args.prompt) if args.chat else args.prompt
+        (output,) = llm.generate([prompt], params, use_tqdm=False)
+    except (WidebeamError, ValueError, FileNotFoundError) as exc:
+        name = getattr(exc, "param", None)
+        parser.error(f"{'argument ' + name + ': ' if name else ''}{exc}")
+    completion = output.outputs[0]
+    if args.json:
+        print(json.dumps({"prompt": prompt, "text": completion.text, "token_ids": completion.token_ids,
+                          "cumulative_logprob": completion.cumulative_logprob,
+                          "finish_reason": completion.finish_reason}, indent=2))
+    else:
+        print(completion.text)
+    return 0
 
 
 def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -23,7 +23,7 @@ _UNITS = {
 _PATTERN = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_bytes(value: int | float | str) -> int:
+def parse_bytes(value: float | str) -> int:
     """Return a byte count from an int or a string such as "64MiB"; raise ValueError if malformed."""
     if isinstance(value, bool):
         raise ValueError(f"not a byte size: {value!r}")
@@ -40,7 +40,7 @@ def parse_bytes(value: int | float | str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
-def format_bytes(num_bytes: int | float) -> str:
+def format_bytes(num_bytes: float) -> str:
     """Human form with binary units, e.g. 1.50 GiB."""
     size = float(num_bytes)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

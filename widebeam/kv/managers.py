@@ -48,7 +48,7 @@ class Holding:
 class BlockTable:
     """One sequence's (one beam's) ordered blocks and how many tokens they hold."""
 
-    __slots__ = ("holding", "block_ids", "num_tokens", "released")
+    __slots__ = ("block_ids", "holding", "num_tokens", "released")
 
     def __init__(self, holding: Holding, block_ids: list[int] | None = None, num_tokens: int = 0):
         self.holding = holding

@@ -110,6 +110,10 @@ class ModelArch:
     def weight_bytes(self, dtype: str) -> int:
         return self.num_params * dtype_bytes(dtype)
 
+    def layer_pool_names(self) -> list[str]:
+        """The pool each layer's K/V live in, named as in `kv_pool_specs`."""
+        return ["self" if w is None else f"sliding_{w}" for w in self.layer_windows]
+
     def kv_pool_specs(self, dtype: str) -> list[PoolSpec]:
         """One pool per attention kind: full-attention layers, and one pool per distinct window."""
         specs: list[PoolSpec] = []

@@ -1,0 +1,56 @@
+"""Shared fixtures: tiny random models built with transformers and saved as safetensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+
+def save_tiny_model(path, model_type: str = "llama", **overrides):
+    """Build a tiny random model of a family transformers ships, save it as safetensors, return it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    base = {
+        "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "tie_word_embeddings": False,
+    }
+    base.update(overrides)
+    config = AutoConfig.for_model(model_type, **base)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    # Random init is near-uniform; sharpen the distribution so greedy choices are well separated.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.normal_(0, 0.2)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    save_tiny_model(path, "llama")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-qwen2")
+    save_tiny_model(path, "qwen2", num_key_value_heads=1, tie_word_embeddings=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory):
+    """The default model's GGUF converted once per test session: (cache_dir, ModelSource)."""
+    from widebeam.model import loader
+
+    cache = tmp_path_factory.mktemp("widebeam-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("WIDEBEAM_CACHE", str(cache))
+        source = loader.resolve_model(loader.DEFAULT_MODEL)
+    return cache, source

@@ -1,0 +1,128 @@
+"""Building blocks of Llama-family decoders: RMSNorm, rotary embeddings, the gated MLP."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class UnsupportedModelError(ValueError):
+    """A model or config feature widebeam does not implement; the message names what is supported."""
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, unit_offset: bool = False):
+        super().__init__()
+        # Gemma stores the weight as an offset from 1 (`x * (1 + w)`); Llama stores it directly.
+        self.weight = nn.Parameter(torch.zeros(hidden_size) if unit_offset else torch.ones(hidden_size))
+        self.eps = eps
+        self.unit_offset = unit_offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_float = x.float()
+        normed = x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + self.eps)
+        weight = self.weight.float()
+        if self.unit_offset:
+            return (normed * (1.0 + weight)).to(x.dtype)
+        return (normed * weight).to(x.dtype)
+
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str, bias: bool = False):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise UnsupportedModelError(f"activation {activation!r} is not supported; supported: {sorted(ACTIVATIONS)}")
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.act = ACTIVATIONS[activation]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_parameters(config: dict, rope_theta_key: str = "rope_theta") -> dict:
+    """The RoPE settings from either config style (transformers 5 `rope_parameters`, or 4.x
+    `rope_theta` + `rope_scaling`), normalised to one dict with `rope_type` and `rope_theta`."""
+    params = dict(config.get("rope_parameters") or {})
+    if "rope_type" not in params and "type" in params:
+        params["rope_type"] = params.pop("type")
+    scaling = config.get("rope_scaling") or {}
+    if scaling:
+        params.update(scaling)
+        params["rope_type"] = scaling.get("rope_type") or scaling.get("type") or "default"
+    params.setdefault("rope_type", "default")
+    params.setdefault("rope_theta", config.get(rope_theta_key, 10000.0))
+    return params
+
+
+def rope_inv_freq(params: dict, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies for the scaling types Llama, SmolLM2, Qwen2 and Mistral configs use."""
+    rope_type = params["rope_type"]
+    base = float(params["rope_theta"])
+    # explicit device: models are built under torch.device("meta") and these are not in checkpoints
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (base**exponents)
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(params["factor"])
+    if rope_type == "llama3":
+        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+        factor = float(params["factor"])
+        low_freq_factor = float(params["low_freq_factor"])
+        high_freq_factor = float(params["high_freq_factor"])
+        old_context_len = float(params["original_max_position_embeddings"])
+        low_freq_wavelen = old_context_len / low_freq_factor
+        high_freq_wavelen = old_context_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    raise UnsupportedModelError(
+        f"rope scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+    )
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables by position, for the half-rotation layout Hugging Face checkpoints use.
+
+    The frequencies are derived from the config, not stored in checkpoints, so they are kept out of
+    the module's state and computed on first use on each device.
+    """
+
+    def __init__(self, params: dict, head_dim: int):
+        super().__init__()
+        self._inv_freq_cpu = rope_inv_freq(params, head_dim)
+        self._inv_freq_by_device: dict[torch.device, torch.Tensor] = {}
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = self._inv_freq_by_device.get(positions.device)
+        if inv_freq is None:
+            inv_freq = self._inv_freq_by_device.setdefault(positions.device, self._inv_freq_cpu.to(positions.device))
+        freqs = positions[:, None].float() * inv_freq[None, :]  # [num_tokens, head_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [num_tokens, head_dim]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, heads, head_dim]; cos, sin: [num_tokens, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]

@@ -1,0 +1,95 @@
+"""The model runner: owns the KV tensors and runs one batched forward over many sequences.
+
+Callers (the engine) decide which tokens run and where their K/V go (slots from `widebeam.kv`); the
+runner turns that into tensors, executes queued copy-on-write block copies, runs the model and
+returns float32 logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from widebeam.model.attention import AttentionMetadata
+
+
+@dataclass
+class SequenceInput:
+    """One sequence's share of a forward pass."""
+
+    token_ids: list[int]  # the new tokens this step (a prefill chunk, or one decode token)
+    num_computed_tokens: int  # tokens of this sequence already in the cache
+    block_tables: dict[str, list[int]]  # pool name -> block ids, covering the new tokens too
+    slots: dict[str, list[int]]  # pool name -> one slot per new token
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, pool_num_blocks: dict[str, int], tokens_per_block: int,
+                 device: torch.device, dtype: torch.dtype):
+        self.model = model
+        self.tokens_per_block = tokens_per_block
+        self.device = device
+        self.dtype = dtype
+        arch = model.arch
+        layer_pools = model.layer_pool_names
+        # One tensor per pool: [layers_in_pool, K/V, num_slots, kv_heads, head_dim]. Left
+        # uninitialised: only slots a sequence has written are ever read.
+        self.kv_tensors: dict[str, torch.Tensor] = {}
+        for pool_name, num_blocks in pool_num_blocks.items():
+            num_layers = layer_pools.count(pool_name)
+            self.kv_tensors[pool_name] = torch.empty(
+                num_layers, 2, num_blocks * tokens_per_block, arch.num_kv_heads, arch.head_dim,
+                dtype=dtype, device=device,
+            )
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        index_in_pool = {name: 0 for name in pool_num_blocks}
+        for pool_name in layer_pools:
+            tensor = self.kv_tensors[pool_name]
+            j = index_in_pool[pool_name]
+            self.kv_caches.append((tensor[j, 0], tensor[j, 1]))
+            index_in_pool[pool_name] += 1
+
+    def copy_blocks(self, pool_name: str, copies: list[tuple[int, int]]) -> None:
+        """Run queued copy-on-write copies (src block -> dst block) in every layer of the pool."""
+        if not copies:
+            return
+        t = self.tokens_per_block
+        src = torch.tensor([s * t + o for s, _ in copies for o in range(t)], device=self.device)
+        dst = torch.tensor([d * t + o for _, d in copies for o in range(t)], device=self.device)
+        tensor = self.kv_tensors[pool_name]
+        tensor[:, :, dst] = tensor[:, :, src]
+
+    @torch.inference_mode()
+    def execute(self, seqs: list[SequenceInput], all_logits: bool = False) -> torch.Tensor:
+        """Forward the new tokens of `seqs`; logits of each sequence's last token [num_seqs, vocab],
+        or of every token [num_tokens, vocab] when `all_logits`."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_start_loc = [0]
+        for seq in seqs:
+            input_ids.extend(seq.token_ids)
+            positions.extend(range(seq.num_computed_tokens, seq.num_computed_tokens + len(seq.token_ids)))
+            query_start_loc.append(len(input_ids))
+        seq_lens = [seq.num_computed_tokens + len(seq.token_ids) for seq in seqs]
+        metadata = {
+            pool_name: AttentionMetadata(
+                query_start_loc=query_start_loc,
+                seq_lens=seq_lens,
+                block_tables=[seq.block_tables[pool_name] for seq in seqs],
+                slot_mapping=torch.tensor([s for seq in seqs for s in seq.slots[pool_name]],
+                                          dtype=torch.long, device=self.device),
+                tokens_per_block=self.tokens_per_block,
+            )
+            for pool_name in self.kv_tensors
+        }
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            torch.tensor(positions, dtype=torch.long, device=self.device),
+            self.kv_caches,
+            metadata,
+        )
+        if not all_logits:
+            last = torch.tensor([end - 1 for end in query_start_loc[1:]], device=self.device)
+            hidden = hidden[last]
+        return self.model.compute_logits(hidden)

@@ -1,0 +1,34 @@
+"""Choosing the next token from logits: greedy, or temperature / top-k / top-p sampling."""
+
+from __future__ import annotations
+
+import torch
+
+from widebeam.params import SamplingParams
+
+
+def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature-scaled logits [vocab] with tokens outside top-k / top-p set to -inf."""
+    logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the tokens before it already cover top_p; the first is always kept
+        drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[int, float]:
+    """The next token of one sequence and its log-probability under the model's distribution."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    if params.greedy:
+        token = int(torch.argmax(logits))
+    else:
+        probs = torch.softmax(filtered_logits(logits.float(), params), dim=-1)
+        token = int(torch.multinomial(probs.cpu(), 1, generator=generator))
+    return token, float(logprobs[token])

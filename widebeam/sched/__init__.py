@@ -1,0 +1,1 @@
+"""Admission and scheduling of requests onto the KV cache."""

@@ -1,0 +1,47 @@
+"""Admission: decide, before a request is queued, whether it can ever run.
+
+A request that can never fit is rejected at once with a message saying what would fit; one that
+fits the pools but not the free blocks right now waits. Nothing is allocated here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from widebeam.errors import InvalidParameterError
+from widebeam.kv.budget import KVRequest
+from widebeam.kv.cache import KVCache, PoolBudget
+
+
+@dataclass(frozen=True)
+class Admission:
+    max_new_tokens: int
+    kv_request: KVRequest
+    budgets: list[PoolBudget]
+
+    @property
+    def required_blocks(self) -> dict[str, int]:
+        return {b.pool: b.required_blocks for b in self.budgets}
+
+
+def admit_check(cache: KVCache, max_seq_len: int, prompt_len: int, max_new_tokens: int | None,
+                beam_width: int = 1, encoder_tokens: int = 0) -> Admission:
+    """Validate lengths against `max_seq_len`, then every pool's budget; raise if it can never run."""
+    if prompt_len < 1:
+        raise InvalidParameterError("prompt", "prompt is empty: give at least one token")
+    if prompt_len >= max_seq_len:
+        raise InvalidParameterError(
+            "prompt",
+            f"prompt has {prompt_len} tokens but max_seq_len is {max_seq_len}: "
+            f"shorten the prompt to at most {max_seq_len - 1} tokens",
+        )
+    if max_new_tokens is None:
+        max_new_tokens = max_seq_len - prompt_len
+    elif prompt_len + max_new_tokens > max_seq_len:
+        raise InvalidParameterError(
+            "max_new_tokens",
+            f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds max_seq_len "
+            f"({max_seq_len}); use max_new_tokens <= {max_seq_len - prompt_len}",
+        )
+    kv_request = KVRequest(prompt_len, max_new_tokens, beam_width, encoder_tokens=encoder_tokens)
+    return Admission(max_new_tokens, kv_request, cache.check_fits(kv_request))
