@@ -54,3 +54,20 @@ def smollm2(tmp_path_factory):
         mp.setenv("WIDEBEAM_CACHE", str(cache))
         source = loader.resolve_model(loader.DEFAULT_MODEL)
     return cache, source
+
+
+TINY_VARIANTS = {
+    "llama3-rope": ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                   "original_max_position_embeddings": 16}}),
+    "linear-rope": ("llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}}),
+    "mistral": ("mistral", {"sliding_window": None}),
+}
+
+
+@pytest.fixture(scope="session", params=sorted(TINY_VARIANTS))
+def tiny_variant_dir(request, tmp_path_factory):
+    model_type, overrides = TINY_VARIANTS[request.param]
+    path = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    save_tiny_model(path, model_type, **overrides)
+    return path

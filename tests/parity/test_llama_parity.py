@@ -34,8 +34,6 @@ def test_prefill_and_decode_logits_match(model_dir, tokens_per_block):
     # Prefill all prompts (different lengths) in one forward, logits of every token.
     inputs = [SequenceInput(p, 0, {"self": t.block_ids}, {"self": manager.append_slots(t, len(p))})
               for p, t in zip(PROMPTS, tables)]
-    for s, t in zip(inputs, tables):
-        s.block_tables["self"] = t.block_ids
     logits = engine.runner.execute(inputs, all_logits=True)
     offset = 0
     with torch.no_grad():
@@ -77,3 +75,16 @@ def test_greedy_generation_matches_transformers(model_dir):
         assert completion.cumulative_logprob < 0
     stats = llm.stats()["pools"]["self"]
     assert stats["free_blocks"] == stats["total_blocks"]
+
+
+def test_rope_scaling_and_mistral_variants_match(tiny_variant_dir):
+    """RoPE scaling types (llama3, linear) and the Mistral family, decoded past the original context."""
+    llm = LLM(str(tiny_variant_dir), dtype="float32", device="cpu", tokens_per_block=4, kv_cache_memory="8MiB")
+    hf = hf_model(tiny_variant_dir)
+    prompt = list(range(3, 43))
+    (output,) = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_new_tokens=24, temperature=0,
+                                                                            ignore_eos=True), use_tqdm=False)
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)[0, len(prompt):].tolist()
+    assert output.outputs[0].token_ids == expected

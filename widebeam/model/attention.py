@@ -5,8 +5,12 @@ head_dim]`. A forward pass carries the new tokens of many sequences flattened in
 `AttentionMetadata` says where each sequence's queries are and which blocks hold its keys.
 
 `paged_attention_reference` is the definition of correct: one sequence at a time, plain matmuls.
-`paged_attention` is the path the model runs: sequences with one query (decoding beams) in one
-padded batch, longer ones (prefill chunks) one by one. Tests hold the two together.
+`paged_attention` is the path the model runs. Prefill chunks go one by one. Decoding sequences
+(one query each) go in groups: the beams of one request share their prompt's blocks, so the group's
+keys split into a shared prefix, read once for every beam's queries as one matrix-matrix product,
+and each beam's own suffix; the two parts' scores are normalised together by one softmax, which
+is exactly the log-sum-exp merge of the two partial attentions. Decoding sequences that share
+nothing go in one padded batch. Tests hold every path to the reference.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ class AttentionMetadata:
     block_tables: list[list[int]]
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V go
     tokens_per_block: int
+    groups: list[str | None] | None = None  # per sequence: decoding sequences of one group may share blocks
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -41,28 +46,87 @@ class AttentionMetadata:
         table = torch.tensor(self.block_tables[seq_index], dtype=torch.long, device=device)
         return table[positions // t] * t + positions % t
 
-    def decode_batch(self, device: torch.device) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-        """For the one-query sequences: their indices, padded key slots [B, S] and key positions valid [B, S].
-
-        Built once per forward and shared by every layer of the pool.
-        """
+    def decode_groups(self, device: torch.device) -> list[DecodeGroup]:
+        """The one-query sequences, grouped by shared prefix blocks; built once per forward and
+        shared by every layer of the pool."""
         key = ("decode", device)
         if key not in self._cache:
-            lens = self.query_lens()
-            indices = [i for i in range(self.num_seqs) if lens[i] == 1]
-            max_len = max((self.seq_lens[i] for i in indices), default=0)
-            slots = torch.zeros(len(indices), max_len, dtype=torch.long, device=device)
-            valid = torch.zeros(len(indices), max_len, dtype=torch.bool, device=device)
-            for row, i in enumerate(indices):
-                n = self.seq_lens[i]
-                row_slots = self.key_slots(i, device)
-                slots[row, :n] = row_slots
-                # Pad with a slot of the same sequence: the cache is never zeroed, and a masked key
-                # must still hold finite numbers (0 x NaN is NaN).
-                slots[row, n:] = row_slots[0]
-                valid[row, :n] = True
-            self._cache[key] = (indices, slots, valid)
+            self._cache[key] = self._build_decode_groups(device)
         return self._cache[key]
+
+    def _build_decode_groups(self, device: torch.device) -> list[DecodeGroup]:
+        lens = self.query_lens()
+        decoding = [i for i in range(self.num_seqs) if lens[i] == 1]
+        by_label: dict[str, list[int]] = {}
+        loose: list[int] = []
+        for i in decoding:
+            label = self.groups[i] if self.groups else None
+            if label is None:
+                loose.append(i)
+            else:
+                by_label.setdefault(label, []).append(i)
+        groups = []
+        for members in by_label.values():
+            num_shared_blocks = self._common_full_blocks(members) if len(members) > 1 else 0
+            if num_shared_blocks == 0:
+                loose.extend(members)
+            else:
+                groups.append(self._group(members, num_shared_blocks * self.tokens_per_block, device))
+        if loose:
+            groups.append(self._group(sorted(loose), 0, device))
+        return groups
+
+    def _common_full_blocks(self, members: list[int]) -> int:
+        """Leading blocks every member's table shares, counting only blocks full for all of them."""
+        first = self.block_tables[members[0]]
+        limit = min(self.seq_lens[i] for i in members) // self.tokens_per_block
+        for i in members[1:]:
+            table = self.block_tables[i]
+            shared = 0
+            while shared < limit and table[shared] == first[shared]:
+                shared += 1
+            limit = shared
+            if limit == 0:
+                break
+        return limit
+
+    def _group(self, members: list[int], prefix_tokens: int, device: torch.device) -> DecodeGroup:
+        t = self.tokens_per_block
+        prefix_table = torch.tensor(self.block_tables[members[0]][: prefix_tokens // t], dtype=torch.long)
+        prefix_slots = (prefix_table[:, None] * t + torch.arange(t)).reshape(-1)
+        suffix_len = max(self.seq_lens[i] for i in members) - prefix_tokens
+        suffix_slots = torch.zeros(len(members), suffix_len, dtype=torch.long)
+        suffix_valid = torch.zeros(len(members), suffix_len, dtype=torch.bool)
+        for row, i in enumerate(members):
+            positions = torch.arange(prefix_tokens, self.seq_lens[i])
+            table = torch.tensor(self.block_tables[i], dtype=torch.long)
+            slots = table[positions // t] * t + positions % t
+            n = len(slots)
+            suffix_slots[row, :n] = slots
+            # Pad with a slot of the same sequence: the cache is never zeroed, and a masked key
+            # must still hold finite numbers (0 x NaN is NaN).
+            suffix_slots[row, n:] = slots[0]
+            suffix_valid[row, :n] = True
+        return DecodeGroup(
+            token_index=torch.tensor([self.query_start_loc[i] for i in members], device=device),
+            query_positions=torch.tensor([self.seq_lens[i] - 1 for i in members], device=device),
+            prefix_slots=prefix_slots.to(device),
+            suffix_slots=suffix_slots.to(device),
+            suffix_valid=suffix_valid.to(device),
+            prefix_tokens=prefix_tokens,
+        )
+
+
+@dataclass
+class DecodeGroup:
+    """Decoding sequences whose first `prefix_tokens` keys are the same physical slots."""
+
+    token_index: torch.Tensor  # [B] rows of the flattened tokens
+    query_positions: torch.Tensor  # [B]
+    prefix_slots: torch.Tensor  # [prefix_tokens], shared by every row
+    suffix_slots: torch.Tensor  # [B, S] each row's own keys (positions prefix_tokens ..), padded
+    suffix_valid: torch.Tensor  # [B, S]
+    prefix_tokens: int
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -127,27 +191,51 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     return out
 
 
+def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup, scale: float,
+                  sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+    """One decode group: q [B, H, d] -> [B, H, d]; the prefix is read once for all B queries."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    qg = q.float().reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, KV, G, d]
+    k_suffix = k_cache[group.suffix_slots].float()  # [B, S, KV, d]
+    scores = [torch.einsum("bkgd,bskd->bkgs", qg, k_suffix)]
+    masks = [group.suffix_valid]
+    if sliding_window is not None:
+        suffix_positions = group.prefix_tokens + torch.arange(k_suffix.shape[1], device=q.device)
+        masks[0] = masks[0] & (suffix_positions[None, :] > group.query_positions[:, None] - sliding_window)
+    if group.prefix_tokens:
+        k_prefix = k_cache[group.prefix_slots].float()  # [P, KV, d]
+        scores.insert(0, torch.einsum("bkgd,pkd->bkgp", qg, k_prefix))
+        prefix_positions = torch.arange(group.prefix_tokens, device=q.device)
+        prefix_mask = torch.ones(batch, group.prefix_tokens, dtype=torch.bool, device=q.device)
+        if sliding_window is not None:
+            prefix_mask = prefix_positions[None, :] > group.query_positions[:, None] - sliding_window
+        masks.insert(0, prefix_mask)
+    all_scores = torch.cat(scores, dim=-1) * scale  # [B, KV, G, P + S]
+    if softcap is not None:
+        all_scores = torch.tanh(all_scores / softcap) * softcap
+    mask = torch.cat(masks, dim=-1)  # [B, P + S]
+    probs = torch.softmax(all_scores.masked_fill(~mask[:, None, None, :], float("-inf")), dim=-1)
+    out = torch.einsum("bkgs,bskd->bkgd", probs[..., group.prefix_tokens:], v_cache[group.suffix_slots].float())
+    if group.prefix_tokens:
+        v_prefix = v_cache[group.prefix_slots].float()
+        out = out + torch.einsum("bkgp,pkd->bkgd", probs[..., : group.prefix_tokens], v_prefix)
+    return out.reshape(batch, num_heads, head_dim).to(q.dtype)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-    """Same contract as `paged_attention_reference`; decoding sequences go through in one batch."""
+    """Same contract as `paged_attention_reference`; decoding sequences go through in groups."""
     out = torch.empty_like(q)
-    decode_indices, key_slots, key_valid = meta.decode_batch(q.device)
-    if decode_indices:
-        token_index = torch.tensor([meta.query_start_loc[i] for i in decode_indices], device=q.device)
-        k = k_cache[key_slots]  # [B, S, KV, d]
-        v = v_cache[key_slots]
-        seq_lens = torch.tensor([meta.seq_lens[i] for i in decode_indices], device=q.device)
-        key_positions = torch.arange(key_slots.shape[1], device=q.device)
-        mask = key_valid
-        if sliding_window is not None:
-            mask = mask & (key_positions[None, :] > seq_lens[:, None] - 1 - sliding_window)
-        result = _attend(q[token_index][:, None], k, v, mask[:, None, :], scale, softcap)
-        out[token_index] = result[:, 0]
-    decode_set = set(decode_indices)
+    decoding = set()
+    for group in meta.decode_groups(q.device):
+        out[group.token_index] = _attend_group(q[group.token_index], k_cache, v_cache, group, scale,
+                                               sliding_window, softcap)
+        decoding.update(group.token_index.tolist())
     for i in range(meta.num_seqs):
-        if i in decode_set:
-            continue
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        if end - start == 1 and start in decoding:
+            continue
         seq_len = meta.seq_lens[i]
         slots = meta.key_slots(i, q.device)
         query_positions = torch.arange(seq_len - (end - start), seq_len, device=q.device)

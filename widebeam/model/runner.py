@@ -22,6 +22,7 @@ class SequenceInput:
     num_computed_tokens: int  # tokens of this sequence already in the cache
     block_tables: dict[str, list[int]]  # pool name -> block ids, covering the new tokens too
     slots: dict[str, list[int]]  # pool name -> one slot per new token
+    group: str | None = None  # sequences of one group (a request's beams) may share prefix blocks
 
 
 class ModelRunner:
@@ -80,6 +81,7 @@ class ModelRunner:
                 slot_mapping=torch.tensor([s for seq in seqs for s in seq.slots[pool_name]],
                                           dtype=torch.long, device=self.device),
                 tokens_per_block=self.tokens_per_block,
+                groups=[seq.group for seq in seqs],
             )
             for pool_name in self.kv_tensors
         }
