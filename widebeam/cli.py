@@ -85,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--beam-width", type=_int_at_least(1), default=None,
+                   help="beam search over this many beams (prints the ranked beams with their scores)")
+    g.add_argument("--num-return-sequences", type=_int_at_least(1), default=None,
+                   help="beams to print (default: all)")
+    g.add_argument("--length-penalty", type=float, default=1.0)
+    g.add_argument("--early-stopping", choices=("true", "false", "never"), default="false")
     g.add_argument("--dtype", choices=DTYPES, default="float32")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--kv-cache-memory", type=_byte_size, default=_byte_size("1GiB"))
@@ -97,26 +103,55 @@ def build_parser() -> argparse.ArgumentParser:
 def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from widebeam.engine import LLM
     from widebeam.errors import WidebeamError
-    from widebeam.params import SamplingParams
+    from widebeam.params import BeamSearchParams, SamplingParams
 
     try:
-        params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                                top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
+        if args.beam_width is not None:
+            early_stopping = {"true": True, "false": False, "never": "never"}[args.early_stopping]
+            params = BeamSearchParams(beam_width=args.beam_width, max_new_tokens=args.max_new_tokens,
+                                      length_penalty=args.length_penalty, early_stopping=early_stopping,
+                                      num_return_sequences=args.num_return_sequences, stop=tuple(args.stop))
+        else:
+            params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
         llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,
-                  tokens_per_block=args.tokens_per_block)
+                  tokens_per_block=args.tokens_per_block, max_beam_width=max(args.beam_width or 1, 1))
         prompt = llm.engine.apply_chat_template(args.prompt) if args.chat else args.prompt
         (output,) = llm.generate([prompt], params, use_tqdm=False)
     except (WidebeamError, ValueError, FileNotFoundError) as exc:
         name = getattr(exc, "param", None)
-        parser.error(f"{'argument ' + name + ': ' if name else ''}{exc}")
-    completion = output.outputs[0]
+        parser.error(f"{'argument --' + name.replace('_', '-') + ': ' if name else ''}{exc}")
     if args.json:
-        print(json.dumps({"prompt": prompt, "text": completion.text, "token_ids": completion.token_ids,
-                          "cumulative_logprob": completion.cumulative_logprob,
-                          "finish_reason": completion.finish_reason}, indent=2))
+        print(json.dumps({
+            "prompt": prompt,
+            "outputs": [{"index": c.index, "text": c.text, "token_ids": c.token_ids, "score": c.score,
+                         "cumulative_logprob": c.cumulative_logprob, "finish_reason": c.finish_reason}
+                        for c in output.outputs],
+            "kv_peak_blocks": output.peak_blocks,
+            "kv_required_blocks": output.required_blocks,
+        }, indent=2))
+    elif args.beam_width is None:
+        print(output.outputs[0].text)
     else:
-        print(completion.text)
+        _print_beams(output, args.beam_width)
     return 0
+
+
+def _print_beams(output, beam_width: int) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=120)
+    peak = ", ".join(f"{pool} {output.peak_blocks[pool]}/{output.required_blocks[pool]}" for pool in output.peak_blocks)
+    table = Table(title=f"beam search, width {beam_width} (KV blocks peak/required: {peak})")
+    for column in ("rank", "score", "logprob", "finish", "text"):
+        table.add_column(column, justify="right" if column in ("rank", "score", "logprob") else "left")
+    for c in output.outputs:
+        table.add_row(str(c.index + 1), f"{c.score:.4f}", f"{c.cumulative_logprob:.3f}", c.finish_reason or "",
+                      c.text.strip().replace("\n", " "))
+    console.print(table)
 
 
 def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

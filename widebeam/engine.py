@@ -9,24 +9,31 @@ is ever evicted and a request that cannot fit right now waits instead of spinnin
 from __future__ import annotations
 
 import itertools
+import logging
 import os
-from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 
 from widebeam.errors import InvalidParameterError
 from widebeam.kv.cache import KVCache
-from widebeam.kv.managers import BlockTable, Holding
+from widebeam.kv.managers import Holding
 from widebeam.kv.sizing import PoolNeed, resolve_max_seq_len, split_by_need, tokens_per_sequence
 from widebeam.model.loader import DEFAULT_MODEL, resolve_model
 from widebeam.model.registry import load_model, load_tokenizer
 from widebeam.model.runner import ModelRunner, SequenceInput
-from widebeam.outputs import CompletionOutput, RequestOutput
-from widebeam.params import SamplingParams
-from widebeam.sampling import sample_token
-from widebeam.sched.admission import Admission, admit_check
-from widebeam.units import parse_bytes
+from widebeam.outputs import RequestOutput
+from widebeam.params import BeamSearchParams, SamplingParams
+from widebeam.request import RequestState
+from widebeam.sched.admission import admit_check
+from widebeam.sched.scheduler import Scheduler, SchedulerOutput
+from widebeam.model.warmup import measure_activation_peak_bytes
+from widebeam.units import format_bytes, parse_bytes
+
+log = logging.getLogger("widebeam")
+
+# On a CPU host the KV cache shares memory with everything else the user runs, and tests and
+# users may hold several engines in one process: without `kv_cache_memory`, take at most this.
+DEFAULT_CPU_KV_CACHE_BYTES = 2 * 2**30
 
 
 def default_device() -> torch.device:
@@ -47,31 +54,14 @@ def available_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-@dataclass(eq=False)  # identity, not field equality: requests are looked up in queues
-class _Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    admission: Admission
-    holdings: dict[str, Holding]
-    tables: dict[str, BlockTable] = field(default_factory=dict)
-    output_token_ids: list[int] = field(default_factory=list)
-    cumulative_logprob: float = 0.0
-    finish_reason: str | None = None
-    text: str = ""
-    generator: torch.Generator | None = None
-
-    def remaining_blocks(self) -> dict[str, int]:
-        """Blocks this request may still take, per pool (its reservation)."""
-        return {pool: need - self.holdings[pool].num_held_blocks
-                for pool, need in self.admission.required_blocks.items()}
-
-
 class LLMEngine:
     def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str = "float32", device: str | None = None,
                  tokens_per_block: int = 16, kv_cache_memory: int | str | None = None,
-                 kv_cache_fraction: float = 0.9, max_seq_len: int | None = None):
+                 kv_cache_fraction: float = 0.9, max_seq_len: int | None = None, max_beam_width: int = 256,
+                 max_num_batched_tokens: int = 2048):
+        if max_beam_width < 1:
+            raise InvalidParameterError("max_beam_width", f"max_beam_width must be >= 1, got {max_beam_width}")
+        self.max_beam_width = max_beam_width
         if not 0 < kv_cache_fraction <= 1:
             raise InvalidParameterError("kv_cache_fraction", f"kv_cache_fraction must be in (0, 1], got {kv_cache_fraction}")
         self.device = torch.device(device) if device else default_device()
@@ -81,152 +71,111 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.source)
         self.arch = self.model.arch
 
-        if kv_cache_memory is None:
-            kv_cache_bytes = int(available_memory_bytes(self.device) * kv_cache_fraction)
-        else:
-            kv_cache_bytes = parse_bytes(kv_cache_memory)
+        self.activation_peak_bytes = measure_activation_peak_bytes(
+            self.model, self.device, self.model.lm_head.weight.dtype, tokens_per_block, max_num_batched_tokens,
+            max_beam_width)
+        free_bytes = max(available_memory_bytes(self.device) - self.activation_peak_bytes, 0)
+        kv_cache_bytes = int(free_bytes * kv_cache_fraction)
+        if kv_cache_memory is not None:
+            kv_cache_bytes = min(kv_cache_bytes, parse_bytes(kv_cache_memory))
+        elif self.device.type == "cpu":
+            kv_cache_bytes = min(kv_cache_bytes, DEFAULT_CPU_KV_CACHE_BYTES)
         specs = self.arch.kv_pool_specs(dtype)
         needs = [PoolNeed(s, tokens_per_sequence(s, self.arch.max_position_embeddings)) for s in specs]
         pool_blocks = split_by_need(kv_cache_bytes, needs, tokens_per_block)
         self.cache = KVCache(list(zip(specs, pool_blocks)), tokens_per_block)
         self.max_seq_len = resolve_max_seq_len(self.arch.max_position_embeddings,
                                                min(pool_blocks) * tokens_per_block, max_seq_len)
+        log.info(
+            "KV cache %s: %s; max_seq_len %d; activation peak %s; device %s",
+            format_bytes(kv_cache_bytes),
+            ", ".join(f"{s.name} {n} blocks x {tokens_per_block} = {n * tokens_per_block} tokens"
+                      for s, n in zip(specs, pool_blocks)),
+            self.max_seq_len, format_bytes(self.activation_peak_bytes), self.device,
+        )
         self.runner = ModelRunner(self.model, {s.name: n for s, n in zip(specs, pool_blocks)},
                                   tokens_per_block, self.device, self.model.lm_head.weight.dtype)
-        self.eos_token_ids = self._eos_token_ids()
-        self._waiting: deque[_Request] = deque()
-        self._running: list[_Request] = []
-        self._requests: dict[str, _Request] = {}
+        self.eos_token_ids = frozenset(self._eos_token_ids())
+        self.scheduler = Scheduler(self.cache, max_num_batched_tokens)
+        self.last_schedule: SchedulerOutput | None = None  # what the latest step ran (for tests and metrics)
+        self._requests: dict[str, RequestState] = {}
         self._num_rejected = 0
 
     # -- requests ---------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | dict | list[int], params: SamplingParams | None = None) -> None:
+    def add_request(self, request_id: str, prompt: str | dict | list[int],
+                    params: SamplingParams | BeamSearchParams | None = None) -> None:
         """Validate and queue a request; raise at once if it can never run (nothing is queued then)."""
         params = params or SamplingParams()
         if request_id in self._requests:
             raise InvalidParameterError("request_id", f"request_id {request_id!r} is already in use")
         try:
+            if not isinstance(params, (SamplingParams, BeamSearchParams)):
+                raise InvalidParameterError("params", f"expected SamplingParams or BeamSearchParams, got {params!r}")
+            if params.beam_width > self.max_beam_width:
+                raise InvalidParameterError(
+                    "beam_width", f"beam_width must be in [1, {self.max_beam_width}] (the engine's max_beam_width), "
+                    f"got {params.beam_width}")
             text, token_ids = self._tokenize(prompt)
             admission = admit_check(self.cache, self.max_seq_len, len(token_ids), params.max_new_tokens,
                                     params.beam_width)
         except ValueError:
             self._num_rejected += 1
             raise
-        request = _Request(request_id, text, token_ids, params, admission,
-                           holdings={name: Holding() for name in self.cache.managers})
-        if params.seed is not None:
-            request.generator = torch.Generator().manual_seed(params.seed)
+        request = RequestState(request_id, text, token_ids, params, admission,
+                               holdings={name: Holding() for name in self.cache.managers},
+                               eos_token_ids=self.eos_token_ids, tokenizer=self.tokenizer)
         self._requests[request_id] = request
-        self._waiting.append(request)
+        self.scheduler.add(request)
 
     def abort(self, request_id: str) -> None:
         """Stop a request wherever it is and free all its blocks."""
         request = self._requests.pop(request_id, None)
         if request is None:
             return
-        if request in self._waiting:
-            self._waiting.remove(request)
-        if request in self._running:
-            self._running.remove(request)
-        self._release(request)
+        self.scheduler.remove(request)
+        request.release(self.cache)
 
     def has_unfinished(self) -> bool:
-        return bool(self._waiting or self._running)
+        return self.scheduler.has_unfinished()
 
     def stats(self) -> dict:
         return {
             "pools": {name: {"total_blocks": s["total_blocks"], "free_blocks": s["free_blocks"]}
                       for name, s in self.cache.stats().items()},
-            "running": len(self._running),
-            "waiting": len(self._waiting),
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
             "rejected": self._num_rejected,
         }
 
     # -- the loop ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Admit what fits, run one forward pass, sample; return the requests that finished."""
-        prefills = self._admit()
-        inputs: list[SequenceInput] = []
-        batch: list[_Request] = []
-        for request in self._running:
-            if request in prefills:
-                inputs.append(self._prefill_input(request))
-            else:
-                inputs.append(self._decode_input(request))
-            batch.append(request)
-        if not batch:
+        """Schedule, run one forward pass, advance every scheduled request; return those that finished."""
+        schedule = self.scheduler.schedule()
+        self.last_schedule = schedule
+        if not schedule.scheduled:
             return []
+        inputs: list[SequenceInput] = []
+        rows: list[tuple[RequestState, int, int]] = []
+        for item in schedule.scheduled:
+            request = item.request
+            if item.num_prompt_tokens:
+                request_inputs = [request.prefill_input(self.cache, item.num_prompt_tokens)]
+            else:
+                request_inputs = request.decode_inputs(self.cache)
+            rows.append((request, len(inputs), len(inputs) + len(request_inputs)))
+            inputs.extend(request_inputs)
+        # Copy-on-write copies queued while building the inputs must land before the forward writes.
         for name, manager in self.cache.managers.items():
             self.runner.copy_blocks(name, manager.take_copies())
         logits = self.runner.execute(inputs)
         finished = []
-        for request, row in zip(batch, logits):
-            token, logprob = sample_token(row, request.params, request.generator)
-            self._append_token(request, token, logprob)
-            if request.finish_reason is not None:
-                self._running.remove(request)
-                self._release(request)
+        for request, start, end in rows:
+            request.advance(logits[start:end], self.cache)
+            if request.finished:
+                self.scheduler.remove(request)
                 del self._requests[request.request_id]
-                finished.append(self._output(request))
+                finished.append(request.output())
         return finished
-
-    def _admit(self) -> list[_Request]:
-        free = self.cache.num_free_blocks()
-        for request in self._running:
-            for pool, blocks in request.remaining_blocks().items():
-                free[pool] -= blocks
-        admitted = []
-        while self._waiting:
-            head = self._waiting[0]
-            if any(blocks > free[pool] for pool, blocks in head.admission.required_blocks.items()):
-                break  # FCFS: the head waits for blocks; it is never skipped or dropped
-            for pool, blocks in head.admission.required_blocks.items():
-                free[pool] -= blocks
-            self._waiting.popleft()
-            self._running.append(head)
-            admitted.append(head)
-        return admitted
-
-    def _prefill_input(self, request: _Request) -> SequenceInput:
-        slots = {}
-        for name, manager in self.cache.managers.items():
-            request.tables[name] = manager.new_table(request.holdings[name])
-            slots[name] = manager.append_slots(request.tables[name], len(request.prompt_token_ids))
-        return SequenceInput(request.prompt_token_ids, 0, {k: t.block_ids for k, t in request.tables.items()}, slots)
-
-    def _decode_input(self, request: _Request) -> SequenceInput:
-        position = len(request.prompt_token_ids) + len(request.output_token_ids) - 1
-        slots = {name: manager.append_slots(request.tables[name], 1) for name, manager in self.cache.managers.items()}
-        return SequenceInput([request.output_token_ids[-1]], position,
-                             {k: t.block_ids for k, t in request.tables.items()}, slots)
-
-    def _append_token(self, request: _Request, token: int, logprob: float) -> None:
-        params = request.params
-        request.output_token_ids.append(token)
-        request.cumulative_logprob += logprob
-        num_new = len(request.output_token_ids)
-        if token in params.stop_token_ids and num_new > params.min_new_tokens or token in self.eos_token_ids and not params.ignore_eos and num_new > params.min_new_tokens:
-            request.finish_reason = "stop"
-        if self.tokenizer is not None:
-            request.text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
-            if params.stop and request.finish_reason is None:
-                cut = min((request.text.find(s) for s in params.stop if s in request.text), default=-1)
-                if cut >= 0:
-                    request.text = request.text[:cut]
-                    request.finish_reason = "stop"
-        if request.finish_reason is None and num_new >= request.admission.max_new_tokens:
-            request.finish_reason = "length"
-
-    def _release(self, request: _Request) -> None:
-        for name, table in request.tables.items():
-            if not table.released:
-                self.cache[name].release(table)
-        request.tables.clear()
-
-    def _output(self, request: _Request) -> RequestOutput:
-        completion = CompletionOutput(0, request.text, list(request.output_token_ids), request.cumulative_logprob,
-                                      request.finish_reason)
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion], True)
 
     # -- text -------------------------------------------------------------------------------------
     def _tokenize(self, prompt: str | dict | list[int]) -> tuple[str | None, list[int]]:
@@ -291,7 +240,8 @@ class LLM:
     def stats(self) -> dict:
         return self.engine.stats()
 
-    def generate(self, prompts, params: SamplingParams | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(self, prompts, params: SamplingParams | BeamSearchParams | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in the order of `prompts`.
 
         Every prompt is checked before anything runs: if one can never fit, this raises and

@@ -22,3 +22,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    # KV accounting per pool: the most distinct blocks the request held at once, and its bound.
+    peak_blocks: dict[str, int] = field(default_factory=dict)
+    required_blocks: dict[str, int] = field(default_factory=dict)

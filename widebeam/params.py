@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 from widebeam.errors import InvalidParameterError
@@ -67,5 +68,67 @@ class SamplingParams:
 
     def replace(self, **changes) -> SamplingParams:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(changes)
+        return type(self)(**values)
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """Deterministic beam search over `beam_width` beams, scored like Hugging Face `generate(num_beams=...)`.
+
+    A finished hypothesis scores `cumulative_logprob / generated_len ** length_penalty`, where
+    `generated_len` counts the generated tokens including the final end-of-sequence token.
+    `early_stopping`: True stops once `beam_width` hypotheses are finished; False stops when the best live
+    beam, scored at its current length, cannot beat the worst kept hypothesis; "never" scores the best live
+    beam at `max_new_tokens` when `length_penalty > 0` (the exact criterion).
+    `num_return_sequences=None` returns `beam_width` hypotheses.
+    `max_new_tokens=None` means up to the engine's `max_seq_len` minus the prompt.
+    """
+
+    beam_width: int = 4
+    max_new_tokens: int | None = 16
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    num_return_sequences: int | None = None
+    min_new_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        _as_tuple(self, "stop", str)
+        _as_tuple(self, "stop_token_ids", int)
+        _require(isinstance(self.beam_width, int) and not isinstance(self.beam_width, bool)
+                 and self.beam_width >= 1, "beam_width", f"must be an integer >= 1, got {self.beam_width!r}")
+        _require(self.max_new_tokens is None or (isinstance(self.max_new_tokens, int)
+                                                 and not isinstance(self.max_new_tokens, bool)
+                                                 and self.max_new_tokens >= 1),
+                 "max_new_tokens", f"must be an integer >= 1 or None, got {self.max_new_tokens!r}")
+        _require(isinstance(self.length_penalty, (int, float)) and not isinstance(self.length_penalty, bool)
+                 and math.isfinite(self.length_penalty), "length_penalty",
+                 f"must be a finite number (any sign; > 0 favours longer hypotheses), got {self.length_penalty!r}")
+        _require(self.early_stopping is True or self.early_stopping is False or self.early_stopping == "never",
+                 "early_stopping", f"must be True, False or \"never\", got {self.early_stopping!r}")
+        if self.num_return_sequences is None:
+            object.__setattr__(self, "num_return_sequences", self.beam_width)
+        _require(isinstance(self.num_return_sequences, int) and not isinstance(self.num_return_sequences, bool)
+                 and 1 <= self.num_return_sequences <= self.beam_width, "num_return_sequences",
+                 f"must be an integer in [1, beam_width={self.beam_width}] or None, got {self.num_return_sequences!r}")
+        _require(isinstance(self.min_new_tokens, int) and not isinstance(self.min_new_tokens, bool)
+                 and self.min_new_tokens >= 0, "min_new_tokens",
+                 f"must be an integer >= 0, got {self.min_new_tokens!r}")
+        _require(self.max_new_tokens is None or self.min_new_tokens <= self.max_new_tokens, "min_new_tokens",
+                 f"must be <= max_new_tokens ({self.max_new_tokens}), got {self.min_new_tokens}")
+        _require(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+                 f"must hold only token ids >= 0, got {self.stop_token_ids!r}")
+        _require(all(s for s in self.stop), "stop", "must not contain empty strings")
+
+    def replace(self, **changes) -> BeamSearchParams:
+        """A copy with `changes` applied. A `num_return_sequences` equal to `beam_width` (the default, all
+        beams) follows a changed `beam_width` unless it is given too."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        if ("beam_width" in changes and "num_return_sequences" not in changes
+                and self.num_return_sequences == self.beam_width):
+            values["num_return_sequences"] = None
         values.update(changes)
         return type(self)(**values)

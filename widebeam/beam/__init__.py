@@ -1,0 +1,5 @@
+"""Beam search: a model-free state machine that scores exactly like Hugging Face `generate(num_beams=...)`."""
+
+from widebeam.beam.search import BeamSearchState, Hypothesis, StepResult, hypothesis_score, length_normalizer
+
+__all__ = ["BeamSearchState", "Hypothesis", "StepResult", "hypothesis_score", "length_normalizer"]

@@ -1,0 +1,420 @@
+"""Beam search for one request as a pure, model-free state machine.
+
+The search reproduces Hugging Face transformers' `generate(num_beams=W, do_sample=False)` (the vectorised
+beam search of transformers 4.50+ / 5.x) exactly: same hypotheses, same order, same `sequences_scores`.
+What that algorithm does, and what this module therefore does:
+
+* The first step sees only the prompt. HF holds W copies of it, scores copy 0 with 0 and the others with
+  -1e9, so that only copy 0's tokens compete; here the caller passes one row of log-probs for the prompt
+  and the W-1 dummy copies are reproduced on the (tiny) candidate set, not on the vocabulary.
+* Each step keeps the K = max(2, 1 + number of EOS ids) * W best continuations of all live beams by
+  cumulative log-prob. A continuation that ends with an EOS id finishes a hypothesis, but only if it ranks
+  among the first W of the K; an EOS continuation ranked W..K-1 is dropped. The W best continuations that do
+  not end with EOS become the next live beams (K is large enough that there are always W of them).
+* A finished hypothesis scores `cumulative_logprob / generated_len ** length_penalty`, `generated_len`
+  counting the generated tokens including the EOS token (the prompt is excluded). At most W finished
+  hypotheses are kept, the best by score.
+* On the step that generates token number `max_new_tokens`, every one of the W best continuations is
+  finished (EOS or not), scored with `generated_len = max_new_tokens`, and the search ends. There is no
+  other "add the running beams at the end" step.
+* After each step the search ends early when W hypotheses are finished and either `early_stopping is True`,
+  or the best live beam, scored as if it finished at `generated_len` (the current length, or
+  `max_new_tokens` when `early_stopping == "never"` and `length_penalty > 0`), does not beat the worst kept
+  hypothesis.
+* `min_new_tokens`: while fewer than `min_new_tokens` tokens were generated, EOS ids get log-prob -inf.
+* `beam_width=1` is what HF `generate(num_beams=1)` runs: greedy search. It is the W=1 case of the above
+  except that the first EOS always ends the search (the "never" rule with `length_penalty > 0` could keep
+  a width-1 beam search going); the hypothesis is still scored as above (HF greedy reports no score).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+
+from widebeam.params import BeamSearchParams
+
+# HF's "impossible" score: the dummy prompt copies start with it, and an empty slot of finished hypotheses
+# holds it, so a finished hypothesis has to score above it to be kept.
+_NEG = -1.0e9
+
+_NO_NODE = -1  # parent of the first generated token: the prompt
+
+
+def length_normalizer(generated_len: int, length_penalty: float) -> float:
+    """The divisor of a hypothesis' cumulative log-prob: `generated_len ** length_penalty` (a Python float)."""
+    return generated_len ** length_penalty
+
+
+def hypothesis_score(cumulative_logprob: float, generated_len: int, length_penalty: float) -> float:
+    """HF's score of a finished hypothesis: `cumulative_logprob / generated_len ** length_penalty`.
+
+    `generated_len` is the number of generated tokens including the final EOS token, prompt excluded; it must
+    be >= 1. The division is done like HF does it: a float32 tensor divided by a Python float, on the CPU.
+    (`BeamSearchState` divides on the log-probs' device, as HF does, so on an accelerator the two may differ
+    in the last bit.)
+    """
+    if generated_len < 1:
+        raise ValueError(f"generated_len must be >= 1, got {generated_len}")
+    value = torch.tensor(cumulative_logprob, dtype=torch.float32)
+    return float(value / length_normalizer(generated_len, length_penalty))
+
+
+@dataclass(frozen=True)
+class Hypothesis:
+    """One finished beam: generated tokens only (with the final EOS/stop token if it ended with one)."""
+
+    token_ids: list[int]
+    cumulative_logprob: float
+    score: float
+    finish_reason: str  # "stop" (EOS / stop token / stop string) or "length"
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """The next live beams: beam i = current live beam `parent_indices[i]` extended by `token_ids[i]`.
+
+    Empty when the search is done.
+    """
+
+    parent_indices: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def empty(self) -> bool:
+        return not self.token_ids
+
+
+@dataclass
+class _Finished:
+    score: float
+    cumulative_logprob: float
+    node: int  # last node of the tokens already in the tree
+    extra_token: int | None  # a final token that has no node of its own
+    finish_reason: str
+
+
+class BeamSearchState:
+    """Beam search of one request, driven by the caller's log-probs; scores exactly like HF `generate`.
+
+    Protocol::
+
+        state = BeamSearchState(params, max_new_tokens, eos_token_ids)
+        logprobs = log_softmax(model(prompt)[-1])[None]      # [1, vocab]: the prompt, once
+        while not state.done:
+            result = state.step(logprobs)                    # picks the next live beams
+            if result.empty:
+                break
+            # live beam i = old live beam result.parent_indices[i] + result.token_ids[i]
+            # (optional) state.finish_live_beams([...]) for beams whose text hit a stop string
+            logprobs = ...                                   # [state.num_live_beams, vocab], same order
+        hypotheses = state.finalize()
+
+    `logprobs` holds, for each live beam in order, the float32 `log_softmax` of the model's raw logits for
+    the next token; it may live on any device (the top-k over the vocabulary runs there, only O(W) numbers
+    come back to the CPU). The first step takes a single row, the prompt's: HF's W identical prompt copies
+    (all but one scored -1e9) are reproduced exactly without the caller duplicating anything. Later steps
+    take `beam_width` rows, fewer only after `finish_live_beams` (or with a vocabulary smaller than the
+    candidate pool); the next step goes back to `beam_width` live beams.
+
+    The end-of-sequence set is `eos_token_ids` (dropped when `params.ignore_eos`) plus
+    `params.stop_token_ids`. Stop strings are the caller's job: it detokenizes the live beams after a step
+    and calls `finish_live_beams` for those that hit one; each becomes a hypothesis with finish reason
+    "stop", scored at its current length (HF has no equivalent, so there is nothing to match there).
+
+    Per-step Python work is O(beam_width * number of EOS ids); nothing loops over the vocabulary in Python.
+    """
+
+    def __init__(self, params: BeamSearchParams, max_new_tokens: int, eos_token_ids: Iterable[int] = ()):
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        self.params = params
+        self.beam_width = params.beam_width
+        self.max_new_tokens = max_new_tokens
+        eos = set() if params.ignore_eos else {int(t) for t in eos_token_ids}
+        eos.update(params.stop_token_ids)
+        self.eos_token_ids = frozenset(eos)
+        self._eos_sorted = sorted(eos)
+        self._eos_by_device: dict[torch.device, torch.Tensor] = {}
+        self._num_candidates = max(2, 1 + len(eos)) * self.beam_width
+        self._length_penalty = float(params.length_penalty)
+        self._early_stopping = params.early_stopping
+        # Token tree: node i holds one generated token and the node before it (_NO_NODE: the prompt).
+        self._node_token: list[int] = []
+        self._node_parent: list[int] = []
+        self._live_nodes: list[int] = [_NO_NODE]
+        self._live_scores: list[float] = [0.0]  # cumulative log-probs (float32 values)
+        self._live_tokens_cache: list[list[int]] | None = None
+        self._generated = 0
+        self._finished: list[_Finished] = []  # best first, at most beam_width
+        self._done = False
+
+    # -- read-only views ---------------------------------------------------------------------------------
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    @property
+    def num_live_beams(self) -> int:
+        return len(self._live_nodes)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        """Tokens generated so far by every live beam (all live beams have the same length)."""
+        return self._generated
+
+    @property
+    def live_cumulative_logprobs(self) -> list[float]:
+        return list(self._live_scores)
+
+    @property
+    def finished(self) -> list[Hypothesis]:
+        """The finished hypotheses kept so far (at most `beam_width`), best first."""
+        return [self._hypothesis(entry) for entry in self._finished]
+
+    @property
+    def live_token_ids(self) -> list[list[int]]:
+        """Generated tokens of each live beam, in live-beam order (one empty list before the first step)."""
+        if self._live_tokens_cache is None:
+            self._live_tokens_cache = [self._path(node) for node in self._live_nodes]
+        return [list(tokens) for tokens in self._live_tokens_cache]
+
+    # -- the search --------------------------------------------------------------------------------------
+
+    def step(self, logprobs: torch.Tensor) -> StepResult:
+        """Consume the live beams' next-token log-probs `[num_live_beams, vocab]`; return the next live beams.
+
+        Returns an empty `StepResult` when the search is done (then `done` is True).
+        """
+        if self._done:
+            raise RuntimeError("beam search is done; call finalize()")
+        num_live = len(self._live_nodes)
+        if logprobs.dim() != 2 or logprobs.shape[0] != num_live or logprobs.shape[1] < 1:
+            raise ValueError(f"logprobs must have shape [{num_live}, vocab] (one row per live beam), "
+                             f"got {tuple(logprobs.shape)}")
+        lp = logprobs.detach()
+        if lp.dtype != torch.float32:
+            lp = lp.float()
+        device = lp.device
+        vocab = lp.shape[1]
+        width = self.beam_width
+        mask_eos = bool(self._eos_sorted) and self._generated < self.params.min_new_tokens
+
+        first = self._generated == 0
+        if first and width > 1:
+            # HF's W prompt copies: copy 0 scored 0, the others -1e9. Only the candidates are replicated.
+            running = torch.full((width,), _NEG, dtype=torch.float32)
+            running[0] = 0.0
+        else:
+            running = torch.tensor(self._live_scores, dtype=torch.float32)
+        values, parent_rows, tokens = self._top_candidates(lp, running.to(device), mask_eos)
+        num_candidates = values.shape[0]
+        generated = self._generated + 1
+        last = generated >= self.max_new_tokens
+        lp_exp = self._length_penalty
+        finished_scores = values / length_normalizer(generated, lp_exp)
+        if self._early_stopping == "never" and lp_exp > 0.0:
+            hypothetical_len = self.max_new_tokens
+        else:
+            hypothetical_len = generated
+        best_possible = values / length_normalizer(hypothetical_len, lp_exp)
+        floats = torch.stack((values, finished_scores, best_possible)).cpu().tolist()
+        ints = torch.stack((parent_rows, tokens)).cpu().tolist()
+        values_l, finished_l, best_possible_l = floats
+        parents_l, tokens_l = ints
+
+        eos = self.eos_token_ids
+        new_nodes: list[int] = []
+        new_scores: list[float] = []
+        out_parents: list[int] = []
+        out_tokens: list[int] = []
+        new_finished: list[_Finished] = []
+        best_running = None
+        for rank in range(num_candidates):
+            token = tokens_l[rank]
+            parent = 0 if first else parents_l[rank]
+            hits_eos = token in eos
+            if last or hits_eos:
+                # Only the top-W ranks may finish; a score at or below HF's empty-slot value never survives.
+                if rank < width and finished_l[rank] > _NEG:
+                    new_finished.append(_Finished(finished_l[rank], values_l[rank], self._live_nodes[parent],
+                                                  token, "stop" if hits_eos else "length"))
+                continue
+            if len(out_tokens) < width:
+                if best_running is None:
+                    best_running = best_possible_l[rank]
+                out_parents.append(parent)
+                out_tokens.append(token)
+                new_scores.append(values_l[rank])
+        self._merge_finished(new_finished)
+
+        if last or not out_tokens:
+            return self._finish()
+        for parent, token in zip(out_parents, out_tokens):
+            self._node_token.append(token)
+            self._node_parent.append(self._live_nodes[parent])
+            new_nodes.append(len(self._node_token) - 1)
+        self._live_nodes = new_nodes
+        self._live_scores = new_scores
+        self._live_tokens_cache = None
+        self._generated = generated
+        if self._should_stop(best_running):
+            return self._finish()
+        return StepResult(out_parents, out_tokens)
+
+    def finish_live_beams(self, indices: Iterable[int]) -> None:
+        """Finish the given live beams now (their text hit a stop string), with finish reason "stop".
+
+        Each becomes a hypothesis scored at its current length, competing for the `beam_width` kept slots
+        like any other. The remaining live beams keep their relative order and are renumbered 0..n-1; the
+        next `step` takes one row per remaining beam. When none remain, the search is done.
+        """
+        if self._done:
+            raise RuntimeError("beam search is done; call finalize()")
+        chosen = sorted(set(int(i) for i in indices))
+        if not chosen:
+            return
+        if self._generated == 0:
+            raise ValueError("no beam has generated a token yet; nothing to finish")
+        num_live = len(self._live_nodes)
+        if chosen[0] < 0 or chosen[-1] >= num_live:
+            raise IndexError(f"live beam indices must be in [0, {num_live}), got {chosen}")
+        new_finished = []
+        for i in chosen:
+            score = hypothesis_score(self._live_scores[i], self._generated, self._length_penalty)
+            if score > _NEG:
+                new_finished.append(_Finished(score, self._live_scores[i], self._live_nodes[i], None, "stop"))
+        self._merge_finished(new_finished)
+        chosen_set = set(chosen)
+        keep = [i for i in range(num_live) if i not in chosen_set]
+        self._live_nodes = [self._live_nodes[i] for i in keep]
+        self._live_scores = [self._live_scores[i] for i in keep]
+        self._live_tokens_cache = None
+        if not keep:
+            self._finish()
+            return
+        if self._early_stopping == "never" and self._length_penalty > 0.0:
+            hypothetical_len = self.max_new_tokens
+        else:
+            hypothetical_len = self._generated
+        best = hypothesis_score(max(self._live_scores), hypothetical_len, self._length_penalty)
+        if self._should_stop(best):
+            self._finish()
+
+    def finalize(self) -> list[Hypothesis]:
+        """The best `num_return_sequences` hypotheses, best first.
+
+        Called before the search is done (an aborted request), live beams fill any missing places, scored at
+        their current length with finish reason "length".
+        """
+        wanted = self.params.num_return_sequences
+        entries = list(self._finished[:wanted])
+        if len(entries) < wanted and self._generated > 0:
+            live = [_Finished(hypothesis_score(s, self._generated, self._length_penalty), s, node, None, "length")
+                    for s, node in zip(self._live_scores, self._live_nodes)]
+            live.sort(key=lambda f: f.score, reverse=True)
+            entries = sorted(entries + live[:wanted - len(entries)], key=lambda f: f.score, reverse=True)
+        return [self._hypothesis(entry) for entry in entries]
+
+    # -- internals ---------------------------------------------------------------------------------------
+
+    def _top_candidates(self, lp: torch.Tensor, running: torch.Tensor, mask_eos: bool):
+        """The K best `running[row] + lp[row, token]` over all rows, best first: (values, rows, tokens).
+
+        Exact, without touching the full [rows, vocab] sum: adding a row's running score keeps the row's
+        order, so each row only offers its best tokens. A shallow top-k of every row gives a threshold (the
+        K-th best of what it offers); only rows whose shallow list reaches the threshold can hold more of
+        the K best, and only those are searched deeper. Masked EOS ids (min_new_tokens) become -inf.
+        `running` has one entry per row of `lp`, or `beam_width` entries when `lp` is the prompt's single row
+        (HF's prompt copies).
+        """
+        device = lp.device
+        vocab = lp.shape[1]
+        rows = running.shape[0]
+        n_mask = len(self._eos_sorted) if mask_eos else 0
+        wanted = self._num_candidates
+        k_full = min(vocab, wanted + n_mask)  # enough for any row
+        if lp.shape[0] != rows:  # the prompt's row stands for all `rows` copies
+            k_shallow = k_full
+        else:
+            k_shallow = min(k_full, -(-wanted // rows) + 8 + n_mask)
+        top_values, top_tokens = torch.topk(lp, k_shallow, dim=1)
+        raw_last = top_values[:, -1]
+        if mask_eos:
+            top_values = top_values.masked_fill(torch.isin(top_tokens, self._eos_on(device)), float("-inf"))
+        if lp.shape[0] != rows:
+            top_values = top_values.expand(rows, k_shallow)
+            top_tokens = top_tokens.expand(rows, k_shallow)
+        sums = top_values + running[:, None]
+        num = min(wanted, sums.numel())
+        values, flat = torch.topk(sums.reshape(-1), num)
+        if k_shallow < k_full:
+            # Rows whose last offered token still reaches the threshold may hold more of the best K.
+            deep = torch.nonzero((raw_last + running) >= values[-1]).squeeze(1)
+            if deep.numel():
+                deep_values, deep_tokens = torch.topk(lp.index_select(0, deep), k_full, dim=1)
+                if mask_eos:
+                    deep_values = deep_values.masked_fill(torch.isin(deep_tokens, self._eos_on(device)),
+                                                          float("-inf"))
+                deep_sums = deep_values + running.index_select(0, deep)[:, None]
+                sums = sums.index_fill(0, deep, float("-inf"))  # offered again, deeper, below
+                all_sums = torch.cat((sums.reshape(-1), deep_sums.reshape(-1)))
+                all_rows = torch.cat((torch.arange(rows, device=device).repeat_interleave(k_shallow),
+                                      deep.repeat_interleave(k_full)))
+                all_tokens = torch.cat((top_tokens.reshape(-1), deep_tokens.reshape(-1)))
+                values, flat = torch.topk(all_sums, num)
+                return values, all_rows[flat], all_tokens[flat]
+        return values, torch.div(flat, k_shallow, rounding_mode="floor"), top_tokens.reshape(-1)[flat]
+
+    def _merge_finished(self, new_finished: list[_Finished]) -> None:
+        if new_finished:
+            merged = self._finished + new_finished  # stable: earlier hypotheses win ties
+            merged.sort(key=lambda f: f.score, reverse=True)
+            self._finished = merged[:self.beam_width]
+
+    def _should_stop(self, best_possible: float | None) -> bool:
+        """HF's stopping rule, checked after each step with the best live beam's optimistic score."""
+        full = len(self._finished) >= self.beam_width
+        if full and (self._early_stopping is True or self.beam_width == 1):
+            # beam_width 1 is HF's greedy search (generate(num_beams=1)): the first EOS ends it.
+            return True
+        if best_possible is None:
+            return True
+        worst_kept = self._finished[-1].score if full else _NEG
+        return not best_possible > worst_kept
+
+    def _finish(self) -> StepResult:
+        self._done = True
+        self._live_nodes = []
+        self._live_scores = []
+        self._live_tokens_cache = None
+        return StepResult()
+
+    def _eos_on(self, device: torch.device) -> torch.Tensor:
+        tensor = self._eos_by_device.get(device)
+        if tensor is None:
+            tensor = torch.tensor(self._eos_sorted, dtype=torch.long, device=device)
+            self._eos_by_device[device] = tensor
+        return tensor
+
+    def _hypothesis(self, entry: _Finished) -> Hypothesis:
+        tokens = self._path(entry.node)
+        if entry.extra_token is not None:
+            tokens.append(entry.extra_token)
+        return Hypothesis(tokens, entry.cumulative_logprob, entry.score, entry.finish_reason)
+
+    def _path(self, node: int) -> list[int]:
+        tokens = []
+        while node != _NO_NODE:
+            tokens.append(self._node_token[node])
+            node = self._node_parent[node]
+        tokens.reverse()
+        return tokens

@@ -1,0 +1,84 @@
+"""Warm-up: run the largest steps the engine will run on a small temporary cache and measure the
+activation memory they need, so the KV pools are sized from what is really left.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import torch
+
+from widebeam.model.runner import ModelRunner, SequenceInput
+
+
+def _rss_bytes(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark (VmHWM) to the current RSS; False where unsupported."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def measure_activation_peak_bytes(model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
+                                  tokens_per_block: int, max_num_batched_tokens: int, max_beam_width: int) -> int:
+    """Peak memory above the resident model while running (1) one prefill chunk of
+    `max_num_batched_tokens` tokens and (2) one decode step of `max_beam_width` sequences.
+
+    CUDA: the allocator's peak. CPU: the process's peak RSS (reset before, read after); where the
+    kernel cannot reset it, the estimate of the largest tensors of the step is used instead.
+    """
+    t = tokens_per_block
+    prefill_blocks = -(-max_num_batched_tokens // t)
+    pool_blocks = {name: prefill_blocks + max_beam_width for name in set(model.layer_pool_names)}
+    runner = ModelRunner(model, pool_blocks, t, device, dtype)
+    vocab = model.arch.vocab_size
+    prefill = SequenceInput(
+        [0] * max_num_batched_tokens, 0, {name: list(range(prefill_blocks)) for name in pool_blocks},
+        {name: list(range(max_num_batched_tokens)) for name in pool_blocks},
+    )
+    decodes = [
+        SequenceInput([0], 0, {name: [prefill_blocks + i] for name in pool_blocks},
+                      {name: [(prefill_blocks + i) * t] for name in pool_blocks})
+        for i in range(max_beam_width)
+    ]
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        for batch in ([prefill], decodes):
+            torch.log_softmax(runner.execute(batch), dim=-1)
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - base
+    else:
+        gc.collect()
+        base = _rss_bytes("VmRSS")
+        measured = base is not None and _reset_peak_rss()
+        for batch in ([prefill], decodes):
+            torch.log_softmax(runner.execute(batch), dim=-1)
+        high = _rss_bytes("VmHWM") if measured else None
+        if high is not None and base is not None and os.environ.get("WIDEBEAM_WARMUP_ESTIMATE") is None:
+            peak = max(high - base, 0)
+        else:
+            arch = model.arch
+            hidden = max_num_batched_tokens * (4 * arch.hidden_size + 3 * arch.intermediate_size) * 4
+            scores = arch.num_heads * max_num_batched_tokens**2 * 4
+            peak = hidden + scores + 2 * max_beam_width * vocab * 4
+    del runner
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return int(peak)

@@ -1,0 +1,198 @@
+"""One request's life on the KV cache: its live sequences (one, or W beams), their block tables,
+and how a step's logits advance them.
+
+A beam request's prompt is prefilled once, as one sequence. After each step the beam search picks
+the next W beams as (parent, token) pairs; `_reorder` then releases the parents nobody continues,
+forks the ones continued more than once, and the next step's `append_slots` copies a shared
+partial block before it is written: free -> fork -> copy, so the request never holds more than its
+`required_blocks`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from widebeam.beam.search import BeamSearchState
+from widebeam.kv.cache import KVCache
+from widebeam.kv.managers import BlockTable, Holding
+from widebeam.model.runner import SequenceInput
+from widebeam.outputs import CompletionOutput, RequestOutput
+from widebeam.params import BeamSearchParams, SamplingParams
+from widebeam.sampling import sample_token
+from widebeam.sched.admission import Admission
+
+
+@dataclass(eq=False)  # identity, not field equality: requests are looked up in queues
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams | BeamSearchParams
+    admission: Admission
+    holdings: dict[str, Holding]
+    eos_token_ids: frozenset[int]
+    tokenizer: object | None = None
+    beam: BeamSearchState | None = None
+    generator: torch.Generator | None = None
+    # One table per live sequence, per pool; empty until the prompt is prefilled.
+    tables: dict[str, list[BlockTable]] = field(default_factory=dict)
+    output_token_ids: list[int] = field(default_factory=list)  # sampling: the one sequence's tokens
+    next_token_ids: list[int] = field(default_factory=list)  # what each live sequence feeds next
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    text: str = ""
+    outputs: list[CompletionOutput] | None = None
+    num_prefilled_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.params, BeamSearchParams):
+            self.beam = BeamSearchState(self.params, self.admission.max_new_tokens, self.eos_token_ids)
+        elif self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def finished(self) -> bool:
+        return self.outputs is not None
+
+    @property
+    def prompt_done(self) -> bool:
+        return self.num_prefilled_tokens == len(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens_left(self) -> int:
+        return len(self.prompt_token_ids) - self.num_prefilled_tokens
+
+    @property
+    def num_live_sequences(self) -> int:
+        return len(self.next_token_ids)
+
+    def remaining_blocks(self) -> dict[str, int]:
+        """Blocks this request may still take, per pool: its reservation in the scheduler.
+
+        `Holding` counts the distinct blocks of the whole beam tree, so shared blocks count once.
+        """
+        return {pool: need - self.holdings[pool].num_held_blocks
+                for pool, need in self.admission.required_blocks.items()}
+
+    # -- building a step ---------------------------------------------------------------------------
+    def prefill_input(self, cache: KVCache, num_tokens: int) -> SequenceInput:
+        """The next `num_tokens` prompt tokens, as one sequence: the prompt is stored once."""
+        start = self.num_prefilled_tokens
+        if not self.tables:
+            self.tables = {name: [manager.new_table(self.holdings[name])] for name, manager in cache.managers.items()}
+        slots = {name: cache[name].append_slots(tables[0], num_tokens) for name, tables in self.tables.items()}
+        block_tables = {name: tables[0].block_ids for name, tables in self.tables.items()}
+        self.num_prefilled_tokens += num_tokens
+        return SequenceInput(self.prompt_token_ids[start:start + num_tokens], start, block_tables, slots,
+                             group=self.request_id)
+
+    def decode_inputs(self, cache: KVCache) -> list[SequenceInput]:
+        """One token per live sequence; the beams of a request form one group (shared prefix)."""
+        position = len(self.prompt_token_ids) + self._num_generated() - 1
+        inputs = []
+        for i, token in enumerate(self.next_token_ids):
+            slots = {name: cache[name].append_slots(tables[i], 1) for name, tables in self.tables.items()}
+            block_tables = {name: tables[i].block_ids for name, tables in self.tables.items()}
+            inputs.append(SequenceInput([token], position, block_tables, slots, group=self.request_id))
+        return inputs
+
+    def _num_generated(self) -> int:
+        if self.beam is not None:
+            return self.beam.num_generated_tokens
+        return len(self.output_token_ids)
+
+    # -- consuming a step --------------------------------------------------------------------------
+    def advance(self, logits: torch.Tensor, cache: KVCache) -> None:
+        """Consume this request's rows of the step's logits ([num_live, vocab], float32).
+
+        Called after every step the request took part in; a prefill chunk that did not finish
+        the prompt has no token to choose yet.
+        """
+        if not self.prompt_done:
+            return
+        if self.beam is not None:
+            self._advance_beams(logits, cache)
+        else:
+            self._advance_sample(logits[0])
+        if self.finish_reason is not None or (self.beam is not None and self.beam.done):
+            self.release(cache)
+            self.outputs = self._completions()
+
+    def _advance_sample(self, logits: torch.Tensor) -> None:
+        params = self.params
+        token, logprob = sample_token(logits, params, self.generator)
+        self.output_token_ids.append(token)
+        self.next_token_ids = [token]
+        self.cumulative_logprob += logprob
+        num_new = len(self.output_token_ids)
+        if num_new > params.min_new_tokens and (
+            token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos)
+        ):
+            self.finish_reason = "stop"
+        if self.tokenizer is not None:
+            self.text = self.tokenizer.decode(self.output_token_ids, skip_special_tokens=True)
+            cut = _stop_string_cut(self.text, params.stop)
+            if cut is not None and self.finish_reason is None:
+                self.text = self.text[:cut]
+                self.finish_reason = "stop"
+        if self.finish_reason is None and num_new >= self.admission.max_new_tokens:
+            self.finish_reason = "length"
+
+    def _advance_beams(self, logits: torch.Tensor, cache: KVCache) -> None:
+        result = self.beam.step(torch.log_softmax(logits.float(), dim=-1))
+        if self.beam.done:
+            return
+        # free -> fork here; the copy of a shared partial block happens when the next step appends.
+        for name, tables in self.tables.items():
+            self.tables[name] = cache[name].reorder(tables, result.parent_indices)
+        self.next_token_ids = list(result.token_ids)
+        if self.params.stop and self.tokenizer is not None:
+            stopped = [i for i, token_ids in enumerate(self.beam.live_token_ids)
+                       if _stop_string_cut(self.tokenizer.decode(token_ids, skip_special_tokens=True),
+                                           self.params.stop) is not None]
+            if stopped:
+                self.beam.finish_live_beams(stopped)
+                keep = [i for i in range(len(self.next_token_ids)) if i not in set(stopped)]
+                for name, tables in self.tables.items():
+                    for i in stopped:
+                        cache[name].release(tables[i])
+                    self.tables[name] = [tables[i] for i in keep]
+                self.next_token_ids = [self.next_token_ids[i] for i in keep]
+
+    def release(self, cache: KVCache) -> None:
+        """Give back every block; safe to call twice (abort after finish)."""
+        for name, tables in self.tables.items():
+            for table in tables:
+                if not table.released:
+                    cache[name].release(table)
+
+    # -- results -----------------------------------------------------------------------------------
+    def _completions(self) -> list[CompletionOutput]:
+        if self.beam is None:
+            return [CompletionOutput(0, self.text, list(self.output_token_ids), self.cumulative_logprob,
+                                     self.finish_reason)]
+        completions = []
+        for index, hyp in enumerate(self.beam.finalize()):
+            text = ""
+            if self.tokenizer is not None:
+                text = self.tokenizer.decode(hyp.token_ids, skip_special_tokens=True)
+                cut = _stop_string_cut(text, self.params.stop)
+                if cut is not None:
+                    text = text[:cut]
+            completions.append(CompletionOutput(index, text, list(hyp.token_ids), hyp.cumulative_logprob,
+                                                hyp.finish_reason, hyp.score))
+        return completions
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, list(self.outputs or []),
+                             self.finished,
+                             peak_blocks={name: h.peak_held_blocks for name, h in self.holdings.items()},
+                             required_blocks=dict(self.admission.required_blocks))
+
+
+def _stop_string_cut(text: str, stops: tuple[str, ...]) -> int | None:
+    """Where the earliest stop string starts in `text`, or None."""
+    positions = [text.find(s) for s in stops if s in text]
+    return min(positions) if positions else None

@@ -1,0 +1,103 @@
+"""Continuous batching without eviction.
+
+Every step the scheduler fills a token budget (`max_num_batched_tokens`): first one decode token
+per live sequence of the running requests, then the next chunk of prompts still being prefilled,
+then new requests from the waiting queue in FCFS order. A waiting request is admitted only when
+its `required_blocks` fit in every pool beside the *remaining* worst case of every running request
+(its required blocks minus the distinct blocks its beam tree holds now), so a running request can
+always take the blocks it may still need and nothing is ever evicted. The queue head waits when it
+does not fit; it is never skipped, never dropped, and never spins: requests that can never fit are
+rejected at admission, before they are queued.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from widebeam.kv.cache import KVCache
+from widebeam.request import RequestState
+
+
+@dataclass
+class ScheduledRequest:
+    request: RequestState
+    num_prompt_tokens: int  # > 0: a prefill chunk of that many prompt tokens; 0: decode
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def prefill_request_ids(self) -> list[str]:
+        return [s.request.request_id for s in self.scheduled if s.num_prompt_tokens > 0]
+
+    @property
+    def decode_request_ids(self) -> list[str]:
+        return [s.request.request_id for s in self.scheduled if s.num_prompt_tokens == 0]
+
+
+class Scheduler:
+    def __init__(self, cache: KVCache, max_num_batched_tokens: int):
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        self.cache = cache
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[RequestState] = deque()
+        self.running: list[RequestState] = []
+
+    def add(self, request: RequestState) -> None:
+        self.waiting.append(request)
+
+    def remove(self, request: RequestState) -> None:
+        if request in self.waiting:
+            self.waiting.remove(request)
+        if request in self.running:
+            self.running.remove(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        # Decodes first: a running request's live beams decode together or not at all. The first
+        # one always goes, so a request wider than the budget still makes progress.
+        prefilling = []
+        for request in self.running:
+            if not request.prompt_done:
+                prefilling.append(request)
+                continue
+            cost = request.num_live_sequences
+            if cost <= budget or not out.scheduled:
+                out.scheduled.append(ScheduledRequest(request, 0))
+                budget -= cost
+        for request in prefilling:
+            if budget <= 0:
+                break
+            chunk = min(request.num_prompt_tokens_left, budget)
+            out.scheduled.append(ScheduledRequest(request, chunk))
+            budget -= chunk
+        free = self._unreserved_blocks()
+        while self.waiting and budget > 0:
+            head = self.waiting[0]
+            if any(blocks > free[pool] for pool, blocks in head.admission.required_blocks.items()):
+                break
+            for pool, blocks in head.admission.required_blocks.items():
+                free[pool] -= blocks
+            self.running.append(self.waiting.popleft())
+            chunk = min(head.num_prompt_tokens_left, budget)
+            out.scheduled.append(ScheduledRequest(head, chunk))
+            budget -= chunk
+        out.num_batched_tokens = self.max_num_batched_tokens - budget
+        return out
+
+    def _unreserved_blocks(self) -> dict[str, int]:
+        """Free blocks per pool minus what running requests may still take."""
+        free = self.cache.num_free_blocks()
+        for request in self.running:
+            for pool, blocks in request.remaining_blocks().items():
+                free[pool] -= blocks
+        return free
