@@ -72,3 +72,24 @@ def test_seeded_sampling_is_reproducible_and_varies(llm):
     assert a == b and a != c
     pools = llm.stats()["pools"]["self"]
     assert pools["free_blocks"] == pools["total_blocks"]
+
+
+def test_beam_four_best_sequence_equals_transformers(llm, smollm2):
+    from widebeam.params import BeamSearchParams
+
+    _, source = smollm2
+    hf = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=torch.float32).eval()
+    prompt = llm.engine.apply_chat_template("Suggest a name for a bakery.")
+    (output,) = llm.generate([prompt], BeamSearchParams(beam_width=4, max_new_tokens=16), use_tqdm=False)
+    prompt_ids = output.prompt_token_ids
+    eos = sorted(llm.engine.eos_token_ids)
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([prompt_ids]), num_beams=4, do_sample=False, max_new_tokens=16,
+                               eos_token_id=eos, pad_token_id=eos[0], output_scores=True,
+                               return_dict_in_generate=True)
+    best = output.outputs[0]
+    hf_best = expected.sequences[0, len(prompt_ids):].tolist()
+    assert best.token_ids == hf_best[: len(best.token_ids)]
+    assert best.score == pytest.approx(float(expected.sequences_scores[0]), abs=1e-4)
+    assert best.text.strip()
+    assert output.peak_blocks["self"] <= output.required_blocks["self"]
