@@ -17,7 +17,13 @@ import torch
 from widebeam.errors import InvalidParameterError
 from widebeam.kv.cache import KVCache
 from widebeam.kv.managers import Holding
-from widebeam.kv.sizing import PoolNeed, resolve_max_seq_len, split_by_need, tokens_per_sequence
+from widebeam.kv.sizing import (
+    PoolNeed,
+    capacity_tokens,
+    resolve_max_seq_len,
+    split_by_need,
+    tokens_per_sequence,
+)
 from widebeam.model.loader import DEFAULT_MODEL, resolve_model
 from widebeam.model.registry import load_model, load_tokenizer
 from widebeam.model.runner import ModelRunner, SequenceInput
@@ -81,11 +87,14 @@ class LLMEngine:
         elif self.device.type == "cpu":
             kv_cache_bytes = min(kv_cache_bytes, DEFAULT_CPU_KV_CACHE_BYTES)
         specs = self.arch.kv_pool_specs(dtype)
-        needs = [PoolNeed(s, tokens_per_sequence(s, self.arch.max_position_embeddings)) for s in specs]
+        needs = [PoolNeed(s, tokens_per_sequence(s, self.arch.max_position_embeddings,
+                                                 prefill_chunk_tokens=max_num_batched_tokens)) for s in specs]
         pool_blocks = split_by_need(kv_cache_bytes, needs, tokens_per_block)
-        self.cache = KVCache(list(zip(specs, pool_blocks)), tokens_per_block)
-        self.max_seq_len = resolve_max_seq_len(self.arch.max_position_embeddings,
-                                               min(pool_blocks) * tokens_per_block, max_seq_len)
+        self.cache = KVCache(list(zip(specs, pool_blocks)), tokens_per_block, max_num_batched_tokens)
+        bound_tokens = capacity_tokens(specs, pool_blocks, tokens_per_block)
+        self.max_seq_len = resolve_max_seq_len(
+            self.arch.max_position_embeddings,
+            self.arch.max_position_embeddings if bound_tokens is None else bound_tokens, max_seq_len)
         log.info(
             "KV cache %s: %s; max_seq_len %d; activation peak %s; device %s",
             format_bytes(kv_cache_bytes),
@@ -134,6 +143,14 @@ class LLMEngine:
             return
         self.scheduler.remove(request)
         request.release(self.cache)
+
+    def poll(self, request_id: str) -> RequestOutput | None:
+        """The current state of an unfinished request (partial text and tokens, for streaming);
+        None once it has finished or if it is unknown."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        return request.partial_output()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from widebeam.kv.budget import KVRequest, naive_full_attention_blocks, naive_max_seq_len
 from widebeam.kv.cache import KVCache
-from widebeam.kv.sizing import PoolNeed, resolve_max_seq_len, split_by_need, tokens_per_sequence
+from widebeam.kv.sizing import PoolNeed, capacity_tokens, resolve_max_seq_len, split_by_need, tokens_per_sequence
 from widebeam.kv.spec import dtype_bytes
 from widebeam.model.arch import ModelArch
 
@@ -66,14 +66,18 @@ def plan(arch: ModelArch, inputs: PlanInputs) -> dict:
     t = inputs.tokens_per_block
 
     specs = arch.kv_pool_specs(inputs.dtype)
-    needs = [PoolNeed(s, tokens_per_sequence(s, arch.max_position_embeddings)) for s in specs]
+    chunk = inputs.max_num_batched_tokens
+    needs = [PoolNeed(s, tokens_per_sequence(s, arch.max_position_embeddings, prefill_chunk_tokens=chunk))
+             for s in specs]
     blocks_per_pool = split_by_need(kv_cache_bytes, needs, t)
-    cache = KVCache(list(zip(specs, blocks_per_pool)), t)
-    # The start-up bound is the token capacity of the pool that binds first, never divided by W.
-    capacity_blocks = min(blocks_per_pool)
-    max_seq_len = min(arch.max_position_embeddings, capacity_blocks * t)
-    if capacity_blocks > 0:
-        max_seq_len = resolve_max_seq_len(arch.max_position_embeddings, capacity_blocks * t)
+    cache = KVCache(list(zip(specs, blocks_per_pool)), t, chunk)
+    # The start-up bound is the token capacity of the full-attention pool, never divided by W.
+    bound_tokens = capacity_tokens(specs, blocks_per_pool, t)
+    capacity_blocks = blocks_per_pool[0] if bound_tokens is None else bound_tokens // t
+    max_seq_len = arch.max_position_embeddings if bound_tokens is None else min(arch.max_position_embeddings,
+                                                                                 bound_tokens)
+    if max_seq_len > 0:
+        max_seq_len = resolve_max_seq_len(arch.max_position_embeddings, max_seq_len)
 
     request = KVRequest(inputs.prompt_len, inputs.max_new_tokens, inputs.beam_width)
     budgets = cache.budgets(request)

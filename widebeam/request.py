@@ -91,6 +91,10 @@ class RequestState:
     def decode_inputs(self, cache: KVCache) -> list[SequenceInput]:
         """One token per live sequence; the beams of a request form one group (shared prefix)."""
         position = len(self.prompt_token_ids) + self._num_generated() - 1
+        # Every beam drops what its window left behind before any beam takes a new block.
+        for name, tables in self.tables.items():
+            for table in tables:
+                cache[name].trim(table)
         inputs = []
         for i, token in enumerate(self.next_token_ids):
             slots = {name: cache[name].append_slots(tables[i], 1) for name, tables in self.tables.items()}
@@ -184,6 +188,15 @@ class RequestState:
             completions.append(CompletionOutput(index, text, list(hyp.token_ids), hyp.cumulative_logprob,
                                                 hyp.finish_reason, hyp.score))
         return completions
+
+    def partial_output(self) -> RequestOutput:
+        """What the request has produced so far; for beam search, nothing until it finishes."""
+        if self.finished:
+            return self.output()
+        completions = []
+        if self.beam is None and self.output_token_ids:
+            completions = [CompletionOutput(0, self.text, list(self.output_token_ids), self.cumulative_logprob, None)]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, False)
 
     def output(self) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, list(self.outputs or []),

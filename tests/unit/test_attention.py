@@ -129,3 +129,27 @@ def test_groups_and_loose_sequences_and_prefills_in_one_batch():
     assert sorted(g.prefix_tokens for g in decode_groups) == [0, 8, 20]
     expected = paged_attention_reference(q, k_cache, v_cache, meta, 0.3)
     torch.testing.assert_close(paged_attention(q, k_cache, v_cache, meta, 0.3), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tokens_per_block", [1, 3, 4])
+@pytest.mark.parametrize("window", [1, 5, 9])
+def test_windowed_pool_with_released_blocks_matches_full_table(tokens_per_block, window):
+    """Blocks behind the window are released (-1 in the table, NaN in the cache): the windowed
+    metadata must give what attention over the complete table gives."""
+    query_lens = [1, 7, 1, 4]
+    seq_lens = [30, 20, 9, 26]
+    q, k_cache, v_cache, full_meta = build_case(query_lens, seq_lens, tokens_per_block)
+    expected = paged_attention_reference(q, k_cache, v_cache, full_meta, 0.3, window)
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    tables = []
+    for i, table in enumerate(full_meta.block_tables):
+        first_visible = max(0, seq_lens[i] - query_lens[i] - window + 1)
+        dropped = first_visible // tokens_per_block
+        for b in table[:dropped]:
+            k_cache[b * tokens_per_block:(b + 1) * tokens_per_block] = float("nan")
+            v_cache[b * tokens_per_block:(b + 1) * tokens_per_block] = float("nan")
+        tables.append([-1] * dropped + table[dropped:])
+    meta = AttentionMetadata(full_meta.query_start_loc, seq_lens, tables, full_meta.slot_mapping, tokens_per_block,
+                             groups=["g"] * len(seq_lens), sliding_window=window)
+    for fn in (paged_attention_reference, paged_attention):
+        torch.testing.assert_close(fn(q, k_cache, v_cache, meta, 0.3, window), expected, atol=1e-5, rtol=1e-5)

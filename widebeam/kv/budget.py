@@ -93,3 +93,71 @@ class KVRequest:
         )
         if self.beam_width < 1:
             raise ValueError(f"beam_width must be >= 1, got {self.beam_width}")
+
+
+def _blocks_spanned(first_position: int, last_position: int, tokens_per_block: int) -> int:
+    if last_position < first_position:
+        return 0
+    return last_position // tokens_per_block - first_position // tokens_per_block + 1
+
+
+def _prefill_span_blocks(start: int, prompt_tokens: int, window_tokens: int, tokens_per_block: int,
+                         prefill_chunk_tokens: int | None) -> int:
+    chunk = prompt_tokens - start if prefill_chunk_tokens is None else min(prefill_chunk_tokens, prompt_tokens - start)
+    return _blocks_spanned(max(0, start - window_tokens + 1), start + chunk - 1, tokens_per_block)
+
+
+def _prefill_chunk_starts(prompt_tokens: int, window_tokens: int, tokens_per_block: int,
+                          prefill_chunk_tokens: int | None) -> set[int]:
+    """Chunk starts that cover every regime of `_prefill_span_blocks` (see sliding_window_blocks)."""
+    t, last = tokens_per_block, prompt_tokens - 1
+    chunk = prompt_tokens if prefill_chunk_tokens is None else prefill_chunk_tokens
+    tail = max(0, prompt_tokens - chunk)
+    starts = {0, min(window_tokens - 1, last)}
+    starts.update(range(window_tokens - 1, window_tokens - 1 + t))
+    starts.update(range(tail - t, tail + t + 1))
+    return {s for s in starts if 0 <= s <= last}
+
+
+def sliding_window_blocks(
+    prompt_tokens: int,
+    max_new_tokens: int,
+    beam_width: int,
+    tokens_per_block: int,
+    window_tokens: int,
+    prefill_chunk_tokens: int | None = None,
+    extra_tokens: int = 0,
+) -> int:
+    """The most blocks a request holds in a sliding-window pool (window w, query i sees keys j with
+    i - j < w), for the policy of `SlidingWindowManager`: before the tokens of a step are written,
+    every beam drops the blocks that lie wholly before its next query's window, then the new
+    tokens' blocks are taken (copying a shared partial block first).
+
+    Prefill (one sequence, chunks of at most C tokens, starting anywhere the scheduler's budget
+    leaves them): writing positions [s, s + c) keeps keys [max(0, s - w + 1), s + c - 1], widest
+    with c = min(C, P - s). The blocks that interval spans depend on s only through three regimes
+    (the window still at 0, the interval sliding with period T, the prompt's end cutting the
+    chunk), so a handful of starts `_prefill_chunk_starts` gives the exact maximum.
+
+    Decode (W beams) while position x is written: the full prompt blocks that still overlap
+    [x - w + 1, x] are shared by all beams; each beam owns the blocks from its partial prompt block
+    (or the window start, if later) up to x. The bound is the largest such total over
+    x = P .. P + N + D - 1; beams that all diverge at once reach it.
+    """
+    if window_tokens < 1:
+        raise ValueError(f"window_tokens must be >= 1, got {window_tokens}")
+    t = tokens_per_block
+    # validates the common arguments the same way the full-attention bound does
+    full = full_attention_blocks(prompt_tokens, max_new_tokens, beam_width, t, extra_tokens)
+    prefill_blocks = max(
+        _prefill_span_blocks(s, prompt_tokens, window_tokens, t, prefill_chunk_tokens)
+        for s in _prefill_chunk_starts(prompt_tokens, window_tokens, t, prefill_chunk_tokens)
+    )
+    shared_end = (prompt_tokens // t) * t  # positions below this live in shared full prompt blocks
+    decode_blocks = 0
+    for x in range(prompt_tokens, prompt_tokens + max_new_tokens + extra_tokens):
+        window_start = max(0, x - window_tokens + 1)
+        shared = _blocks_spanned(window_start, shared_end - 1, t)
+        own = _blocks_spanned(max(window_start, shared_end), x, t)
+        decode_blocks = max(decode_blocks, shared + own * beam_width)
+    return min(full, max(prefill_blocks, decode_blocks))

@@ -28,7 +28,10 @@ class PoolBudget:
 class KVCache:
     """Block pools, one per pool spec, with their managers. Holds ids only, never tensors."""
 
-    def __init__(self, pools: Sequence[tuple[PoolSpec, int]], tokens_per_block: int):
+    def __init__(self, pools: Sequence[tuple[PoolSpec, int]], tokens_per_block: int,
+                 prefill_chunk_tokens: int | None = None):
+        """`prefill_chunk_tokens`: the largest prompt chunk one step writes (sliding-window bounds
+        depend on it); None means whole prompts."""
         if tokens_per_block < 1:
             raise ValueError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
         self.tokens_per_block = tokens_per_block
@@ -37,7 +40,7 @@ class KVCache:
             if spec.name in self.managers:
                 raise ValueError(f"duplicate pool name {spec.name!r}")
             pool = BlockPool(num_blocks, name=spec.name)
-            self.managers[spec.name] = make_manager(spec, pool, tokens_per_block)
+            self.managers[spec.name] = make_manager(spec, pool, tokens_per_block, prefill_chunk_tokens)
 
     def __getitem__(self, pool_name: str) -> PoolManager:
         return self.managers[pool_name]

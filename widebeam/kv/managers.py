@@ -15,6 +15,7 @@ distinct blocks a request holds never exceed `required_blocks` at any instant.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import replace
 
 from widebeam.errors import BlockStateError
 from widebeam.kv.block_pool import BlockPool
@@ -24,8 +25,14 @@ from widebeam.kv.budget import (
     cross_attention_blocks,
     full_attention_blocks,
     max_new_tokens_that_fit,
+    sliding_window_blocks,
 )
 from widebeam.kv.spec import CrossAttentionSpec, FullAttentionSpec, PoolSpec, SlidingWindowSpec
+
+
+# A block table entry whose block was released because no query can see it any more (sliding window).
+# Entries stay aligned with positions: block i of a table always covers positions [i*T, (i+1)*T).
+DROPPED = -1
 
 
 class Holding:
@@ -90,6 +97,9 @@ class PoolManager(ABC):
         """What would fit instead: keyword arguments for `RequestTooLargeError`."""
         return {"max_new_tokens_that_fit": None, "beam_width_that_fits": None}
 
+    def trim(self, table: BlockTable) -> None:
+        """Release blocks no future query can see; nothing for kinds that keep every token."""
+
     def take_copies(self) -> list[tuple[int, int]]:
         """Hand the queued (src_block_id, dst_block_id) copies to the runner and forget them."""
         copies, self.pending_copies = self.pending_copies, []
@@ -98,7 +108,7 @@ class PoolManager(ABC):
     def release(self, table: BlockTable) -> None:
         """Drop the table's references; blocks no other table holds go back to the pool."""
         self._check_live(table)
-        table.holding._sub(self.pool.free(table.block_ids))
+        table.holding._sub(self.pool.free(b for b in table.block_ids if b != DROPPED))
         table.block_ids = []
         table.released = True
 
@@ -146,7 +156,8 @@ class FullAttentionManager(PoolManager):
         """A new beam that shares every block of `table` (ref counts go up, nothing is copied)."""
         self._check_live(table)
         for block_id in table.block_ids:
-            self.pool.inc_ref(block_id)
+            if block_id != DROPPED:
+                self.pool.inc_ref(block_id)
         return BlockTable(table.holding, list(table.block_ids), table.num_tokens)
 
     def reorder(self, tables: list[BlockTable], parent_indices: list[int]) -> list[BlockTable]:
@@ -201,8 +212,69 @@ class FullAttentionManager(PoolManager):
 
 
 class SlidingWindowManager(FullAttentionManager):
-    """Sliding-window layers. Blocks are kept like full attention (no window release yet), so the
-    honest bound is the full-attention one; window-aware release tightens it (issue 8)."""
+    """Sliding-window layers: a query at position i sees keys j with i - j < w. A block that lies
+    wholly before the next query's window is released (`trim`), shared prompt blocks included once
+    no beam can see them; the bound is `sliding_window_blocks`.
+
+    Callers trim every beam of a request before appending for any of them, so blocks leave before
+    new ones come (the bound relies on it); `append_slots` trims its own table too.
+    """
+
+    def __init__(self, spec: SlidingWindowSpec, pool: BlockPool, tokens_per_block: int,
+                 prefill_chunk_tokens: int | None = None):
+        super().__init__(spec, pool, tokens_per_block)
+        self.window_tokens = spec.window_tokens
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+
+    def required_blocks(self, request: KVRequest) -> int:
+        return sliding_window_blocks(request.prompt_tokens, request.max_new_tokens, request.beam_width,
+                                     self.tokens_per_block, self.window_tokens, self.prefill_chunk_tokens,
+                                     request.extra_tokens)
+
+    def fit_hints(self, request: KVRequest) -> dict[str, int | None]:
+        capacity = self.capacity_blocks()
+
+        def fits_new_tokens(n: int) -> bool:
+            return self.required_blocks(replace(request, max_new_tokens=n)) <= capacity
+
+        def fits_width(w: int) -> bool:
+            return self.required_blocks(replace(request, beam_width=w)) <= capacity
+
+        return {
+            "max_new_tokens_that_fit": _largest(fits_new_tokens, 0, capacity * self.tokens_per_block),
+            "beam_width_that_fits": _largest(fits_width, 0, max(capacity, 1)),
+        }
+
+    def trim(self, table: BlockTable) -> None:
+        """Release the blocks no future query of this table can see."""
+        self._check_live(table)
+        first_visible = table.num_tokens - self.window_tokens + 1  # the next query's window start
+        num_dropped_blocks = max(first_visible, 0) // self.tokens_per_block
+        for i in range(min(num_dropped_blocks, len(table.block_ids))):
+            block_id = table.block_ids[i]
+            if block_id != DROPPED:
+                if self.pool.dec_ref(block_id):
+                    table.holding._sub(1)
+                table.block_ids[i] = DROPPED
+
+    def append_slots(self, table: BlockTable, num_tokens: int = 1) -> list[int]:
+        self.trim(table)
+        return super().append_slots(table, num_tokens)
+
+
+def _largest(fits, lo: int, hi: int) -> int:
+    """The largest value in [lo, hi] for which the monotone predicate holds; lo - 1 if none (lo > 0)
+    or 0 (lo = 0, then meaning none)."""
+    if not fits(max(lo, 1)):
+        return 0
+    lo = max(lo, 1)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 class CrossAttentionManager(PoolManager):
@@ -226,10 +298,11 @@ class CrossAttentionManager(PoolManager):
         return [table.block_ids[i // t] * t + i % t for i in range(table.num_tokens)]
 
 
-def make_manager(spec: PoolSpec, pool: BlockPool, tokens_per_block: int) -> PoolManager:
+def make_manager(spec: PoolSpec, pool: BlockPool, tokens_per_block: int,
+                 prefill_chunk_tokens: int | None = None) -> PoolManager:
     """The manager for a pool kind. Every kind has one: no kind opts out of the cost model."""
     if isinstance(spec, SlidingWindowSpec):
-        return SlidingWindowManager(spec, pool, tokens_per_block)
+        return SlidingWindowManager(spec, pool, tokens_per_block, prefill_chunk_tokens)
     if isinstance(spec, CrossAttentionSpec):
         return CrossAttentionManager(spec, pool, tokens_per_block)
     if isinstance(spec, FullAttentionSpec):

@@ -21,12 +21,15 @@ class PoolNeed:
     tokens_per_sequence: int
 
 
-def tokens_per_sequence(spec: PoolSpec, max_seq_len: int, max_encoder_tokens: int = 0) -> int:
+def tokens_per_sequence(spec: PoolSpec, max_seq_len: int, max_encoder_tokens: int = 0,
+                        prefill_chunk_tokens: int | None = None) -> int:
     """How many tokens one sequence can hold in a pool of this kind at once."""
     if isinstance(spec, CrossAttentionSpec):
         return max_encoder_tokens
     if isinstance(spec, SlidingWindowSpec):
-        return min(spec.window_tokens, max_seq_len)
+        # a prefill chunk of C tokens still sees w - 1 tokens before it
+        chunk = max_seq_len if prefill_chunk_tokens is None else prefill_chunk_tokens
+        return min(spec.window_tokens - 1 + chunk, max_seq_len)
     return max_seq_len
 
 
@@ -74,3 +77,13 @@ def resolve_max_seq_len(
             f"the KV cache holds {capacity_tokens} tokens, not even one sequence; raise kv_cache_memory"
         )
     return bound
+
+
+def capacity_tokens(specs: Sequence[PoolSpec], blocks_per_pool: Sequence[int], tokens_per_block: int) -> int | None:
+    """Token capacity that bounds one sequence's length: the smallest full-attention pool's
+    `blocks x T`. Sliding-window pools release what falls behind the window, so their need
+    saturates and they do not bound the length (admission still checks their saturated need);
+    cross pools hold encoder output. None when no pool bounds the length."""
+    bounds = [n * tokens_per_block for spec, n in zip(specs, blocks_per_pool)
+              if not isinstance(spec, (SlidingWindowSpec, CrossAttentionSpec))]
+    return min(bounds) if bounds else None

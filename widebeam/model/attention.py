@@ -30,6 +30,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V go
     tokens_per_block: int
     groups: list[str | None] | None = None  # per sequence: decoding sequences of one group may share blocks
+    # The pool's window: keys before a sequence's first visible position may have been released.
+    sliding_window: int | None = None
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -39,10 +41,17 @@ class AttentionMetadata:
     def query_lens(self) -> list[int]:
         return [self.query_start_loc[i + 1] - self.query_start_loc[i] for i in range(self.num_seqs)]
 
+    def key_start(self, seq_index: int) -> int:
+        """First key position any query of this step can see (0 without a window)."""
+        if self.sliding_window is None:
+            return 0
+        num_queries = self.query_start_loc[seq_index + 1] - self.query_start_loc[seq_index]
+        return max(0, self.seq_lens[seq_index] - num_queries - self.sliding_window + 1)
+
     def key_slots(self, seq_index: int, device: torch.device) -> torch.Tensor:
-        """Slots of positions 0 .. seq_len-1 of one sequence, in order."""
+        """Slots of positions key_start .. seq_len-1 of one sequence, in order."""
         t = self.tokens_per_block
-        positions = torch.arange(self.seq_lens[seq_index], device=device)
+        positions = torch.arange(self.key_start(seq_index), self.seq_lens[seq_index], device=device)
         table = torch.tensor(self.block_tables[seq_index], dtype=torch.long, device=device)
         return table[positions // t] * t + positions % t
 
@@ -60,7 +69,8 @@ class AttentionMetadata:
         by_label: dict[str, list[int]] = {}
         loose: list[int] = []
         for i in decoding:
-            label = self.groups[i] if self.groups else None
+            # Windowed pools release blocks behind the window, so tables share no usable prefix.
+            label = self.groups[i] if self.groups and self.sliding_window is None else None
             if label is None:
                 loose.append(i)
             else:
@@ -94,11 +104,14 @@ class AttentionMetadata:
         t = self.tokens_per_block
         prefix_table = torch.tensor(self.block_tables[members[0]][: prefix_tokens // t], dtype=torch.long)
         prefix_slots = (prefix_table[:, None] * t + torch.arange(t)).reshape(-1)
-        suffix_len = max(self.seq_lens[i] for i in members) - prefix_tokens
+        starts = [max(prefix_tokens, self.key_start(i)) for i in members]
+        suffix_len = max(self.seq_lens[i] - start for i, start in zip(members, starts))
         suffix_slots = torch.zeros(len(members), suffix_len, dtype=torch.long)
         suffix_valid = torch.zeros(len(members), suffix_len, dtype=torch.bool)
-        for row, i in enumerate(members):
-            positions = torch.arange(prefix_tokens, self.seq_lens[i])
+        suffix_positions = torch.zeros(len(members), suffix_len, dtype=torch.long)
+        for row, (i, start) in enumerate(zip(members, starts)):
+            positions = torch.arange(start, self.seq_lens[i])
+            suffix_positions[row, : len(positions)] = positions
             table = torch.tensor(self.block_tables[i], dtype=torch.long)
             slots = table[positions // t] * t + positions % t
             n = len(slots)
@@ -113,6 +126,7 @@ class AttentionMetadata:
             prefix_slots=prefix_slots.to(device),
             suffix_slots=suffix_slots.to(device),
             suffix_valid=suffix_valid.to(device),
+            suffix_positions=suffix_positions.to(device),
             prefix_tokens=prefix_tokens,
         )
 
@@ -126,6 +140,7 @@ class DecodeGroup:
     prefix_slots: torch.Tensor  # [prefix_tokens], shared by every row
     suffix_slots: torch.Tensor  # [B, S] each row's own keys (positions prefix_tokens ..), padded
     suffix_valid: torch.Tensor  # [B, S]
+    suffix_positions: torch.Tensor  # [B, S] absolute position of each suffix key
     prefix_tokens: int
 
 
@@ -175,13 +190,13 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         seq_len = meta.seq_lens[i]
         slots = meta.key_slots(i, q.device)
+        key_positions = torch.arange(meta.key_start(i), seq_len, device=q.device)
         k = k_cache[slots]  # [S, KV, d]
         v = v_cache[slots]
         group = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(group, dim=1).float()  # [S, H, d]
         v = v.repeat_interleave(group, dim=1).float()
         query_positions = torch.arange(seq_len - (end - start), seq_len, device=q.device)
-        key_positions = torch.arange(seq_len, device=q.device)
         scores = torch.einsum("qhd,shd->hqs", q[start:end].float(), k) * scale
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
@@ -201,8 +216,7 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     scores = [torch.einsum("bkgd,bskd->bkgs", qg, k_suffix)]
     masks = [group.suffix_valid]
     if sliding_window is not None:
-        suffix_positions = group.prefix_tokens + torch.arange(k_suffix.shape[1], device=q.device)
-        masks[0] = masks[0] & (suffix_positions[None, :] > group.query_positions[:, None] - sliding_window)
+        masks[0] = masks[0] & (group.suffix_positions > group.query_positions[:, None] - sliding_window)
     if group.prefix_tokens:
         k_prefix = k_cache[group.prefix_slots].float()  # [P, KV, d]
         scores.insert(0, torch.einsum("bkgd,pkd->bkgp", qg, k_prefix))
@@ -239,7 +253,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         seq_len = meta.seq_lens[i]
         slots = meta.key_slots(i, q.device)
         query_positions = torch.arange(seq_len - (end - start), seq_len, device=q.device)
-        mask = _causal_mask(query_positions, torch.arange(seq_len, device=q.device), sliding_window)
+        key_positions = torch.arange(meta.key_start(i), seq_len, device=q.device)
+        mask = _causal_mask(query_positions, key_positions, sliding_window)
         out[start:end] = _attend(q[None, start:end], k_cache[slots][None], v_cache[slots][None], mask[None],
                                  scale, softcap)[0]
     return out

@@ -43,6 +43,8 @@ class ModelRunner:
                 num_layers, 2, num_blocks * tokens_per_block, arch.num_kv_heads, arch.head_dim,
                 dtype=dtype, device=device,
             )
+        # Windowed pools release blocks behind the window; their metadata says so.
+        self.pool_windows = {name: window for name, window in zip(layer_pools, arch.layer_windows)}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         index_in_pool = {name: 0 for name in pool_num_blocks}
         for pool_name in layer_pools:
@@ -82,6 +84,7 @@ class ModelRunner:
                                           dtype=torch.long, device=self.device),
                 tokens_per_block=self.tokens_per_block,
                 groups=[seq.group for seq in seqs],
+                sliding_window=self.pool_windows.get(pool_name),
             )
             for pool_name in self.kv_tensors
         }
