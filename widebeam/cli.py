@@ -7,7 +7,10 @@ import json
 import sys
 from collections.abc import Sequence
 
-from widebeam.units import format_bytes, parse_bytes
+from widebeam.argtypes import byte_size as _byte_size
+from widebeam.argtypes import fraction as _fraction
+from widebeam.argtypes import int_at_least as _int_at_least
+from widebeam.units import format_bytes
 
 EXIT_USAGE = 2
 DTYPES = ("float32", "bfloat16", "float16")
@@ -18,39 +21,6 @@ class _OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
-
-
-def _int_at_least(minimum: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        return value
-
-    return parse
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
-    return value
-
-
-def _byte_size(text: str) -> int:
-    try:
-        value = parse_bytes(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 bytes, got {text!r}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tokens-per-block", type=_int_at_least(1), default=16)
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(func=_cmd_generate)
+
+    from widebeam.server.serve_cli import add_serve_parser
+
+    add_serve_parser(sub, _OneLineParser)
     return parser
 
 

@@ -32,7 +32,7 @@ from widebeam.params import BeamSearchParams, SamplingParams
 from widebeam.request import RequestState
 from widebeam.sched.admission import admit_check
 from widebeam.sched.scheduler import Scheduler, SchedulerOutput
-from widebeam.model.warmup import measure_activation_peak_bytes
+from widebeam.model.warmup import estimate_activation_peak_bytes, measure_activation_peak_bytes
 from widebeam.units import format_bytes, parse_bytes
 
 log = logging.getLogger("widebeam")
@@ -77,9 +77,16 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.source)
         self.arch = self.model.arch
 
-        self.activation_peak_bytes = measure_activation_peak_bytes(
-            self.model, self.device, self.model.lm_head.weight.dtype, tokens_per_block, max_num_batched_tokens,
-            max_beam_width)
+        if kv_cache_memory is None:
+            # the pools take what is left, so measure what the largest steps really need
+            self.activation_peak_bytes = measure_activation_peak_bytes(
+                self.model, self.device, self.model.lm_head.weight.dtype, tokens_per_block, max_num_batched_tokens,
+                max_beam_width)
+        else:
+            # the user sized the cache: a shape-based bound is enough to check it leaves room
+            # (a measured warm-up costs seconds per engine on a CPU)
+            self.activation_peak_bytes = estimate_activation_peak_bytes(self.arch, max_num_batched_tokens,
+                                                                        max_beam_width)
         free_bytes = max(available_memory_bytes(self.device) - self.activation_peak_bytes, 0)
         kv_cache_bytes = int(free_bytes * kv_cache_fraction)
         if kv_cache_memory is not None:

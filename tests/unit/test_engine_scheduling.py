@@ -186,3 +186,13 @@ def test_randomized_soak_returns_every_block(tiny_llama_dir):
     assert all(len(o.outputs) >= 1 and o.finished for o in outputs.values())
     assert engine.stats()["pools"]["self"]["free_blocks"] == num_blocks
     assert engine.stats()["running"] == engine.stats()["waiting"] == 0
+
+
+def test_default_sizing_runs_the_warm_up_and_stays_modest_on_cpu(tiny_llama_dir):
+    from widebeam.engine import DEFAULT_CPU_KV_CACHE_BYTES
+
+    llm = LLM(str(tiny_llama_dir), device="cpu", tokens_per_block=4, max_num_batched_tokens=64, max_beam_width=8)
+    pool = llm.stats()["pools"]["self"]
+    assert 0 < pool["total_blocks"] * BYTES_PER_BLOCK <= DEFAULT_CPU_KV_CACHE_BYTES
+    assert llm.engine.activation_peak_bytes >= 0
+    assert llm.max_seq_len == 512  # the model's limit: the pool holds far more tokens

@@ -5,7 +5,6 @@ activation memory they need, so the KV pools are sized from what is really left.
 from __future__ import annotations
 
 import gc
-import os
 
 import torch
 
@@ -33,6 +32,15 @@ def _reset_peak_rss() -> bool:
         return False
 
 
+def estimate_activation_peak_bytes(arch, max_num_batched_tokens: int, max_beam_width: int) -> int:
+    """The largest tensors of the same two steps, from the shapes alone (float32 upper bound):
+    hidden states and MLP intermediates of the chunk, its attention scores, and the decode step's
+    logits and log-probs."""
+    hidden = max_num_batched_tokens * (4 * arch.hidden_size + 3 * arch.intermediate_size) * 4
+    scores = arch.num_heads * max_num_batched_tokens**2 * 4
+    return hidden + scores + 2 * max_beam_width * arch.vocab_size * 4
+
+
 def measure_activation_peak_bytes(model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
                                   tokens_per_block: int, max_num_batched_tokens: int, max_beam_width: int) -> int:
     """Peak memory above the resident model while running (1) one prefill chunk of
@@ -45,7 +53,6 @@ def measure_activation_peak_bytes(model: torch.nn.Module, device: torch.device, 
     prefill_blocks = -(-max_num_batched_tokens // t)
     pool_blocks = {name: prefill_blocks + max_beam_width for name in set(model.layer_pool_names)}
     runner = ModelRunner(model, pool_blocks, t, device, dtype)
-    vocab = model.arch.vocab_size
     prefill = SequenceInput(
         [0] * max_num_batched_tokens, 0, {name: list(range(prefill_blocks)) for name in pool_blocks},
         {name: list(range(max_num_batched_tokens)) for name in pool_blocks},
@@ -70,13 +77,10 @@ def measure_activation_peak_bytes(model: torch.nn.Module, device: torch.device, 
         for batch in ([prefill], decodes):
             torch.log_softmax(runner.execute(batch), dim=-1)
         high = _rss_bytes("VmHWM") if measured else None
-        if high is not None and base is not None and os.environ.get("WIDEBEAM_WARMUP_ESTIMATE") is None:
+        if high is not None and base is not None:
             peak = max(high - base, 0)
         else:
-            arch = model.arch
-            hidden = max_num_batched_tokens * (4 * arch.hidden_size + 3 * arch.intermediate_size) * 4
-            scores = arch.num_heads * max_num_batched_tokens**2 * 4
-            peak = hidden + scores + 2 * max_beam_width * vocab * 4
+            peak = estimate_activation_peak_bytes(model.arch, max_num_batched_tokens, max_beam_width)
     del runner
     gc.collect()
     if device.type == "cuda":

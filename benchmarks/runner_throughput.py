@@ -1,0 +1,686 @@
+"""Model-runner throughput on CPU: load time, prefill and decode tokens/s, and where decode time goes.
+
+Drives the default model (SmolLM2-135M, real weights) through the engine's public pieces, not
+`LLM.generate`: blocks come from `llm.engine.cache["self"]` and every forward is one
+`llm.engine.runner.execute(...)` call, so the figures are the runner's own (no sampling, no
+detokenisation, no scheduling). Per dtype:
+
+- load: `LLM(...)` construction with the converted model already in the cache ("cached"); once,
+  for float32 only, a fresh process with an empty WIDEBEAM_CACHE (GGUF conversion included,
+  "first load") and, for a like-for-like comparison, a fresh process with the warm cache;
+- prefill: B sequences of `--prompt-len` tokens in one forward (logits of the last token each);
+- decode: the same B sequences, one token each per forward, for `--decode-steps` forwards, the
+  context starting at the prompt length; each step feeds the argmax of the previous logits;
+- a profile (torch.profiler ops and cProfile functions, by self time) of a few decode steps.
+
+Every configuration is warmed up once at its batch size before it is timed (a prefill warm-up over
+--warmup-max-tokens uses shorter prompts). Only `execute` is timed; the host-side slot bookkeeping
+(`append_slots`, building `SequenceInput`s) is reported apart. The figures assume an otherwise idle
+host: each measurement waits for one, records the CPU other processes took meanwhile, and is
+repeated when that was more than --max-other-share (two OpenMP threads on two shared cores slow
+down many-fold when a third process runs).
+
+    .venv/bin/python benchmarks/runner_throughput.py          # full run: ~7 min estimated on an idle 2-core host
+    .venv/bin/python benchmarks/runner_throughput.py --batch-sizes 1 8 --skip-first-load  # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import platform
+import pstats
+import random
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+os.environ.setdefault("WIDEBEAM_CACHE", "/tmp/wbcache")
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from widebeam.engine import LLM
+from widebeam.kv.managers import Holding
+from widebeam.model.runner import SequenceInput
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+POOL = "self"
+FIRST_TOKEN_ID = 3  # skip unk/bos/eos in the random prompts
+
+# Runs in a fresh interpreter: import time and construction time apart, as JSON on the last line.
+_LOAD_IN_SUBPROCESS = r"""
+import json, sys, time
+t0 = time.perf_counter()
+import torch
+torch.set_num_threads(int(sys.argv[1]))
+from widebeam.engine import LLM
+t1 = time.perf_counter()
+llm = LLM(dtype=sys.argv[2], device="cpu", kv_cache_memory=sys.argv[3], tokens_per_block=int(sys.argv[4]))
+t2 = time.perf_counter()
+print(json.dumps({"import_s": t1 - t0, "construct_s": t2 - t1, "model_dir": str(llm.engine.source.path)}))
+"""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 64])
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--large-batch-prompt-len", type=int, default=None,
+                   help="prompt length for batches above 8 (default: --prompt-len); use it if B x prompt-len "
+                        "is too slow or too big; the JSON records the length actually used")
+    p.add_argument("--warmup-max-tokens", type=int, default=8192,
+                   help="a prefill warm-up of more tokens than this runs at the same batch size with prompts cut "
+                        "to fit (the timed forward keeps its full shape); the JSON records the warm-up shape")
+    p.add_argument("--decode-steps", type=int, default=32)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed prefill repeats when a warm-up forward takes under --repeat-budget-s / repeats")
+    p.add_argument("--repeat-budget-s", type=float, default=6.0)
+    p.add_argument("--profile-steps", type=int, default=3, help="decode steps under each profiler")
+    p.add_argument("--profile-batch-sizes", nargs="+", type=int, default=None,
+                   help="batch sizes whose decode is profiled (default: the largest of --batch-sizes)")
+    p.add_argument("--top", type=int, default=8, help="rows of each profile top list")
+    p.add_argument("--kv-cache-memory", default="2GiB")
+    p.add_argument("--tokens-per-block", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--idle-wait-s", type=float, default=60.0,
+                   help="before each configuration, wait up to this long for other processes to go quiet")
+    p.add_argument("--idle-threshold", type=float, default=0.15,
+                   help="'quiet': other processes use under this share of all CPUs over one second")
+    p.add_argument("--max-other-share", type=float, default=0.10,
+                   help="a measurement during which other processes took more than this share of all CPUs "
+                        "is repeated (2 OpenMP threads on 2 shared cores slow down many-fold)")
+    p.add_argument("--retries", type=int, default=2, help="repeats of a contended prefill or decode measurement")
+    p.add_argument("--load-retries", type=int, default=1,
+                   help="repeats of a contended load (each takes 15-60 s; the first load at most once)")
+    p.add_argument("--skip-first-load", action="store_true", help="skip the fresh-cache (GGUF conversion) load")
+    p.add_argument("--out", default="benchmarks/results/runner_throughput.json")
+    return p.parse_args(argv)
+
+
+# -- other load on the machine ---------------------------------------------------------------------
+def _system_busy_s() -> float | None:
+    """CPU seconds all processes have spent busy since boot (from /proc/stat), or None off Linux."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(v) for v in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """How much CPU other processes took while a measurement ran (the benchmark assumes an idle host)."""
+
+    @staticmethod
+    def _own_cpu_s() -> float:
+        # This process (all threads) and its waited-for children (the load subprocesses).
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return time.process_time() + children.ru_utime + children.ru_stime
+
+    def __enter__(self) -> CpuMeter:  # noqa: PYI034
+        self.busy0, self.own0, self.wall0 = _system_busy_s(), self._own_cpu_s(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        busy1 = _system_busy_s()
+        self.wall_s = time.perf_counter() - self.wall0
+        self.own_cpu_s = self._own_cpu_s() - self.own0
+        self.other_cpu_s = None if busy1 is None else max(busy1 - self.busy0 - self.own_cpu_s, 0.0)
+
+    @property
+    def other_share(self) -> float | None:
+        """Other processes' CPU as a share of the whole machine over the measurement."""
+        if self.other_cpu_s is None:
+            return None
+        return self.other_cpu_s / max(self.wall_s * (os.cpu_count() or 1), 1e-9)
+
+    def as_dict(self) -> dict:
+        return {"wall_s": self.wall_s, "own_cpu_s": self.own_cpu_s, "other_cpu_s": self.other_cpu_s,
+                "other_cpu_share": self.other_share}
+
+
+def spare_cpus(args: argparse.Namespace) -> int:
+    """CPUs the benchmark's threads leave to others: work there does not disturb it."""
+    return max((os.cpu_count() or 1) - args.threads, 0)
+
+
+def contended(meter: CpuMeter, args: argparse.Namespace) -> bool:
+    """Whether other processes took more than the spare CPUs plus --max-other-share of all CPUs
+    during `meter`, allowing for /proc/stat's coarse ticks (two of them) on short measurements."""
+    if meter.other_cpu_s is None:
+        return False
+    slack = 2.0 / os.sysconf("SC_CLK_TCK")
+    allowed = (spare_cpus(args) + args.max_other_share * (os.cpu_count() or 1)) * meter.wall_s
+    return meter.other_cpu_s > allowed + slack
+
+
+def measured(args: argparse.Namespace, console: Console, label: str, fn, before_retry=None):
+    """Run `fn()` on a quiet machine; if other processes took more than --max-other-share of the CPUs
+    meanwhile, wait and measure again (at most --retries times). Returns (fn's result, cpu record):
+    the record holds every attempt and `contended` when even the last one was disturbed."""
+    attempts = []
+    for attempt in range(args.retries + 1):
+        idle = wait_for_idle(args.idle_wait_s, idle_threshold(args), console)
+        with CpuMeter() as meter:
+            result = fn()
+        attempts.append({**meter.as_dict(), "idle_wait": idle})
+        disturbed = contended(meter, args)
+        if not disturbed:
+            break
+        if attempt < args.retries:
+            console.log(f"[yellow]{label}: other processes took {meter.other_share:.0%} of the CPUs; "
+                        "measuring again[/]")
+            if before_retry is not None:
+                before_retry(result)
+    if disturbed:
+        console.log(f"[red]{label}: still contended ({meter.other_share:.0%} of the CPUs) after "
+                    f"{args.retries} retries[/]")
+    return result, {**attempts[-1], "attempts": len(attempts), "contended": disturbed,
+                    "discarded_attempts": attempts[:-1]}
+
+
+def idle_threshold(args: argparse.Namespace) -> float:
+    """'Quiet enough': --idle-threshold of all CPUs busy, plus the spare CPUs."""
+    return args.idle_threshold + spare_cpus(args) / (os.cpu_count() or 1)
+
+
+def wait_for_idle(max_wait_s: float, threshold: float, console: Console) -> dict:
+    """Wait (up to max_wait_s) until the other processes use under `threshold` of the machine's CPUs
+    over one second; return what was seen."""
+    started = time.perf_counter()
+    share = None
+    while True:
+        busy0 = _system_busy_s()
+        if busy0 is None:
+            return {"waited_s": 0.0, "busy_share": None}
+        time.sleep(1.0)
+        share = (_system_busy_s() - busy0) / (os.cpu_count() or 1)
+        waited = time.perf_counter() - started
+        if share < threshold or waited >= max_wait_s:
+            if waited > 2:
+                console.log(f"waited {waited:.0f} s for an idle machine (busy share now {share:.0%})")
+            return {"waited_s": waited, "busy_share": share}
+
+
+# -- load times -------------------------------------------------------------------------------------
+def load_in_subprocess(args: argparse.Namespace, cache_dir: str) -> dict:
+    env = dict(os.environ, WIDEBEAM_CACHE=cache_dir)
+    started = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-c", _LOAD_IN_SUBPROCESS, str(args.threads), "float32", args.kv_cache_memory,
+         str(args.tokens_per_block)],
+        env=env, cwd=REPO_ROOT, capture_output=True, text=True, check=False,
+    )
+    wall = time.perf_counter() - started
+    if proc.returncode != 0:
+        raise RuntimeError(f"load subprocess failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["process_wall_s"] = wall
+    return result
+
+
+def first_and_fresh_process_loads(args: argparse.Namespace, console: Console) -> dict:
+    """float32 only: a fresh process with an empty cache (converts the GGUF), then one with the warm cache."""
+    def fresh() -> dict:
+        tmp = tempfile.mkdtemp(prefix="wb-first-load-")
+        try:
+            return load_in_subprocess(args, tmp)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    # The conversion is slow (about a minute): at most one retry.
+    load_args = argparse.Namespace(**{**vars(args), "retries": args.load_retries})
+    first, cpu = measured(argparse.Namespace(**{**vars(args), "retries": min(args.load_retries, 1)}), console,
+                          "first load", fresh)
+    first["cpu"] = cpu
+    warm, cpu = measured(load_args, console, "fresh-process cached load",
+                         lambda: load_in_subprocess(args, os.environ["WIDEBEAM_CACHE"]))
+    warm["cpu"] = cpu
+    return {"dtype": "float32", "fresh_cache": first, "warm_cache_fresh_process": warm}
+
+
+# -- driving the runner -----------------------------------------------------------------------------
+class Bench:
+    def __init__(self, llm: LLM, seed: int):
+        self.engine = llm.engine
+        self.manager = llm.engine.cache[POOL]
+        self.runner = llm.engine.runner
+        self.vocab_size = llm.engine.arch.vocab_size
+        self.rng = random.Random(seed)
+
+    def free_blocks(self) -> int:
+        return self.engine.cache.num_free_blocks()[POOL]
+
+    def _check_no_copies(self) -> None:
+        # Nothing here forks a table, so no copy-on-write may ever be queued.
+        assert not self.manager.take_copies(), "unexpected copy-on-write in a benchmark without forks"
+
+    def prefill(self, batch: int, prompt_len: int) -> tuple[list, list[int], float, float]:
+        """New tables for `batch` random prompts, prefilled in one forward: (tables, next tokens,
+        execute seconds, bookkeeping seconds)."""
+        prompts = [[self.rng.randrange(FIRST_TOKEN_ID, self.vocab_size) for _ in range(prompt_len)]
+                   for _ in range(batch)]
+        t0 = time.perf_counter()
+        tables = [self.manager.new_table(Holding()) for _ in range(batch)]
+        inputs = [SequenceInput(p, 0, {POOL: t.block_ids}, {POOL: self.manager.append_slots(t, len(p))})
+                  for p, t in zip(prompts, tables)]
+        self._check_no_copies()
+        t1 = time.perf_counter()
+        logits = self.runner.execute(inputs)
+        t2 = time.perf_counter()
+        return tables, logits.argmax(dim=-1).tolist(), t2 - t1, t1 - t0
+
+    def decode_step(self, tables: list, tokens: list[int]) -> tuple[list[int], float, float]:
+        """One decode token for every table: (next tokens, execute seconds, bookkeeping seconds)."""
+        t0 = time.perf_counter()
+        inputs = []
+        for table, token in zip(tables, tokens):
+            context = table.num_tokens
+            slots = self.manager.append_slots(table, 1)
+            inputs.append(SequenceInput([token], context, {POOL: table.block_ids}, {POOL: slots}))
+        self._check_no_copies()
+        t1 = time.perf_counter()
+        logits = self.runner.execute(inputs)
+        t2 = time.perf_counter()
+        return logits.argmax(dim=-1).tolist(), t2 - t1, t1 - t0
+
+    def release(self, tables: list) -> None:
+        for table in tables:
+            self.manager.release(table)
+
+
+def blocks_for(batch: int, tokens: int, tokens_per_block: int) -> int:
+    return batch * -(-tokens // tokens_per_block)
+
+
+def top_torch_ops(prof, top: int) -> tuple[list[dict], float]:
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events) or 1.0
+    rows = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return [
+        {"op": e.key, "self_cpu_ms": e.self_cpu_time_total / 1e3, "self_pct": 100 * e.self_cpu_time_total / total,
+         "cpu_total_ms": e.cpu_time_total / 1e3, "calls": e.count}
+        for e in rows
+    ], total / 1e3
+
+
+def top_python_functions(profiler: cProfile.Profile, top: int) -> tuple[list[dict], float]:
+    stats = pstats.Stats(profiler, stream=io.StringIO())
+    entries = []
+    for (filename, line, name), (_cc, ncalls, tottime, cumtime, _callers) in stats.stats.items():
+        if filename == "~":  # a builtin
+            where = name
+        else:
+            short = os.path.relpath(filename, REPO_ROOT) if filename.startswith(str(REPO_ROOT)) else Path(filename).name
+            where = f"{short}:{line}({name})"
+        entries.append({"function": where, "self_ms": tottime * 1e3, "cum_ms": cumtime * 1e3, "calls": ncalls})
+    total = sum(e["self_ms"] for e in entries) or 1.0
+    entries.sort(key=lambda e: e["self_ms"], reverse=True)
+    for e in entries:
+        e["self_pct"] = 100 * e["self_ms"] / total
+    return entries[:top], total
+
+
+def profile_decode(bench: Bench, tables: list, tokens: list[int], steps: int, top: int) -> tuple[dict, list[int]]:
+    from torch.profiler import ProfilerActivity, profile
+
+    context_start = tables[0].num_tokens
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            tokens, _, _ = bench.decode_step(tables, tokens)
+        torch_wall = time.perf_counter() - t0
+    ops, ops_total_ms = top_torch_ops(prof, top)
+    profiler = cProfile.Profile()
+    t0 = time.perf_counter()
+    profiler.enable()
+    for _ in range(steps):
+        tokens, _, _ = bench.decode_step(tables, tokens)
+    profiler.disable()
+    cprofile_wall = time.perf_counter() - t0
+    functions, functions_total_ms = top_python_functions(profiler, top)
+    return {
+        "batch_size": len(tables),
+        "steps": steps,
+        "context_start": context_start,
+        "torch_profiler": {"wall_s": torch_wall, "self_cpu_total_ms": ops_total_ms, "top_ops": ops},
+        "cprofile": {"wall_s": cprofile_wall, "self_total_ms": functions_total_ms, "top_functions": functions},
+    }, tokens
+
+
+def run_dtype(dtype: str, args: argparse.Namespace, console: Console) -> dict:
+    def construct() -> tuple[LLM, float]:
+        t0 = time.perf_counter()
+        llm = LLM(dtype=dtype, device="cpu", kv_cache_memory=args.kv_cache_memory,
+                  tokens_per_block=args.tokens_per_block)
+        return llm, time.perf_counter() - t0
+
+    load_args = argparse.Namespace(**{**vars(args), "retries": args.load_retries})
+    (llm, cached_load_s), load_cpu = measured(load_args, console, f"{dtype} cached load", construct)
+    console.log(f"[bold]{dtype}[/]: cached load {cached_load_s:.2f} s")
+    bench = Bench(llm, args.seed)
+    total_blocks = bench.free_blocks()
+    out: dict = {
+        "cached_load_s": cached_load_s,
+        "cached_load_cpu": load_cpu,
+        "runner_dtype": str(bench.runner.dtype),
+        "kv_total_blocks": total_blocks,
+        "kv_total_tokens": total_blocks * args.tokens_per_block,
+        "prefill": {},
+        "decode": {},
+        "profile": {},
+    }
+    profile_batches = args.profile_batch_sizes or [max(args.batch_sizes)]
+    # Tokens a sequence may gain after its prompt: the timed decode (and its retries), the profiles.
+    decode_tokens = args.decode_steps * (args.retries + 1) + args.profile_steps * 2
+    for batch in args.batch_sizes:
+        prompt_len = args.prompt_len
+        notes = []
+        if batch > 8 and args.large_batch_prompt_len:
+            prompt_len = args.large_batch_prompt_len
+            notes.append(f"prompt length {prompt_len} (--large-batch-prompt-len) instead of {args.prompt_len}")
+        # Warm-up tables are released before the timed ones are made, so one set must fit at a time.
+        while blocks_for(batch, prompt_len + decode_tokens, args.tokens_per_block) > total_blocks:
+            prompt_len //= 2
+        if prompt_len != args.prompt_len and not notes:
+            notes.append(f"prompt length cut to {prompt_len}: {batch} x {args.prompt_len} does not fit the KV cache")
+
+        # Warm-up: one prefill and one decode step at this batch size, on tables then released. At the
+        # timed shape unless that is big (a 64 x 512 forward takes a minute on 2 threads): then shorter
+        # prompts, which run the same kernels (only the row count of the matmuls differs).
+        warm_len = max(1, min(prompt_len, args.warmup_max_tokens // batch))
+        wait_for_idle(args.idle_wait_s, idle_threshold(args), console)
+        tables, tokens, warm_prefill_s, _ = bench.prefill(batch, warm_len)
+        _, warm_decode_s, _ = bench.decode_step(tables, tokens)
+        bench.release(tables)
+        console.log(f"{dtype} B={batch}: warm-up prefill {batch}x{warm_len} {warm_prefill_s:.2f} s, "
+                    f"decode step {warm_decode_s * 1e3:.0f} ms")
+
+        # Timed prefill, repeated when cheap. An attempt during which other processes took CPU is
+        # set aside and tried again; the last attempt's tables go on to decode.
+        warm_full_s = warm_prefill_s * prompt_len / warm_len  # roughly, for the repeat decision
+        reps = args.repeats if warm_full_s * args.repeats <= args.repeat_budget_s else 1
+        kept, discarded, tables = [], [], None
+        for _ in range(reps + args.retries * reps):
+            if tables is not None:
+                bench.release(tables)  # before the next attempt: one set of tables must fit at a time
+            idle = wait_for_idle(args.idle_wait_s, idle_threshold(args), console)
+            with CpuMeter() as meter:
+                tables, tokens, seconds, book = bench.prefill(batch, prompt_len)
+            record = {"seconds": seconds, "bookkeeping_s": book, **meter.as_dict(), "idle_wait": idle}
+            if contended(meter, args):
+                discarded.append(record)
+                console.log(f"[yellow]{dtype} prefill B={batch}: {seconds:.2f} s with other processes on "
+                            f"{meter.other_share:.0%} of the CPUs; set aside[/]")
+            else:
+                kept.append(record)
+                if len(kept) == reps:
+                    break
+        used = kept or discarded
+        prefill_times = [r["seconds"] for r in used]
+        median = statistics.median(prefill_times)
+        out["prefill"][str(batch)] = {
+            "batch_size": batch, "prompt_len": prompt_len, "tokens": batch * prompt_len, "repeats": len(used),
+            "seconds": prefill_times, "median_s": median, "tokens_per_s": batch * prompt_len / median,
+            "bookkeeping_s_median": statistics.median(r["bookkeeping_s"] for r in used), "notes": notes,
+            "warmup_s": warm_prefill_s, "warmup_prompt_len": warm_len,
+            "contended": not kept, "attempts": used if kept else [], "discarded_attempts": discarded,
+            "cpu": {"other_cpu_share": max(r["other_cpu_share"] or 0.0 for r in used),
+                    "attempts": len(kept) + len(discarded), "contended": not kept},
+        }
+        console.log(f"{dtype} B={batch}: prefill {batch}x{prompt_len} {median:.3f} s "
+                    f"-> {batch * prompt_len / median:,.0f} tok/s{'' if kept else ' [red](contended)[/]'}")
+
+        # Timed decode from context prompt_len. Each step is checked on its own: steps during which
+        # other processes took CPU are set aside (and more steps run, up to (retries + 1) x steps).
+        kept, discarded = [], []
+        context_start = tables[0].num_tokens
+        run_of_disturbed = 0
+        wait_for_idle(args.idle_wait_s, idle_threshold(args), console)
+        while len(kept) < args.decode_steps and len(kept) + len(discarded) < args.decode_steps * (args.retries + 1):
+            context = tables[0].num_tokens
+            with CpuMeter() as meter:
+                tokens, seconds, book = bench.decode_step(tables, tokens)
+            record = {"ms": 1e3 * seconds, "bookkeeping_ms": 1e3 * book, "context": context,
+                      "other_cpu_s": meter.other_cpu_s}
+            if contended(meter, args):
+                discarded.append(record)
+                run_of_disturbed += 1
+                if run_of_disturbed >= 3:  # not a blip: wait for the machine to go quiet again
+                    wait_for_idle(args.idle_wait_s, idle_threshold(args), console)
+                    run_of_disturbed = 0
+            else:
+                kept.append(record)
+                run_of_disturbed = 0
+        used = kept if len(kept) >= max(1, args.decode_steps // 2) else kept + discarded
+        step_ms = [r["ms"] for r in used]
+        total = sum(step_ms) / 1e3
+        decode_contended = used is not kept
+        if discarded:
+            console.log(f"[yellow]{dtype} decode B={batch}: {len(discarded)} step(s) set aside (other processes "
+                        f"on the CPUs){'; too few quiet steps, all counted' if decode_contended else ''}[/]")
+        out["decode"][str(batch)] = {
+            "batch_size": batch, "steps": len(used), "context_start": context_start,
+            "context_end": tables[0].num_tokens, "total_s": total, "tokens_per_s": batch * len(used) / total,
+            "step_ms_median": statistics.median(step_ms), "step_ms_min": min(step_ms), "step_ms_max": max(step_ms),
+            "bookkeeping_ms_per_step": statistics.mean(r["bookkeeping_ms"] for r in used), "notes": notes,
+            "step_ms": step_ms, "step_contexts": [r["context"] for r in used],
+            "warmup_step_ms": 1e3 * warm_decode_s, "warmup_context": warm_len,
+            "contended": decode_contended, "discarded_steps": discarded,
+            "cpu": {"other_cpu_share": (sum(r["other_cpu_s"] or 0.0 for r in used)
+                                        / max(total * (os.cpu_count() or 1), 1e-9)),
+                    "attempts": len(kept) + len(discarded), "contended": decode_contended},
+        }
+        console.log(f"{dtype} B={batch}: decode {len(used)} steps {total:.2f} s "
+                    f"-> {batch * len(used) / total:,.1f} tok/s{' [red](contended)[/]' if decode_contended else ''}")
+        if batch in profile_batches and args.profile_steps > 0:
+            wait_for_idle(args.idle_wait_s, idle_threshold(args), console)
+            with CpuMeter() as meter:
+                profile, tokens = profile_decode(bench, tables, tokens, args.profile_steps,
+                                                 args.top)
+            out["profile"][str(batch)] = {**profile, "cpu": meter.as_dict()}
+        bench.release(tables)
+    assert bench.free_blocks() == total_blocks, "blocks leaked"
+    return out  # the engine (and its KV tensors) goes with this frame
+
+
+# -- reporting --------------------------------------------------------------------------------------
+def fmt(value: float | None, spec: str = ",.1f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def share(cpu: dict) -> str:
+    """Other processes' CPU during a measurement, as a share of the whole machine (! = still contended)."""
+    value = cpu.get("other_cpu_share")
+    if value is None:
+        return "-"
+    tries = f" ({cpu['attempts']} tries)" if cpu.get("attempts", 1) > 1 else ""
+    return f"{100 * value:.0f}%{tries}{' !' if cpu.get('contended') else ''}"
+
+
+def speedups(results: dict, base: str, other: str) -> dict:
+    comparison: dict = {"baseline": base, "other": other, "prefill": {}, "decode": {}}
+    if base not in results or other not in results:
+        return comparison
+    for phase in ("prefill", "decode"):
+        for batch, row in results[base][phase].items():
+            other_row = results[other][phase].get(batch)
+            if other_row:
+                comparison[phase][batch] = other_row["tokens_per_s"] / row["tokens_per_s"]
+    return comparison
+
+
+def print_report(report: dict, console: Console) -> None:
+    meta, results = report["meta"], report["results"]
+    table = Table(title=f"widebeam runner throughput: {meta['model']} on CPU, {meta['threads']} threads, "
+                        f"torch {meta['torch_version']}")
+    table.add_column("dtype")
+    table.add_column("cached load s", justify="right")
+    batches = [str(b) for b in meta["batch_sizes"]]
+    for b in batches:
+        table.add_column(f"prefill tok/s B={b}", justify="right")
+    for b in batches:
+        table.add_column(f"decode tok/s B={b}", justify="right")
+    for dtype, r in results.items():
+        table.add_row(dtype, fmt(r["cached_load_s"], ".2f"),
+                      *[fmt(r["prefill"][b]["tokens_per_s"]) for b in batches],
+                      *[fmt(r["decode"][b]["tokens_per_s"]) for b in batches])
+    comparison = report.get("comparison") or {}
+    if comparison.get("prefill"):
+        table.add_row(f"{comparison['other']}/{comparison['baseline']}", "",
+                      *[fmt(comparison["prefill"].get(b), ".2f") + "x" for b in batches],
+                      *[fmt(comparison["decode"].get(b), ".2f") + "x" for b in batches])
+    console.print(table)
+
+    detail = Table(title="configurations")
+    for col in ("dtype", "phase", "B", "prompt/context", "seconds", "tok/s", "per step ms (med/min/max)",
+                "host bookkeeping", "other procs' CPU", "notes"):
+        detail.add_column(col)
+    for dtype, r in results.items():
+        for b, row in r["prefill"].items():
+            detail.add_row(dtype, "prefill", b, str(row["prompt_len"]),
+                           f"{row['median_s']:.3f} (median of {row['repeats']})", fmt(row["tokens_per_s"]), "",
+                           f"{row['bookkeeping_s_median'] * 1e3:.1f} ms", share(row["cpu"]), "; ".join(row["notes"]))
+        for b, row in r["decode"].items():
+            detail.add_row(dtype, "decode", b, f"{row['context_start']}->{row['context_end']}",
+                           f"{row['total_s']:.3f} ({row['steps']} steps)", fmt(row["tokens_per_s"]),
+                           f"{row['step_ms_median']:.1f}/{row['step_ms_min']:.1f}/{row['step_ms_max']:.1f}",
+                           f"{row['bookkeeping_ms_per_step']:.2f} ms/step", share(row["cpu"]),
+                           "; ".join(row["notes"]))
+    console.print(detail)
+
+    loads = report.get("load")
+    if loads:
+        t = Table(title="load (float32, separate processes)")
+        for col in ("cache", "import s", "LLM(...) s", "process wall s", "other procs' CPU"):
+            t.add_column(col)
+        for name, key in (("empty (GGUF conversion)", "fresh_cache"), ("warm", "warm_cache_fresh_process")):
+            row = loads[key]
+            t.add_row(name, f"{row['import_s']:.2f}", f"{row['construct_s']:.2f}", f"{row['process_wall_s']:.2f}",
+                      share(row["cpu"]))
+        console.print(t)
+
+    for dtype, r in results.items():
+        for b, prof in r["profile"].items():
+            tp = prof["torch_profiler"]
+            t = Table(title=f"{dtype} decode B={b}: top ops by self CPU time (torch.profiler, {prof['steps']} steps, "
+                            f"context {prof['context_start']}+, {tp['self_cpu_total_ms']:.0f} ms self in all, "
+                            f"other processes {share(prof['cpu'])} of the CPUs)")
+            for col in ("op", "self ms", "self %", "calls"):
+                t.add_column(col)
+            for row in tp["top_ops"]:
+                t.add_row(row["op"], f"{row['self_cpu_ms']:.1f}", f"{row['self_pct']:.1f}", str(row["calls"]))
+            console.print(t)
+            cp = prof["cprofile"]
+            t = Table(title=f"{dtype} decode B={b}: top functions by self time (cProfile, {prof['steps']} steps, "
+                            f"{cp['self_total_ms']:.0f} ms in all)")
+            for col in ("function", "self ms", "self %", "calls"):
+                t.add_column(col)
+            for row in cp["top_functions"]:
+                t.add_row(row["function"], f"{row['self_ms']:.1f}", f"{row['self_pct']:.1f}", str(row["calls"]))
+            console.print(t)
+
+
+def source_fingerprint() -> dict:
+    """sha256 over widebeam/**/*.py (the figures belong to this exact source), and the newest mtime."""
+    import hashlib
+
+    digest, newest = hashlib.sha256(), 0.0
+    for path in sorted((REPO_ROOT / "widebeam").rglob("*.py")):
+        digest.update(str(path.relative_to(REPO_ROOT)).encode() + b"\0" + path.read_bytes())
+        newest = max(newest, path.stat().st_mtime)
+    return {"widebeam_sources_sha256": digest.hexdigest()[:16],
+            "widebeam_newest_mtime": datetime.fromtimestamp(newest, UTC).isoformat(timespec="seconds")}
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def cpu_flags() -> list[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return sorted(f for f in line.split(":", 1)[1].split()
+                                  if f.startswith(("avx512_bf16", "avx512f", "amx", "avx2", "avx_vnni")))
+    except OSError:
+        pass
+    return []
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    console = Console(log_path=False)
+    if not console.is_terminal:  # logs and CI: wide enough that the tables keep their columns
+        console = Console(log_path=False, width=170)
+    torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    report: dict = {
+        "meta": {
+            "model": "smollm2-135m-instruct (SmolLM2-135M-Instruct Q4_1 GGUF, dequantized)",
+            "torch_version": torch.__version__, "python": platform.python_version(),
+            "threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads(),
+            "cpu": cpu_model(), "cpu_count": os.cpu_count(), "cpu_flags": cpu_flags(),
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "dtypes": args.dtype, "batch_sizes": args.batch_sizes, "prompt_len": args.prompt_len,
+            "large_batch_prompt_len": args.large_batch_prompt_len, "decode_steps": args.decode_steps,
+            "kv_cache_memory": args.kv_cache_memory, "tokens_per_block": args.tokens_per_block,
+            "widebeam_cache": os.environ["WIDEBEAM_CACHE"], "seed": args.seed,
+            "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
+            **source_fingerprint(),
+            "timing": "time.perf_counter around runner.execute only; one warm-up prefill + decode step per "
+                      "configuration at its batch size (prompts cut to --warmup-max-tokens/B); prefill tok/s = "
+                      "B*prompt_len/median; decode tok/s = B*steps/sum of step times; measurements during which "
+                      "other processes took > --max-other-share of the CPUs are repeated (see each 'cpu')",
+        },
+        "results": {},
+    }
+    if not args.skip_first_load:
+        console.log("first load: float32 in a fresh process with an empty cache (GGUF conversion) ...")
+        report["load"] = first_and_fresh_process_loads(args, console)
+        console.log(f"first load {report['load']['fresh_cache']['construct_s']:.1f} s, fresh process warm cache "
+                    f"{report['load']['warm_cache_fresh_process']['construct_s']:.1f} s")
+    # Later LLM(...) timings should not pay for one-off imports (the tokenizer pulls in transformers).
+    import transformers  # noqa: F401
+    from transformers import AutoTokenizer  # noqa: F401
+
+    for dtype in args.dtype:
+        report["results"][dtype] = run_dtype(dtype, args, console)
+    if "float32" in report["results"] and "bfloat16" in report["results"]:
+        report["comparison"] = speedups(report["results"], "float32", "bfloat16")
+    report["meta"]["total_wall_s"] = time.perf_counter() - started
+
+    out = Path(args.out)
+    if not out.is_absolute():
+        out = REPO_ROOT / out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print_report(report, console)
+    console.log(f"wrote {out} in {report['meta']['total_wall_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
