@@ -71,3 +71,33 @@ def tiny_variant_dir(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(f"tiny-{request.param}")
     save_tiny_model(path, model_type, **overrides)
     return path
+
+
+# Gemma 3 text decoders: six layers, five sliding to one full. "w8": window 8, a linearly scaled global
+# RoPE in transformers 5's per-layer-type `rope_parameters`, query_pre_attn_scalar unlike head_dim, a
+# final logit softcap. "w16": window 16, config.json rewritten to the 4.x flat fields (rope_theta +
+# rope_scaling for global layers, rope_local_base_freq for sliding ones), and an attention softcap,
+# which transformers ignores for Gemma 3.
+TINY_GEMMA3 = {
+    "w8": {"sliding_window": 8, "head_dim": 16, "query_pre_attn_scalar": 24, "final_logit_softcapping": 30.0,
+           "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                               "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+    "w16": {"sliding_window": 16, "head_dim": 32, "query_pre_attn_scalar": 32, "attn_logit_softcapping": 50.0},
+}
+TINY_GEMMA3_FLAT_ROPE = {"rope_theta": 500000.0, "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+                         "rope_local_base_freq": 100.0}
+
+
+@pytest.fixture(scope="session", params=sorted(TINY_GEMMA3))
+def tiny_gemma3_dir(request, tmp_path_factory):
+    import json
+
+    path = tmp_path_factory.mktemp(f"tiny-gemma3-{request.param}")
+    save_tiny_model(path, "gemma3_text", num_hidden_layers=6, tie_word_embeddings=True,
+                    layer_types=["sliding_attention"] * 5 + ["full_attention"], **TINY_GEMMA3[request.param])
+    if request.param == "w16":
+        config = json.loads((path / "config.json").read_text())
+        del config["rope_parameters"]
+        config.update(TINY_GEMMA3_FLAT_ROPE)
+        (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path

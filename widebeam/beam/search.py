@@ -22,6 +22,9 @@ What that algorithm does, and what this module therefore does:
   `max_new_tokens` when `early_stopping == "never"` and `length_penalty > 0`), does not beat the worst kept
   hypothesis.
 * `min_new_tokens`: while fewer than `min_new_tokens` tokens were generated, EOS ids get log-prob -inf.
+* Candidates with exactly equal float32 scores (ties) come in the order torch.topk gives them, which
+  depends on tensor shapes and device; HF's own order among exact ties is no better defined, so it is not
+  imitated. (Real models practically never tie; a toy bigram model ties whenever beams permute a cycle.)
 * `beam_width=1` is what HF `generate(num_beams=1)` runs: greedy search. It is the W=1 case of the above
   except that the first EOS always ends the search (the "never" rule with `length_penalty > 0` could keep
   a width-1 beam search going); the hypothesis is still scored as above (HF greedy reports no score).
@@ -29,8 +32,8 @@ What that algorithm does, and what this module therefore does:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 import torch
 
@@ -182,7 +185,10 @@ class BeamSearchState:
 
     @property
     def live_token_ids(self) -> list[list[int]]:
-        """Generated tokens of each live beam, in live-beam order (one empty list before the first step)."""
+        """Generated tokens of each live beam, in live-beam order (one empty list before the first step).
+
+        Rebuilt from the token tree once per step: O(beam_width * generated tokens), unlike `step`.
+        """
         if self._live_tokens_cache is None:
             self._live_tokens_cache = [self._path(node) for node in self._live_nodes]
         return [list(tokens) for tokens in self._live_tokens_cache]
@@ -204,7 +210,6 @@ class BeamSearchState:
         if lp.dtype != torch.float32:
             lp = lp.float()
         device = lp.device
-        vocab = lp.shape[1]
         width = self.beam_width
         mask_eos = bool(self._eos_sorted) and self._generated < self.params.min_new_tokens
 
@@ -279,7 +284,7 @@ class BeamSearchState:
         """
         if self._done:
             raise RuntimeError("beam search is done; call finalize()")
-        chosen = sorted(set(int(i) for i in indices))
+        chosen = sorted({int(i) for i in indices})
         if not chosen:
             return
         if self._generated == 0:
@@ -313,7 +318,8 @@ class BeamSearchState:
         """The best `num_return_sequences` hypotheses, best first.
 
         Called before the search is done (an aborted request), live beams fill any missing places, scored at
-        their current length with finish reason "length".
+        their current length with finish reason "length". Fewer come back only when stop strings ended every
+        beam before `num_return_sequences` hypotheses were finished.
         """
         wanted = self.params.num_return_sequences
         entries = list(self._finished[:wanted])

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import torch
 
+from widebeam.model.gemma3 import SUPPORTED_MODEL_TYPES as GEMMA3_TYPES
+from widebeam.model.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from widebeam.model.layers import UnsupportedModelError
 from widebeam.model.llama import SUPPORTED_MODEL_TYPES as LLAMA_TYPES
 from widebeam.model.llama import LlamaConfig, LlamaForCausalLM
 from widebeam.model.loader import ModelSource, load_config, load_state_dict
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SUPPORTED_MODEL_TYPES = LLAMA_TYPES
+SUPPORTED_MODEL_TYPES = LLAMA_TYPES + GEMMA3_TYPES
 
 
 def torch_dtype(dtype: str) -> torch.dtype:
@@ -24,6 +26,8 @@ def build_model(config: dict) -> torch.nn.Module:
     model_type = config.get("model_type")
     if model_type in LLAMA_TYPES:
         return LlamaForCausalLM(LlamaConfig.from_hf_config(config))
+    if model_type in GEMMA3_TYPES:
+        return Gemma3ForCausalLM(Gemma3Config.from_hf_config(config))
     raise UnsupportedModelError(
         f"model architecture {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
     )

@@ -1,0 +1,498 @@
+"""The OpenAI-compatible HTTP server: routes, the guard middleware (API key, body size), and the
+engine loop.
+
+The engine is not thread-safe, so one asyncio task (`EngineLoop.run`) owns it: only that task calls
+`add_request`, `step`, `poll` and `abort`, one at a time, and the heavy calls (`step`, tokenizing in
+`add_request`) run in a worker thread so the event loop keeps serving. Handlers hand it commands and
+wait on a future (admission: accepted, or the engine's error, before any 200 is sent) and then on
+their group's queue of events (streamed text, final outputs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from widebeam.outputs import RequestOutput
+from widebeam.server import protocol as p
+from widebeam.server.metrics import CONTENT_TYPE, ServerMetrics
+
+log = logging.getLogger("widebeam.server")
+
+DEFAULT_MAX_REQUEST_BYTES = 2**20
+DISCONNECT_POLL_S = 0.2  # how often a waiting non-streaming handler checks that its client is still there
+
+
+# -- the engine loop -------------------------------------------------------------------------------
+class Group:
+    """The engine requests of one API call and the queue their events arrive on:
+    (index, "text", partial_text) for streams, (index, "final", RequestOutput), (index, "error", ApiError)."""
+
+    def __init__(self, request_ids: list[str], stream: bool):
+        self.request_ids = request_ids
+        self.stream = stream
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+
+@dataclass
+class _Tracked:
+    group: Group
+    index: int
+    arrival: float
+    first_token_at: float | None = None
+    last_text: str = ""
+
+
+@dataclass
+class _Add:
+    group: Group
+    entries: list  # (prompt, params) per request id
+    future: asyncio.Future
+    arrival: float = field(default_factory=time.monotonic)
+
+
+class EngineLoop:
+    def __init__(self, engine, metrics: ServerMetrics | None = None):
+        self.engine = engine
+        self.metrics = metrics
+        self.snapshot: dict = engine.stats()
+        self.failure: BaseException | None = None
+        self._commands: list = []
+        self._wake = asyncio.Event()
+        self._tracked: dict[str, _Tracked] = {}
+
+    # handler side (event-loop thread) ------------------------------------------------------------
+    async def submit(self, request_ids: list[str], entries: list, stream: bool) -> Group:
+        """Admit all of `entries` or none; raises the engine's ValueError (or ApiError) if one is refused."""
+        if self.failure is not None:
+            raise p.ApiError(503, f"the engine loop has stopped: {self.failure}", type="server_error")
+        group = Group(request_ids, stream)
+        future = asyncio.get_running_loop().create_future()
+        self._commands.append(_Add(group, entries, future))
+        self._wake.set()
+        await future
+        return group
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._commands.append(("abort", list(request_ids)))
+        self._wake.set()
+
+    # the owner task ------------------------------------------------------------------------------
+    async def run(self) -> None:
+        try:
+            while True:
+                if not self._commands and not self.engine.has_unfinished():
+                    self._wake.clear()
+                    await self._wake.wait()
+                commands, self._commands = self._commands, []
+                if commands:
+                    results = await asyncio.to_thread(self._apply, commands)
+                    self._settle(commands, results)
+                    self.snapshot = self.engine.stats()
+                if self.engine.has_unfinished():
+                    try:
+                        finished = await asyncio.to_thread(self.engine.step)
+                    except Exception as exc:  # a bug: fail the requests in flight, keep serving
+                        log.exception("engine step failed")
+                        self._fail_all(exc)
+                    else:
+                        self._after_step(finished, time.monotonic())
+                    self.snapshot = self.engine.stats()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            log.exception("engine loop stopped")
+            self.failure = exc
+            self._fail_all(exc)
+            for command in self._commands:
+                if isinstance(command, _Add) and not command.future.done():
+                    command.future.set_exception(p.ApiError(503, "the engine loop has stopped", type="server_error"))
+            raise
+
+    def _apply(self, commands: list) -> list:
+        """Runs in the worker thread: the engine calls of a batch of commands, in order."""
+        results = []
+        for command in commands:
+            if isinstance(command, _Add):
+                results.append(self._add(command))
+            else:
+                for request_id in command[1]:
+                    self.engine.abort(request_id)
+                results.append(None)
+        return results
+
+    def _add(self, command: _Add):
+        added = []
+        try:
+            for request_id, (prompt, params) in zip(command.group.request_ids, command.entries):
+                self.engine.add_request(request_id, prompt, params)
+                added.append(request_id)
+        except Exception as exc:
+            for request_id in added:
+                self.engine.abort(request_id)
+            if isinstance(exc, ValueError):
+                return exc
+            log.exception("add_request failed")
+            return p.ApiError(500, f"internal error while admitting the request: {exc}", type="server_error")
+        return [len(self.engine.poll(request_id).prompt_token_ids) for request_id in added]
+
+    def _settle(self, commands: list, results: list) -> None:
+        for command, result in zip(commands, results):
+            if not isinstance(command, _Add):
+                for request_id in command[1]:
+                    if self._tracked.pop(request_id, None) is not None and self.metrics:
+                        self.metrics.aborted.inc()
+                continue
+            if isinstance(result, Exception):
+                if not command.future.done():
+                    command.future.set_exception(result)
+                continue
+            if command.future.done():  # the handler went away while waiting for admission
+                for request_id in command.group.request_ids:
+                    self.engine.abort(request_id)
+                if self.metrics:
+                    self.metrics.aborted.inc(len(command.group.request_ids))
+                continue
+            for index, request_id in enumerate(command.group.request_ids):
+                self._tracked[request_id] = _Tracked(command.group, index, command.arrival)
+            if self.metrics:
+                self.metrics.prompt_tokens.inc(sum(result))
+            command.future.set_result(None)
+
+    def _after_step(self, finished: list[RequestOutput], now: float) -> None:
+        schedule = self.engine.last_schedule
+        for item in schedule.scheduled if schedule else ():
+            tracked = self._tracked.get(item.request.request_id)
+            if tracked and tracked.first_token_at is None and item.request.prompt_done:
+                tracked.first_token_at = now
+                if self.metrics:
+                    self.metrics.time_to_first_token.observe(now - tracked.arrival)
+        for output in finished:
+            tracked = self._tracked.pop(output.request_id, None)
+            if tracked is None:
+                continue
+            if self.metrics and output.outputs:
+                self.metrics.finished.labels(output.outputs[0].finish_reason or "unknown").inc()
+                self.metrics.generated_tokens.inc(sum(len(c.token_ids) for c in output.outputs))
+                num_tokens = max(len(c.token_ids) for c in output.outputs)
+                if tracked.first_token_at is not None and num_tokens > 1:
+                    self.metrics.time_per_output_token.observe((now - tracked.first_token_at) / (num_tokens - 1))
+            tracked.group.queue.put_nowait((tracked.index, "final", output))
+        for request_id, tracked in self._tracked.items():
+            if not tracked.group.stream:
+                continue
+            partial = self.engine.poll(request_id)
+            if partial is not None and partial.outputs and partial.outputs[0].text != tracked.last_text:
+                tracked.last_text = partial.outputs[0].text
+                tracked.group.queue.put_nowait((tracked.index, "text", tracked.last_text))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        error = p.ApiError(500, f"the engine failed while running this request: {exc}", type="server_error")
+        for request_id, tracked in self._tracked.items():
+            tracked.group.queue.put_nowait((tracked.index, "error", error))
+            try:
+                self.engine.abort(request_id)
+            except Exception:
+                log.exception("abort after a failed step")
+        if self.metrics:
+            self.metrics.aborted.inc(len(self._tracked))
+        self._tracked.clear()
+
+
+# -- the guard: API key and body size, before anything else reads the request ---------------------
+class GuardMiddleware:
+    def __init__(self, app, api_key: str | None, max_request_bytes: int):
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.max_request_bytes = max_request_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.api_key and scope["path"] != "/health":
+            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+                return await _send_error(send, 401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                         code="invalid_api_key", extra_headers=[(b"www-authenticate", b"Bearer")])
+        too_large = (f"request body exceeds the server's limit of {self.max_request_bytes} bytes "
+                     "(widebeam serve --max-request-bytes)")
+        length = headers.get(b"content-length")
+        if length is not None:
+            if not length.isdigit():
+                return await _send_error(send, 400, "invalid Content-Length header")
+            if int(length) > self.max_request_bytes:
+                return await _send_error(send, 413, too_large, code="request_too_large")
+        # Read the whole body now (chunked bodies carry no length), then replay it.
+        chunks, size, last = [], 0, None
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                last = message
+                break
+            body = message.get("body", b"")
+            size += len(body)
+            if size > self.max_request_bytes:
+                return await _send_error(send, 413, too_large, code="request_too_large")
+            chunks.append(body)
+            if not message.get("more_body", False):
+                break
+        replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+        if last is not None:
+            replay.append(last)
+
+        async def replay_receive():
+            return replay.pop(0) if replay else await receive()
+
+        return await self.app(scope, replay_receive, send)
+
+
+async def _send_error(send, status: int, message: str, code: str | None = None, extra_headers=()):
+    error_type = "invalid_request_error" if status < 500 else "server_error"
+    body = json.dumps(p.error_body(message, error_type, None, code)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *extra_headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _error_response(error: p.ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status_code)
+
+
+def _validation_message(errors) -> tuple[str, str | None]:
+    parts, param = [], None
+    for error in errors:
+        loc = [str(x) for x in error.get("loc", ()) if x != "body"]
+        if error.get("type") == "json_invalid":
+            detail = (error.get("ctx") or {}).get("error", "")
+            parts.append(f"request body is not valid JSON ({detail} at position {loc[0] if loc else '?'})")
+            continue
+        if param is None and loc:
+            param = loc[0]
+        parts.append(f"{'.'.join(loc) or 'body'}: {error.get('msg', 'invalid')}")
+    return "; ".join(parts) or "invalid request", param
+
+
+# -- the app ---------------------------------------------------------------------------------------
+_ERROR_RESPONSES = {status: {"model": p.ErrorResponse, "description": text} for status, text in (
+    (400, "invalid request, or one that can never fit the KV cache (code kv_cache_capacity_exceeded)"),
+    (401, "missing or wrong API key"), (404, "unknown model"), (413, "request body too large"))}
+
+
+def create_app(engine, *, model_name: str, api_key: str | None = None,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    from widebeam import __version__
+
+    metrics = ServerMetrics(lambda: loop.snapshot)
+    loop = EngineLoop(engine, metrics)
+    created = p.now()
+
+    @asynccontextmanager
+    async def lifespan(app):
+        task = asyncio.create_task(loop.run(), name="widebeam-engine-loop")
+        try:
+            yield
+        finally:
+            task.cancel()
+            await asyncio.wait({task})  # never raises: a loop failure was logged when it happened
+
+    app = FastAPI(title="widebeam", version=__version__, lifespan=lifespan,
+                  description="OpenAI-compatible server with beam search at any width.")
+    app.state.engine_loop = loop
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_request_bytes=max_request_bytes)
+
+    @app.exception_handler(p.ApiError)
+    async def _api_error(request, exc: p.ApiError):
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, exc: RequestValidationError):
+        message, param = _validation_message(exc.errors())
+        return _error_response(p.ApiError(400, message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc: StarletteHTTPException):
+        error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(p.error_body(str(exc.detail), error_type), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal(request, exc: Exception):
+        log.exception("unhandled error")
+        return JSONResponse(p.error_body("internal server error", "server_error"), status_code=500)
+
+    @app.get("/health")
+    async def health():
+        if loop.failure is not None:
+            return JSONResponse({"status": "error", "detail": str(loop.failure)}, status_code=503)
+        stats = loop.snapshot
+        return {"status": "ok", "model": model_name, "running": stats["running"], "waiting": stats["waiting"],
+                "kv_blocks": stats["pools"]}
+
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}})
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models", response_model=p.ModelList, responses=_ERROR_RESPONSES)
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "widebeam", "max_model_len": engine.max_seq_len}]}
+
+    @app.post("/v1/completions", response_model=p.CompletionResponse, responses=_ERROR_RESPONSES)
+    async def completions(body: p.CompletionRequest, request: Request):
+        return await _generate(request, body, chat=False)
+
+    @app.post("/v1/chat/completions", response_model=p.ChatCompletionResponse, responses=_ERROR_RESPONSES)
+    async def chat_completions(body: p.ChatCompletionRequest, request: Request):
+        return await _generate(request, body, chat=True)
+
+    async def _generate(request: Request, req, chat: bool):
+        if req.model is not None and req.model != model_name:
+            raise p.ApiError(404, f"model {req.model!r} is not served here; this server serves {model_name!r}",
+                             param="model", code="model_not_found")
+        plan = p.plan_request(req)
+        prompts = p.chat_prompts(engine.tokenizer, req) if chat else p.completion_prompts(req)
+        prompt_field = "messages" if chat else "prompt"
+        if len(prompts) * plan.requests_per_prompt > p.MAX_ENGINE_REQUESTS_PER_CALL:
+            raise p.invalid(prompt_field, f"too many prompts x choices in one call: at most "
+                                          f"{p.MAX_ENGINE_REQUESTS_PER_CALL} engine requests")
+        entries = [(prompt, params) for prompt in prompts for params in plan.params]
+        call_id = p.new_id("chatcmpl" if chat else "cmpl")
+        request_ids = [f"{call_id}-{k}" for k in range(len(entries))]
+        try:
+            group = await loop.submit(request_ids, entries, stream=req.stream)
+        except ValueError as exc:
+            raise p.engine_error(exc, width_field=plan.width_field, prompt_field=prompt_field,
+                                 max_tokens_name=p.max_tokens_field(req)[0]) from None
+        stops = plan.params[0].stop
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(_stream(loop, group, plan, chat, call_id, len(prompts), stops, include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        outputs = await _collect(loop, group, request)
+        if outputs is None:  # the client went away; its requests are aborted
+            return Response(status_code=499)
+        choices, prompt_tokens, completion_tokens = [], 0, 0
+        for prompt_index in range(len(prompts)):
+            start = prompt_index * plan.requests_per_prompt
+            outs = outputs[start:start + plan.requests_per_prompt]
+            prompt_tokens += len(outs[0].prompt_token_ids)
+            for j, completion in enumerate(p.choices_of(outs, plan)):
+                completion_tokens += len(completion.token_ids)
+                choices.append(p.choice(chat, prompt_index * plan.n + j, completion.text, completion.finish_reason,
+                                        completion.score if plan.beam else None))
+        return JSONResponse({"id": call_id, "object": "chat.completion" if chat else "text_completion",
+                             "created": p.now(), "model": model_name, "choices": choices,
+                             "usage": p.usage(prompt_tokens, completion_tokens)})
+
+    def _stream(loop: EngineLoop, group: Group, plan: p.Plan, chat: bool, call_id: str, num_prompts: int,
+                stops: tuple[str, ...], include_usage: bool) -> AsyncIterator[str]:
+        object_name = "chat.completion.chunk" if chat else "text_completion"
+        created = p.now()
+
+        def event(choices, **extra) -> str:
+            payload = {"id": call_id, "object": object_name, "created": created, "model": model_name,
+                       "choices": choices, **extra}
+            return f"data: {json.dumps(payload)}\n\n"
+
+        def choice_index(k: int, j: int = 0) -> int:
+            return (k // plan.requests_per_prompt) * plan.n + (0 if plan.beam else k % plan.requests_per_prompt) + j
+
+        async def generate():
+            done = False
+            sent = [""] * len(group.request_ids)
+            remaining = len(group.request_ids)
+            prompt_tokens = completion_tokens = 0
+            try:
+                if chat:
+                    yield event([p.chunk_choice(True, i, "", None, first=True) for i in range(num_prompts * plan.n)])
+                while remaining:
+                    k, kind, payload = await group.queue.get()
+                    if kind == "error":
+                        yield f"data: {json.dumps(payload.body())}\n\n"
+                        break
+                    if kind == "text":
+                        safe = p.stream_safe_prefix(payload, stops)
+                        if len(safe) > len(sent[k]) and safe.startswith(sent[k]):
+                            yield event([p.chunk_choice(chat, choice_index(k), safe[len(sent[k]):], None)])
+                            sent[k] = safe
+                        continue
+                    remaining -= 1
+                    output: RequestOutput = payload
+                    if k % plan.requests_per_prompt == 0:
+                        prompt_tokens += len(output.prompt_token_ids)
+                    completions = output.outputs if plan.beam else output.outputs[:1]
+                    chunks = []
+                    for j, completion in enumerate(completions):
+                        completion_tokens += len(completion.token_ids)
+                        text = completion.text
+                        if not plan.beam:
+                            text = text[len(sent[k]):] if text.startswith(sent[k]) else ""
+                        chunks.append(p.chunk_choice(chat, choice_index(k, j), text, completion.finish_reason,
+                                                     completion.score if plan.beam else None))
+                    yield event(chunks)
+                else:
+                    if include_usage:
+                        yield event([], usage=p.usage(prompt_tokens, completion_tokens))
+                yield "data: [DONE]\n\n"
+                done = True
+            finally:
+                if not done:  # the client went away (the response was cancelled) or an error ended it
+                    loop.abort(group.request_ids)
+
+        return generate()
+
+    def custom_openapi():
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                                 routes=app.routes)
+            # Validation errors are answered 400 in the OpenAI error shape, never FastAPI's 422.
+            for methods in schema.get("paths", {}).values():
+                for operation in methods.values():
+                    operation.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = custom_openapi
+    return app
+
+
+async def _collect(loop: EngineLoop, group: Group, request: Request) -> list[RequestOutput] | None:
+    """Wait for every final output of the group; None (and its requests aborted) if the client leaves."""
+    results: list[RequestOutput | None] = [None] * len(group.request_ids)
+    remaining = len(results)
+    complete = False
+    try:
+        while remaining:
+            try:
+                k, kind, payload = await asyncio.wait_for(group.queue.get(), DISCONNECT_POLL_S)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    return None
+                continue
+            if kind == "error":
+                raise payload
+            if kind == "final":
+                results[k] = payload
+                remaining -= 1
+        complete = True
+        return results  # type: ignore[return-value]
+    finally:
+        if not complete:
+            loop.abort(group.request_ids)

@@ -1,0 +1,62 @@
+"""Prometheus metrics of one server, in their own registry (nothing global is touched).
+
+Gauges that describe the engine (requests running and waiting, KV blocks per pool) are read from a
+snapshot the engine loop takes after every step, so `/metrics` never touches the engine itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class _EngineCollector:
+    """Reads the engine loop's latest `engine.stats()` snapshot."""
+
+    def __init__(self, snapshot: Callable[[], dict]):
+        self._snapshot = snapshot
+
+    def collect(self):
+        stats = self._snapshot()
+        running = GaugeMetricFamily("widebeam_requests_running", "Engine requests running (holding KV blocks)")
+        running.add_metric([], stats.get("running", 0))
+        waiting = GaugeMetricFamily("widebeam_requests_waiting", "Engine requests admitted and waiting for blocks")
+        waiting.add_metric([], stats.get("waiting", 0))
+        rejected = CounterMetricFamily("widebeam_requests_rejected",
+                                       "Engine requests rejected at admission (infeasible or invalid)")
+        rejected.add_metric([], stats.get("rejected", 0))
+        total = GaugeMetricFamily("widebeam_kv_blocks_total", "KV blocks in the pool", labels=["pool"])
+        free = GaugeMetricFamily("widebeam_kv_blocks_free", "KV blocks free in the pool", labels=["pool"])
+        for pool, s in sorted(stats.get("pools", {}).items()):
+            total.add_metric([pool], s["total_blocks"])
+            free.add_metric([pool], s["free_blocks"])
+        yield from (running, waiting, rejected, total, free)
+
+
+class ServerMetrics:
+    def __init__(self, snapshot: Callable[[], dict]):
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_EngineCollector(snapshot))
+        r = self.registry
+        self.finished = Counter("widebeam_requests_finished", "Engine requests finished, by finish reason "
+                                "(of the best choice)", ["finish_reason"], registry=r)
+        self.aborted = Counter("widebeam_requests_aborted", "Engine requests aborted (client gone or error)",
+                               registry=r)
+        self.prompt_tokens = Counter("widebeam_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generated_tokens = Counter("widebeam_generation_tokens",
+                                        "Tokens generated (for beam search: of the returned beams)", registry=r)
+        self.time_to_first_token = Histogram("widebeam_time_to_first_token_seconds",
+                                             "From arrival to the step that chose the first token",
+                                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.time_per_output_token = Histogram("widebeam_time_per_output_token_seconds",
+                                               "Mean time per generated token after the first, per request",
+                                               buckets=_LATENCY_BUCKETS, registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

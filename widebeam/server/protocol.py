@@ -1,0 +1,405 @@
+"""The OpenAI-compatible wire format: request and response models, and the translation of a request
+into engine parameters. Every mistake in a request becomes an `ApiError` naming the field.
+
+Beam search rides on the OpenAI fields: `use_beam_search: true`, `n` beams returned, `best_of` or
+`beam_width` beams searched (default `n`), `length_penalty`, `early_stopping`, `stop`,
+`stop_token_ids`, `min_tokens`, `max_tokens`. Each beam choice carries its `beam_score`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from widebeam.errors import InvalidParameterError, RequestTooLargeError
+from widebeam.outputs import CompletionOutput, RequestOutput
+from widebeam.params import BeamSearchParams, SamplingParams
+
+# Sampled requests with n > 1 become n engine requests; a bound keeps one call from flooding the queue.
+MAX_ENGINE_REQUESTS_PER_CALL = 128
+# Below this a temperature is greedy: dividing logits by ~0 overflows to inf and NaN probabilities.
+GREEDY_TEMPERATURE = 1e-5
+# A top_p below float32's smallest number rounds to 0 in the engine and drops every token; any top_p
+# below the top token's probability (>= 1/vocab) keeps just that token, so raising it changes nothing.
+MIN_TOP_P = 1e-9
+KV_CAPACITY_CODE = "kv_cache_capacity_exceeded"
+
+
+class ApiError(Exception):
+    """An error answered as an OpenAI error object: {"error": {message, type, param, code}}."""
+
+    def __init__(self, status_code: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def invalid(param: str, message: str) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+# -- requests --------------------------------------------------------------------------------------
+_STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+    include_usage: bool = False
+
+
+class _GenerationFields(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model_config = _STRICT
+
+    model: str | None = Field(None, description="the served model name (see /v1/models); optional")
+    temperature: float | None = Field(None, ge=0, description="0 is greedy; default 1 (sampling)")
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, description="0 or -1: off")
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1, description="choice i uses seed + i")
+    n: int = Field(1, ge=1, description="choices per prompt; with beam search, the beams returned")
+    best_of: int | None = Field(None, ge=1, description="beam search: beams searched; sampling: samples "
+                                                        "drawn, the n most likely returned")
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    use_beam_search: bool = False
+    beam_width: int | None = Field(None, ge=1, description="beams searched (same as best_of); default n")
+    length_penalty: float | None = Field(None, description="beam search only; default 1.0")
+    early_stopping: bool | Literal["never"] | None = Field(None, description="beam search only; default false")
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    # OpenAI fields accepted only at their neutral values.
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+
+class CompletionRequest(_GenerationFields):
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        ..., description="text, token ids, or a batch of either")
+    max_tokens: int | None = Field(16, ge=1, description="null: up to the engine's max_seq_len")
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_GenerationFields):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_tokens: int | None = Field(None, ge=1, description="null: up to the engine's max_seq_len")
+    max_completion_tokens: int | None = Field(None, ge=1, description="same as max_tokens")
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+
+# -- responses (documented in the OpenAPI schema; the handlers write plain dicts) ------------------
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: None = None
+    beam_score: float | None = Field(None, description="beam search only: the length-penalised score")
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: str | None
+    beam_score: float | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "widebeam"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# -- request -> engine parameters ------------------------------------------------------------------
+@dataclass
+class Plan:
+    """What one API call asks of the engine: `params[i]` for each engine request of each prompt;
+    beam search has one engine request per prompt, sampling `num_samples` (n, or best_of)."""
+
+    params: list[SamplingParams | BeamSearchParams]
+    beam: bool
+    n: int  # choices returned per prompt
+    width_field: str  # the field the beam width came from, for error messages
+
+    @property
+    def requests_per_prompt(self) -> int:
+        return len(self.params)
+
+
+def _given(req: BaseModel, name: str) -> bool:
+    return name in req.model_fields_set and getattr(req, name) is not None
+
+
+def _check_unsupported(req: _GenerationFields) -> None:
+    neutral = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},),
+               "echo": (False,), "logprobs": (False, 0), "suffix": ("",), "top_logprobs": (0,)}
+    for name, allowed in neutral.items():
+        value = getattr(req, name, None)
+        if value is not None and value not in allowed:
+            raise invalid(name, f"{name} is not supported by this server (got {value!r})")
+
+
+def max_tokens_field(req: _GenerationFields) -> tuple[str, int | None]:
+    if isinstance(req, ChatCompletionRequest) and _given(req, "max_completion_tokens"):
+        if _given(req, "max_tokens") and req.max_tokens != req.max_completion_tokens:
+            raise invalid("max_completion_tokens", "max_tokens and max_completion_tokens differ; give one")
+        return "max_completion_tokens", req.max_completion_tokens
+    return "max_tokens", req.max_tokens
+
+
+def plan_request(req: _GenerationFields) -> Plan:
+    """Translate the request into engine parameters, or raise ApiError naming the bad field."""
+    _check_unsupported(req)
+    _, max_tokens = max_tokens_field(req)
+    stop = tuple([req.stop] if isinstance(req.stop, str) else (req.stop or ()))
+    stop_token_ids = tuple(req.stop_token_ids or ())
+    if _given(req, "stream_options") and not req.stream:
+        raise invalid("stream_options", "stream_options needs stream: true")
+    if req.use_beam_search:
+        return _beam_plan(req, max_tokens, stop, stop_token_ids)
+    for name in ("beam_width", "length_penalty", "early_stopping"):
+        if _given(req, name):
+            raise invalid(name, f"{name} applies only to beam search: add use_beam_search: true")
+    num_samples = req.best_of if _given(req, "best_of") else req.n
+    if num_samples < req.n:
+        raise invalid("best_of", f"best_of ({num_samples}) must be >= n ({req.n})")
+    if num_samples > MAX_ENGINE_REQUESTS_PER_CALL:
+        name = "best_of" if _given(req, "best_of") else "n"
+        raise invalid(name, f"{name} must be <= {MAX_ENGINE_REQUESTS_PER_CALL} for sampling, got {num_samples}")
+    if req.stream and num_samples != req.n:
+        raise invalid("best_of", "best_of > n cannot be streamed")
+    temperature = 1.0 if req.temperature is None else req.temperature
+    if temperature < GREEDY_TEMPERATURE:
+        temperature = 0.0
+    params = []
+    for i in range(num_samples):
+        seed = None if req.seed is None else req.seed + i
+        params.append(_engine_params(
+            SamplingParams, max_new_tokens=max_tokens, temperature=temperature,
+            top_k=0 if req.top_k is None else req.top_k, top_p=1.0 if req.top_p is None else max(req.top_p, MIN_TOP_P),
+            seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=req.ignore_eos,
+            min_new_tokens=req.min_tokens))
+    return Plan(params, beam=False, n=req.n, width_field="n")
+
+
+def _beam_plan(req, max_tokens, stop, stop_token_ids) -> Plan:
+    if req.temperature is not None and req.temperature > 0:
+        raise invalid("temperature", f"beam search is deterministic: temperature must be 0 or absent, "
+                                     f"got {req.temperature}")
+    if req.top_p is not None and req.top_p != 1:
+        raise invalid("top_p", f"beam search does not sample: top_p must be 1 or absent, got {req.top_p}")
+    if req.top_k is not None and req.top_k not in (0, -1):
+        raise invalid("top_k", f"beam search does not sample: top_k must be 0, -1 or absent, got {req.top_k}")
+    if _given(req, "best_of") and _given(req, "beam_width") and req.best_of != req.beam_width:
+        raise invalid("beam_width", f"best_of ({req.best_of}) and beam_width ({req.beam_width}) differ; give one")
+    width_field = "beam_width" if _given(req, "beam_width") else "best_of" if _given(req, "best_of") else "n"
+    width = getattr(req, width_field)
+    if req.n > width:
+        raise invalid("n", f"n ({req.n}) must be <= the beams searched ({width_field}={width})")
+    params = _engine_params(
+        BeamSearchParams, beam_width=width, max_new_tokens=max_tokens,
+        length_penalty=1.0 if req.length_penalty is None else req.length_penalty,
+        early_stopping=False if req.early_stopping is None else req.early_stopping,
+        num_return_sequences=req.n, min_new_tokens=req.min_tokens, stop_token_ids=stop_token_ids, stop=stop,
+        ignore_eos=req.ignore_eos, _width_field=width_field)
+    return Plan([params], beam=True, n=req.n, width_field=width_field)
+
+
+# Engine field names -> the API's.
+_API_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "num_return_sequences": "n"}
+
+
+def _engine_params(cls, _width_field: str = "n", **kwargs):
+    try:
+        return cls(**kwargs)
+    except InvalidParameterError as exc:
+        raise engine_error(exc, width_field=_width_field) from None
+
+
+def engine_error(exc: ValueError, *, width_field: str = "n", prompt_field: str = "prompt",
+                 max_tokens_name: str = "max_tokens") -> ApiError:
+    """An engine admission error as the API answers it."""
+    if isinstance(exc, RequestTooLargeError):
+        return ApiError(400, str(exc), code=KV_CAPACITY_CODE)
+    param = getattr(exc, "param", None)
+    message = str(exc)
+    for engine_name, api_name in _API_NAMES.items():
+        message = message.replace(engine_name, api_name)
+    names = dict(_API_NAMES, beam_width=width_field, prompt=prompt_field, max_new_tokens=max_tokens_name)
+    return ApiError(400, message, param=names.get(param, param))
+
+
+def choices_of(outs: list[RequestOutput], plan: Plan) -> list[CompletionOutput]:
+    if plan.beam:
+        return outs[0].outputs[:plan.n]
+    samples = [out.outputs[0] for out in outs]
+    if len(samples) > plan.n:  # best_of: the n most likely samples
+        samples = sorted(samples, key=lambda c: c.cumulative_logprob, reverse=True)[:plan.n]
+    return samples
+
+
+def completion_prompts(req: CompletionRequest) -> list:
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise invalid("prompt", "prompt is empty: give text, token ids, or a non-empty batch")
+    if isinstance(prompt[0], int):
+        return [{"prompt_token_ids": list(prompt)}]
+    if isinstance(prompt[0], list):
+        return [{"prompt_token_ids": list(ids)} for ids in prompt]
+    return list(prompt)
+
+
+def chat_prompts(tokenizer, req: ChatCompletionRequest) -> list[str]:
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise invalid("messages", "this model has no chat template: use /v1/completions")
+    messages = []
+    for message in req.messages:
+        content = message.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        role = "system" if message.role == "developer" else message.role
+        messages.append({"role": role, "content": content or ""})
+    try:
+        return [tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)]
+    except Exception as exc:  # noqa: BLE001  (a template is code: it may refuse a conversation any way it likes)
+        raise invalid("messages", f"the chat template cannot render these messages: {exc}") from None
+
+
+# -- responses -------------------------------------------------------------------------------------
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def choice(chat: bool, index: int, text: str, finish_reason: str | None, beam_score: float | None) -> dict:
+    out: dict[str, Any] = {"index": index}
+    if chat:
+        out["message"] = {"role": "assistant", "content": text}
+    else:
+        out["text"] = text
+        out["logprobs"] = None
+    out["finish_reason"] = finish_reason
+    if beam_score is not None:
+        out["beam_score"] = beam_score
+    return out
+
+
+def chunk_choice(chat: bool, index: int, text: str, finish_reason: str | None, beam_score: float | None = None,
+                 first: bool = False) -> dict:
+    out: dict[str, Any] = {"index": index}
+    if chat:
+        out["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
+    else:
+        out["text"] = text
+        out["logprobs"] = None
+    out["finish_reason"] = finish_reason
+    if beam_score is not None:
+        out["beam_score"] = beam_score
+    return out
+
+
+def stream_safe_prefix(text: str, stop: tuple[str, ...]) -> str:
+    """The part of a running request's text that can be streamed: it holds back an incomplete
+    character and any tail that may yet become a stop string (which the engine would cut)."""
+    end = len(text)
+    while end and text[end - 1] == "\ufffd":
+        end -= 1
+    text = text[:end]
+    hold = 0
+    for s in stop:
+        for k in range(min(len(s) - 1, len(text)), hold, -1):
+            if text.endswith(s[:k]):
+                hold = k
+                break
+    return text[:len(text) - hold]

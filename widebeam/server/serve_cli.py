@@ -1,0 +1,154 @@
+"""`widebeam serve`: the OpenAI-compatible server on one engine.
+
+Wiring into `widebeam/cli.py`: `add_serve_parser(sub, _OneLineParser)`; the subcommand's `func`
+default calls `run_serve`. Until then: `python -m widebeam.server.serve_cli [options]`.
+Bad input gets one line naming the argument, and exit code 2, like the rest of the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+EXIT_USAGE = 2
+DTYPES = ("float32", "bfloat16", "float16")
+API_KEY_ENV = "WIDEBEAM_API_KEY"
+
+
+def _int_at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def _port(text: str) -> int:
+    value = _int_at_least(0)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {value}")
+    return value
+
+
+def _byte_size(text: str) -> int:
+    from widebeam.units import parse_bytes
+
+    try:
+        value = parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 bytes, got {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
+    p.add_argument("--port", type=_port, default=8000, help="port to bind (default 8000)")
+    p.add_argument("--model", default="smollm2-135m-instruct",
+                   help="alias (smollm2-135m-instruct, gemma3-270m), a Hugging Face model dir, or a .gguf file")
+    p.add_argument("--served-model-name", default=None,
+                   help="the name clients send as `model` and /v1/models lists (default: --model as given)")
+    p.add_argument("--kv-cache-memory", type=_byte_size, default=None,
+                   help="bytes for the KV cache, e.g. 2GiB (default: a fraction of free memory, "
+                        "at most 2GiB on a CPU host)")
+    p.add_argument("--kv-cache-fraction", type=_fraction, default=0.9,
+                   help="share of the memory left after the warm-up given to KV (default 0.9)")
+    p.add_argument("--max-beam-width", type=_int_at_least(1), default=256, help="widest beam search (default 256)")
+    p.add_argument("--max-seq-len", type=_int_at_least(2), default=None,
+                   help="prompt + generated tokens (default: the model's limit, bounded by the KV capacity)")
+    p.add_argument("--tokens-per-block", type=_int_at_least(1), default=16)
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and KV dtype (default float32)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--max-num-batched-tokens", type=_int_at_least(1), default=2048,
+                   help="tokens per step: the prefill chunk size (default 2048)")
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on every endpoint but /health "
+                        f"(default: ${API_KEY_ENV}, which keeps the key out of the process list)")
+    p.add_argument("--max-request-bytes", type=_byte_size, default=2**20,
+                   help="largest request body; larger ones get 413 (default 1MiB)")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    return p
+
+
+def add_serve_parser(subparsers, parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser):
+    """Add `serve` to `subparsers`; `parser_class` is the class they build (argparse's `add_parser` takes it
+    from the subparsers action, so it is only documentation here: build them with the one-line parser).
+
+    The subcommand's defaults set `func(args, parser)` to run the server, like the other subcommands.
+    """
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (beam search via use_beam_search)",
+                              description="OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, "
+                                          "/v1/models, /health, /metrics.")
+    add_serve_arguments(p)
+    p.set_defaults(func=lambda args, parser=None: run_serve(args))
+    return p
+
+
+def _fail(message: str) -> int:
+    print(f"widebeam serve: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Build the engine (load, warm-up, KV sizing), then serve until interrupted."""
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        import uvicorn
+
+        from widebeam.server.api import create_app
+    except ImportError as exc:
+        return _fail(f"the server needs its extras ({exc.name} is missing): pip install 'widebeam[server]'")
+    from widebeam.engine import LLMEngine
+    from widebeam.errors import WidebeamError
+
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    try:
+        engine = LLMEngine(args.model, dtype=args.dtype, device=args.device, tokens_per_block=args.tokens_per_block,
+                           kv_cache_memory=args.kv_cache_memory, kv_cache_fraction=args.kv_cache_fraction,
+                           max_seq_len=args.max_seq_len, max_beam_width=args.max_beam_width,
+                           max_num_batched_tokens=args.max_num_batched_tokens)
+    except (WidebeamError, ValueError, FileNotFoundError) as exc:
+        name = getattr(exc, "param", None) or ("model" if isinstance(exc, FileNotFoundError) else None)
+        return _fail(f"{'argument --' + name.replace('_', '-') + ': ' if name else ''}{exc}")
+    app = create_app(engine, model_name=args.served_model_name or args.model, api_key=api_key,
+                     max_request_bytes=args.max_request_bytes)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    try:
+        server.run()
+    except SystemExit as exc:  # uvicorn exits 1 when it cannot bind
+        return exc.code if isinstance(exc.code, int) else 1
+    return 0 if server.started else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        from widebeam.cli import _OneLineParser as parser_class
+    except ImportError:
+        parser_class = argparse.ArgumentParser
+    parser = add_serve_arguments(parser_class(prog="widebeam serve", description="OpenAI-compatible HTTP server"))
+    return run_serve(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
