@@ -7,6 +7,8 @@ from dataclasses import dataclass, fields
 
 from widebeam.errors import InvalidParameterError
 
+GREEDY_TEMPERATURE = 1e-5  # below this, sampling is argmax
+
 
 def _require(condition: bool, param: str, message: str) -> None:
     if not condition:
@@ -60,7 +62,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        # dividing logits by a temperature this small overflows float32: it is greedy in effect
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def beam_width(self) -> int:
@@ -78,9 +81,10 @@ class BeamSearchParams:
 
     A finished hypothesis scores `cumulative_logprob / generated_len ** length_penalty`, where
     `generated_len` counts the generated tokens including the final end-of-sequence token.
-    `early_stopping`: True stops once `beam_width` hypotheses are finished; False stops when the best live
-    beam, scored at its current length, cannot beat the worst kept hypothesis; "never" scores the best live
-    beam at `max_new_tokens` when `length_penalty > 0` (the exact criterion).
+    The search ends at `max_new_tokens`, or earlier once `beam_width` hypotheses are finished and
+    `early_stopping` is True, or (False, and "never") the best live beam cannot beat the worst of them,
+    scored at its current length (False) or, when `length_penalty > 0`, at `max_new_tokens` ("never").
+    `beam_width=1` is greedy decoding, as in HF: the first end-of-sequence token ends it.
     `num_return_sequences=None` returns `beam_width` hypotheses.
     `max_new_tokens=None` means up to the engine's `max_seq_len` minus the prompt.
     """
@@ -106,14 +110,18 @@ class BeamSearchParams:
                  "max_new_tokens", f"must be an integer >= 1 or None, got {self.max_new_tokens!r}")
         _require(isinstance(self.length_penalty, (int, float)) and not isinstance(self.length_penalty, bool)
                  and math.isfinite(self.length_penalty), "length_penalty",
-                 f"must be a finite number (any sign; > 0 favours longer hypotheses), got {self.length_penalty!r}")
-        _require(self.early_stopping is True or self.early_stopping is False or self.early_stopping == "never",
+                 f"must be a finite number (any sign; > 0 favours longer hypotheses), "
+                 f"got {self.length_penalty!r}")
+        _require(self.early_stopping is True or self.early_stopping is False
+                 or (isinstance(self.early_stopping, str) and self.early_stopping == "never"),
                  "early_stopping", f"must be True, False or \"never\", got {self.early_stopping!r}")
         if self.num_return_sequences is None:
             object.__setattr__(self, "num_return_sequences", self.beam_width)
-        _require(isinstance(self.num_return_sequences, int) and not isinstance(self.num_return_sequences, bool)
-                 and 1 <= self.num_return_sequences <= self.beam_width, "num_return_sequences",
-                 f"must be an integer in [1, beam_width={self.beam_width}] or None, got {self.num_return_sequences!r}")
+        num_return = self.num_return_sequences
+        _require(isinstance(num_return, int) and not isinstance(num_return, bool)
+                 and 1 <= num_return <= self.beam_width, "num_return_sequences",
+                 f"must be an integer in [1, beam_width={self.beam_width}] or None, "
+                 f"got {self.num_return_sequences!r}")
         _require(isinstance(self.min_new_tokens, int) and not isinstance(self.min_new_tokens, bool)
                  and self.min_new_tokens >= 0, "min_new_tokens",
                  f"must be an integer >= 0, got {self.min_new_tokens!r}")

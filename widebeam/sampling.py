@@ -18,6 +18,7 @@ def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         probs = torch.softmax(sorted_logits, dim=-1)
         # drop a token when the tokens before it already cover top_p; the first is always kept
         drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
+        drop_sorted[0] = False  # a top_p that rounds to 0 in float32 must still leave one token
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 # How the server is started; the one place to change when `widebeam serve` is wired into the CLI.
-SERVE_COMMAND = [sys.executable, "-m", "widebeam.server.serve_cli"]
+SERVE_COMMAND = [sys.executable, "-m", "widebeam", "serve"]
 API_KEY = "e2e-secret-key"
 STARTUP_TIMEOUT_S = 180.0
 

@@ -75,7 +75,8 @@ def run_state(model, prompt, params, eos_ids):
         steps += 1
         if not result.empty:
             assert len(result) == params.beam_width
-            assert [live[p] + [t] for p, t in zip(result.parent_indices, result.token_ids)] == state.live_token_ids
+            extended = [live[p] + [t] for p, t in zip(result.parent_indices, result.token_ids)]
+            assert extended == state.live_token_ids
     assert steps <= params.max_new_tokens
     return state.finalize()
 
@@ -115,7 +116,8 @@ def assert_matches(model, prompt, params, eos_ids):
         length = len(tokens)
         if score is not None:
             assert math.isclose(hyp.score, score, rel_tol=0, abs_tol=1e-5), (params, prompt, hyp, score)
-        assert hyp.score == pytest.approx(hyp.cumulative_logprob / length ** params.length_penalty, rel=1e-6, abs=1e-5)
+        expected_score = hyp.cumulative_logprob / length ** params.length_penalty
+        assert hyp.score == pytest.approx(expected_score, rel=1e-6, abs=1e-5)
         if rank < 3:
             assert hyp.cumulative_logprob == pytest.approx(sequence_logprob(model, prompt, tokens), rel=1e-5,
                                                            abs=1e-4)
@@ -149,8 +151,8 @@ def parity_cases():
 
 @pytest.mark.parametrize("width, lp, early, num_return, min_new, prompt, max_new, eos_ids", parity_cases())
 def test_matches_transformers(model, width, lp, early, num_return, min_new, prompt, max_new, eos_ids):
-    params = BeamSearchParams(beam_width=width, max_new_tokens=max_new, length_penalty=lp, early_stopping=early,
-                              num_return_sequences=num_return, min_new_tokens=min_new)
+    params = BeamSearchParams(beam_width=width, max_new_tokens=max_new, length_penalty=lp,
+                              early_stopping=early, num_return_sequences=num_return, min_new_tokens=min_new)
     ours = assert_matches(model, PROMPTS[prompt], params, set(eos_ids))
     assert len(ours) == num_return
 
@@ -168,7 +170,8 @@ def test_hypotheses_end_early_and_settings_change_the_outcome(model):
     base = BeamSearchParams(beam_width=4, max_new_tokens=10)
     results = {}
     for lp, early in itertools.product(LENGTH_PENALTIES, EARLY_STOPPING):
-        results[lp, early] = run_state(model, PROMPTS[0], base.replace(length_penalty=lp, early_stopping=early), {EOS})
+        params = base.replace(length_penalty=lp, early_stopping=early)
+        results[lp, early] = run_state(model, PROMPTS[0], params, {EOS})
     ended_early = [h for hyps in results.values() for h in hyps if h.finish_reason == "stop"]
     assert ended_early and any(len(h.token_ids) < 10 for h in ended_early)
     assert all(h.token_ids[-1] == EOS for h in ended_early)
@@ -190,7 +193,8 @@ def test_matches_transformers_with_kv_cache(model):
                              output_scores=True, return_dict_in_generate=True)
     lengths = (out.beam_indices != -1).sum(dim=1).tolist()
     assert [h.token_ids for h in ours] == [out.sequences[i, 7:7 + n].tolist() for i, n in enumerate(lengths)]
-    torch.testing.assert_close(torch.tensor([h.score for h in ours]), out.sequences_scores, rtol=1e-5, atol=1e-4)
+    scores = torch.tensor([h.score for h in ours])
+    torch.testing.assert_close(scores, out.sequences_scores, rtol=1e-5, atol=1e-4)
 
 
 def bigram_llama(seed, eos_ids, vocab=64, scale=2.5):
@@ -243,7 +247,8 @@ def test_matches_transformers_on_eos_heavy_bigram_model(seed):
 @pytest.mark.parametrize("width, lp, early, eos_ids", [
     (4, 2.0, True, (5,)), (4, 2.0, False, (5,)), (4, 2.0, "never", (5,)),
     (4, -0.5, "never", (5,)), (4, -2.0, "never", (5, 9)), (8, 0.7, "never", (5, 9)),
-    (6, 1.0, False, (5, 9, 11)), (6, 1.0, True, (5, 9, 11)), (1, 2.0, "never", (5,)), (1, 0.7, "never", (5, 9)),
+    (6, 1.0, False, (5, 9, 11)), (6, 1.0, True, (5, 9, 11)),
+    (1, 2.0, "never", (5,)), (1, 0.7, "never", (5, 9)),
 ])
 @pytest.mark.parametrize("seed", [101, 102, 103])
 def test_early_stopping_rules_on_bigram_model(width, lp, early, eos_ids, seed):
@@ -454,8 +459,8 @@ def test_hypothesis_dataclasses():
 
 def test_params_defaults_and_replace():
     params = BeamSearchParams()
-    assert (params.beam_width, params.max_new_tokens, params.length_penalty, params.early_stopping) == (4, 16, 1.0,
-                                                                                                       False)
+    assert (params.beam_width, params.max_new_tokens, params.length_penalty) == (4, 16, 1.0)
+    assert params.early_stopping is False and params.min_new_tokens == 0 and params.ignore_eos is False
     assert params.num_return_sequences == 4 and params.stop == () and params.stop_token_ids == ()
     assert params.replace(beam_width=8).num_return_sequences == 8  # "all beams" follows the width
     assert params.replace(num_return_sequences=2).replace(beam_width=8).num_return_sequences == 2
@@ -468,10 +473,11 @@ def test_params_defaults_and_replace():
 
 @pytest.mark.parametrize("field, value, fragment", [
     ("beam_width", 0, ">= 1"), ("beam_width", 2.0, ">= 1"), ("beam_width", True, ">= 1"),
-    ("max_new_tokens", 0, ">= 1"), ("length_penalty", float("nan"), "finite"), ("length_penalty", "1", "finite"),
-    ("early_stopping", "always", "never"), ("early_stopping", 1, "never"), ("num_return_sequences", 5, "[1, beam_width=4]"),
-    ("num_return_sequences", 0, "[1, beam_width=4]"), ("min_new_tokens", -1, ">= 0"),
-    ("min_new_tokens", 17, "<= max_new_tokens"), ("stop_token_ids", ("a",), "int"), ("stop_token_ids", (-1,), ">= 0"),
+    ("max_new_tokens", 0, ">= 1"), ("length_penalty", float("nan"), "finite"),
+    ("length_penalty", "1", "finite"), ("early_stopping", "always", "never"), ("early_stopping", 1, "never"),
+    ("num_return_sequences", 5, "[1, beam_width=4]"), ("num_return_sequences", 0, "[1, beam_width=4]"),
+    ("min_new_tokens", -1, ">= 0"), ("min_new_tokens", 17, "<= max_new_tokens"),
+    ("stop_token_ids", ("a",), "int"), ("stop_token_ids", (-1,), ">= 0"),
     ("stop", ("",), "empty"),
 ])
 def test_params_validation_names_the_field(field, value, fragment):

@@ -110,3 +110,11 @@ def test_cli_generate_bad_input_is_one_line_exit_2(args, fragment):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and fragment in lines[0] and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("changes", [{"top_p": 5e-324}, {"temperature": 1e-40}])
+def test_extreme_sampling_values_degrade_to_greedy(llm, changes):
+    sampled = SamplingParams(max_new_tokens=4, temperature=1.0, seed=3, ignore_eos=True).replace(**changes)
+    (out,) = llm.generate([{"prompt_token_ids": [5, 6, 7]}], sampled, use_tqdm=False)
+    (greedy,) = llm.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY, use_tqdm=False)
+    assert out.outputs[0].token_ids == greedy.outputs[0].token_ids

@@ -47,7 +47,7 @@ _NO_NODE = -1  # parent of the first generated token: the prompt
 
 
 def length_normalizer(generated_len: int, length_penalty: float) -> float:
-    """The divisor of a hypothesis' cumulative log-prob: `generated_len ** length_penalty` (a Python float)."""
+    """The divisor of a hypothesis' cumulative log-prob: `generated_len ** length_penalty`, a Python float."""
     return generated_len ** length_penalty
 
 
@@ -324,8 +324,8 @@ class BeamSearchState:
         wanted = self.params.num_return_sequences
         entries = list(self._finished[:wanted])
         if len(entries) < wanted and self._generated > 0:
-            live = [_Finished(hypothesis_score(s, self._generated, self._length_penalty), s, node, None, "length")
-                    for s, node in zip(self._live_scores, self._live_nodes)]
+            live = [_Finished(hypothesis_score(score, self._generated, self._length_penalty), score, node,
+                              None, "length") for score, node in zip(self._live_scores, self._live_nodes)]
             live.sort(key=lambda f: f.score, reverse=True)
             entries = sorted(entries + live[:wanted - len(entries)], key=lambda f: f.score, reverse=True)
         return [self._hypothesis(entry) for entry in entries]

@@ -21,11 +21,6 @@ from widebeam.params import BeamSearchParams, SamplingParams
 
 # Sampled requests with n > 1 become n engine requests; a bound keeps one call from flooding the queue.
 MAX_ENGINE_REQUESTS_PER_CALL = 128
-# Below this a temperature is greedy: dividing logits by ~0 overflows to inf and NaN probabilities.
-GREEDY_TEMPERATURE = 1e-5
-# A top_p below float32's smallest number rounds to 0 in the engine and drops every token; any top_p
-# below the top token's probability (>= 1/vocab) keeps just that token, so raising it changes nothing.
-MIN_TOP_P = 1e-9
 KV_CAPACITY_CODE = "kv_cache_capacity_exceeded"
 
 
@@ -249,15 +244,13 @@ def plan_request(req: _GenerationFields) -> Plan:
         raise invalid(name, f"{name} must be <= {MAX_ENGINE_REQUESTS_PER_CALL} for sampling, got {num_samples}")
     if req.stream and num_samples != req.n:
         raise invalid("best_of", "best_of > n cannot be streamed")
-    temperature = 1.0 if req.temperature is None else req.temperature
-    if temperature < GREEDY_TEMPERATURE:
-        temperature = 0.0
+    temperature = 1.0 if req.temperature is None else req.temperature  # the engine treats ~0 as greedy
     params = []
     for i in range(num_samples):
         seed = None if req.seed is None else req.seed + i
         params.append(_engine_params(
             SamplingParams, max_new_tokens=max_tokens, temperature=temperature,
-            top_k=0 if req.top_k is None else req.top_k, top_p=1.0 if req.top_p is None else max(req.top_p, MIN_TOP_P),
+            top_k=0 if req.top_k is None else req.top_k, top_p=1.0 if req.top_p is None else req.top_p,
             seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=req.ignore_eos,
             min_new_tokens=req.min_tokens))
     return Plan(params, beam=False, n=req.n, width_field="n")

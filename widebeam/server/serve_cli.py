@@ -13,50 +13,19 @@ import os
 import sys
 from collections.abc import Sequence
 
+from widebeam.argtypes import byte_size as _byte_size
+from widebeam.argtypes import fraction as _fraction
+from widebeam.argtypes import int_at_least as _int_at_least
+
 EXIT_USAGE = 2
 DTYPES = ("float32", "bfloat16", "float16")
 API_KEY_ENV = "WIDEBEAM_API_KEY"
-
-
-def _int_at_least(minimum: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        return value
-
-    return parse
 
 
 def _port(text: str) -> int:
     value = _int_at_least(0)(text)
     if value > 65535:
         raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {value}")
-    return value
-
-
-def _byte_size(text: str) -> int:
-    from widebeam.units import parse_bytes
-
-    try:
-        value = parse_bytes(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 bytes, got {text!r}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
     return value
 
 
