@@ -90,7 +90,7 @@ def run_transformers(model, prompt, params, eos_ids):
                              length_penalty=params.length_penalty, early_stopping=params.early_stopping,
                              num_return_sequences=params.num_return_sequences,
                              min_new_tokens=params.min_new_tokens, eos_token_id=sorted(eos_ids),
-                             pad_token_id=PAD, output_scores=True, output_logits=True,
+                             pad_token_id=PAD, output_scores=True,
                              return_dict_in_generate=True, use_cache=False)
     if params.beam_width == 1:  # generate(num_beams=1) is greedy search: one sequence, no score, no padding
         return [(out.sequences[0, len(prompt):].tolist(), None)]

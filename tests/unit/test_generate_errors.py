@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import save_tiny_model
+from tiny_models import save_tiny_model
 
 from widebeam.engine import LLM
 from widebeam.errors import InvalidParameterError
