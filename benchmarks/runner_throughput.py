@@ -34,7 +34,6 @@ import os
 import platform
 import pstats
 import random
-import resource
 import shutil
 import statistics
 import subprocess
@@ -48,7 +47,10 @@ os.environ.setdefault("WIDEBEAM_CACHE", "/tmp/wbcache")
 
 import torch
 from rich.console import Console
-from rich.table import Table
+
+from contention import CpuMeter, contended, measured, idle_threshold, wait_for_idle  # benchmarks/ is on sys.path when run as a script
+
+from throughput_report import speedups, print_report, source_fingerprint, cpu_model, cpu_flags
 
 from widebeam.engine import LLM
 from widebeam.kv.managers import Holding
@@ -108,112 +110,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-first-load", action="store_true", help="skip the fresh-cache (GGUF conversion) load")
     p.add_argument("--out", default="benchmarks/results/runner_throughput.json")
     return p.parse_args(argv)
-
-
-# -- other load on the machine ---------------------------------------------------------------------
-def _system_busy_s() -> float | None:
-    """CPU seconds all processes have spent busy since boot (from /proc/stat), or None off Linux."""
-    try:
-        with open("/proc/stat") as stat:
-            fields = [int(v) for v in stat.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-class CpuMeter:
-    """How much CPU other processes took while a measurement ran (the benchmark assumes an idle host)."""
-
-    @staticmethod
-    def _own_cpu_s() -> float:
-        # This process (all threads) and its waited-for children (the load subprocesses).
-        children = resource.getrusage(resource.RUSAGE_CHILDREN)
-        return time.process_time() + children.ru_utime + children.ru_stime
-
-    def __enter__(self) -> CpuMeter:  # noqa: PYI034
-        self.busy0, self.own0, self.wall0 = _system_busy_s(), self._own_cpu_s(), time.perf_counter()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        busy1 = _system_busy_s()
-        self.wall_s = time.perf_counter() - self.wall0
-        self.own_cpu_s = self._own_cpu_s() - self.own0
-        self.other_cpu_s = None if busy1 is None else max(busy1 - self.busy0 - self.own_cpu_s, 0.0)
-
-    @property
-    def other_share(self) -> float | None:
-        """Other processes' CPU as a share of the whole machine over the measurement."""
-        if self.other_cpu_s is None:
-            return None
-        return self.other_cpu_s / max(self.wall_s * (os.cpu_count() or 1), 1e-9)
-
-    def as_dict(self) -> dict:
-        return {"wall_s": self.wall_s, "own_cpu_s": self.own_cpu_s, "other_cpu_s": self.other_cpu_s,
-                "other_cpu_share": self.other_share}
-
-
-def spare_cpus(args: argparse.Namespace) -> int:
-    """CPUs the benchmark's threads leave to others: work there does not disturb it."""
-    return max((os.cpu_count() or 1) - args.threads, 0)
-
-
-def contended(meter: CpuMeter, args: argparse.Namespace) -> bool:
-    """Whether other processes took more than the spare CPUs plus --max-other-share of all CPUs
-    during `meter`, allowing for /proc/stat's coarse ticks (two of them) on short measurements."""
-    if meter.other_cpu_s is None:
-        return False
-    slack = 2.0 / os.sysconf("SC_CLK_TCK")
-    allowed = (spare_cpus(args) + args.max_other_share * (os.cpu_count() or 1)) * meter.wall_s
-    return meter.other_cpu_s > allowed + slack
-
-
-def measured(args: argparse.Namespace, console: Console, label: str, fn, before_retry=None):
-    """Run `fn()` on a quiet machine; if other processes took more than --max-other-share of the CPUs
-    meanwhile, wait and measure again (at most --retries times). Returns (fn's result, cpu record):
-    the record holds every attempt and `contended` when even the last one was disturbed."""
-    attempts = []
-    for attempt in range(args.retries + 1):
-        idle = wait_for_idle(args.idle_wait_s, idle_threshold(args), console)
-        with CpuMeter() as meter:
-            result = fn()
-        attempts.append({**meter.as_dict(), "idle_wait": idle})
-        disturbed = contended(meter, args)
-        if not disturbed:
-            break
-        if attempt < args.retries:
-            console.log(f"[yellow]{label}: other processes took {meter.other_share:.0%} of the CPUs; "
-                        "measuring again[/]")
-            if before_retry is not None:
-                before_retry(result)
-    if disturbed:
-        console.log(f"[red]{label}: still contended ({meter.other_share:.0%} of the CPUs) after "
-                    f"{args.retries} retries[/]")
-    return result, {**attempts[-1], "attempts": len(attempts), "contended": disturbed,
-                    "discarded_attempts": attempts[:-1]}
-
-
-def idle_threshold(args: argparse.Namespace) -> float:
-    """'Quiet enough': --idle-threshold of all CPUs busy, plus the spare CPUs."""
-    return args.idle_threshold + spare_cpus(args) / (os.cpu_count() or 1)
-
-
-def wait_for_idle(max_wait_s: float, threshold: float, console: Console) -> dict:
-    """Wait (up to max_wait_s) until the other processes use under `threshold` of the machine's CPUs
-    over one second; return what was seen."""
-    started = time.perf_counter()
-    share = None
-    while True:
-        busy0 = _system_busy_s()
-        if busy0 is None:
-            return {"waited_s": 0.0, "busy_share": None}
-        time.sleep(1.0)
-        share = (_system_busy_s() - busy0) / (os.cpu_count() or 1)
-        waited = time.perf_counter() - started
-        if share < threshold or waited >= max_wait_s:
-            if waited > 2:
-                console.log(f"waited {waited:.0f} s for an idle machine (busy share now {share:.0%})")
-            return {"waited_s": waited, "busy_share": share}
 
 
 # -- load times -------------------------------------------------------------------------------------
@@ -496,138 +392,6 @@ def run_dtype(dtype: str, args: argparse.Namespace, console: Console) -> dict:
         bench.release(tables)
     assert bench.free_blocks() == total_blocks, "blocks leaked"
     return out  # the engine (and its KV tensors) goes with this frame
-
-
-# -- reporting --------------------------------------------------------------------------------------
-def fmt(value: float | None, spec: str = ",.1f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def share(cpu: dict) -> str:
-    """Other processes' CPU during a measurement, as a share of the whole machine (! = still contended)."""
-    value = cpu.get("other_cpu_share")
-    if value is None:
-        return "-"
-    tries = f" ({cpu['attempts']} tries)" if cpu.get("attempts", 1) > 1 else ""
-    return f"{100 * value:.0f}%{tries}{' !' if cpu.get('contended') else ''}"
-
-
-def speedups(results: dict, base: str, other: str) -> dict:
-    comparison: dict = {"baseline": base, "other": other, "prefill": {}, "decode": {}}
-    if base not in results or other not in results:
-        return comparison
-    for phase in ("prefill", "decode"):
-        for batch, row in results[base][phase].items():
-            other_row = results[other][phase].get(batch)
-            if other_row:
-                comparison[phase][batch] = other_row["tokens_per_s"] / row["tokens_per_s"]
-    return comparison
-
-
-def print_report(report: dict, console: Console) -> None:
-    meta, results = report["meta"], report["results"]
-    table = Table(title=f"widebeam runner throughput: {meta['model']} on CPU, {meta['threads']} threads, "
-                        f"torch {meta['torch_version']}")
-    table.add_column("dtype")
-    table.add_column("cached load s", justify="right")
-    batches = [str(b) for b in meta["batch_sizes"]]
-    for b in batches:
-        table.add_column(f"prefill tok/s B={b}", justify="right")
-    for b in batches:
-        table.add_column(f"decode tok/s B={b}", justify="right")
-    for dtype, r in results.items():
-        table.add_row(dtype, fmt(r["cached_load_s"], ".2f"),
-                      *[fmt(r["prefill"][b]["tokens_per_s"]) for b in batches],
-                      *[fmt(r["decode"][b]["tokens_per_s"]) for b in batches])
-    comparison = report.get("comparison") or {}
-    if comparison.get("prefill"):
-        table.add_row(f"{comparison['other']}/{comparison['baseline']}", "",
-                      *[fmt(comparison["prefill"].get(b), ".2f") + "x" for b in batches],
-                      *[fmt(comparison["decode"].get(b), ".2f") + "x" for b in batches])
-    console.print(table)
-
-    detail = Table(title="configurations")
-    for col in ("dtype", "phase", "B", "prompt/context", "seconds", "tok/s", "per step ms (med/min/max)",
-                "host bookkeeping", "other procs' CPU", "notes"):
-        detail.add_column(col)
-    for dtype, r in results.items():
-        for b, row in r["prefill"].items():
-            detail.add_row(dtype, "prefill", b, str(row["prompt_len"]),
-                           f"{row['median_s']:.3f} (median of {row['repeats']})", fmt(row["tokens_per_s"]), "",
-                           f"{row['bookkeeping_s_median'] * 1e3:.1f} ms", share(row["cpu"]), "; ".join(row["notes"]))
-        for b, row in r["decode"].items():
-            detail.add_row(dtype, "decode", b, f"{row['context_start']}->{row['context_end']}",
-                           f"{row['total_s']:.3f} ({row['steps']} steps)", fmt(row["tokens_per_s"]),
-                           f"{row['step_ms_median']:.1f}/{row['step_ms_min']:.1f}/{row['step_ms_max']:.1f}",
-                           f"{row['bookkeeping_ms_per_step']:.2f} ms/step", share(row["cpu"]),
-                           "; ".join(row["notes"]))
-    console.print(detail)
-
-    loads = report.get("load")
-    if loads:
-        t = Table(title="load (float32, separate processes)")
-        for col in ("cache", "import s", "LLM(...) s", "process wall s", "other procs' CPU"):
-            t.add_column(col)
-        for name, key in (("empty (GGUF conversion)", "fresh_cache"), ("warm", "warm_cache_fresh_process")):
-            row = loads[key]
-            t.add_row(name, f"{row['import_s']:.2f}", f"{row['construct_s']:.2f}", f"{row['process_wall_s']:.2f}",
-                      share(row["cpu"]))
-        console.print(t)
-
-    for dtype, r in results.items():
-        for b, prof in r["profile"].items():
-            tp = prof["torch_profiler"]
-            t = Table(title=f"{dtype} decode B={b}: top ops by self CPU time (torch.profiler, {prof['steps']} steps, "
-                            f"context {prof['context_start']}+, {tp['self_cpu_total_ms']:.0f} ms self in all, "
-                            f"other processes {share(prof['cpu'])} of the CPUs)")
-            for col in ("op", "self ms", "self %", "calls"):
-                t.add_column(col)
-            for row in tp["top_ops"]:
-                t.add_row(row["op"], f"{row['self_cpu_ms']:.1f}", f"{row['self_pct']:.1f}", str(row["calls"]))
-            console.print(t)
-            cp = prof["cprofile"]
-            t = Table(title=f"{dtype} decode B={b}: top functions by self time (cProfile, {prof['steps']} steps, "
-                            f"{cp['self_total_ms']:.0f} ms in all)")
-            for col in ("function", "self ms", "self %", "calls"):
-                t.add_column(col)
-            for row in cp["top_functions"]:
-                t.add_row(row["function"], f"{row['self_ms']:.1f}", f"{row['self_pct']:.1f}", str(row["calls"]))
-            console.print(t)
-
-
-def source_fingerprint() -> dict:
-    """sha256 over widebeam/**/*.py (the figures belong to this exact source), and the newest mtime."""
-    import hashlib
-
-    digest, newest = hashlib.sha256(), 0.0
-    for path in sorted((REPO_ROOT / "widebeam").rglob("*.py")):
-        digest.update(str(path.relative_to(REPO_ROOT)).encode() + b"\0" + path.read_bytes())
-        newest = max(newest, path.stat().st_mtime)
-    return {"widebeam_sources_sha256": digest.hexdigest()[:16],
-            "widebeam_newest_mtime": datetime.fromtimestamp(newest, UTC).isoformat(timespec="seconds")}
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def cpu_flags() -> list[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return sorted(f for f in line.split(":", 1)[1].split()
-                                  if f.startswith(("avx512_bf16", "avx512f", "amx", "avx2", "avx_vnni")))
-    except OSError:
-        pass
-    return []
 
 
 def main(argv: list[str] | None = None) -> int:
