@@ -21,6 +21,7 @@ from widebeam.model.layers import (
     apply_rotary,
     rope_parameters,
 )
+from widebeam.model.weights import copy_checkpoint
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
@@ -130,21 +131,4 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        state_dict = dict(state_dict)
-        if self.arch.tie_word_embeddings:
-            state_dict.pop("lm_head.weight", None)
-        expected = set(self.state_dict())
-        if self.arch.tie_word_embeddings:
-            expected.discard("lm_head.weight")
-        missing = sorted(expected - set(state_dict))
-        unexpected = sorted(k for k in set(state_dict) - expected if "rotary_emb" not in k)
-        if missing or unexpected:
-            raise UnsupportedModelError(
-                f"checkpoint does not match the {self.arch.model_type} layout: "
-                f"missing {missing[:5]}, unexpected {unexpected[:5]}"
-            )
-        with torch.no_grad():
-            params = dict(self.named_parameters())
-            for name, tensor in state_dict.items():
-                if name in params:
-                    params[name].copy_(tensor)
+        copy_checkpoint(self, state_dict)

@@ -356,27 +356,23 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def choice(chat: bool, index: int, text: str, finish_reason: str | None, beam_score: float | None) -> dict:
-    out: dict[str, Any] = {"index": index}
-    if chat:
-        out["message"] = {"role": "assistant", "content": text}
-    else:
-        out["text"] = text
-        out["logprobs"] = None
-    out["finish_reason"] = finish_reason
-    if beam_score is not None:
-        out["beam_score"] = beam_score
-    return out
+    """One choice of a whole response."""
+    message = {"message": {"role": "assistant", "content": text}} if chat else {"text": text, "logprobs": None}
+    return _choice(index, message, finish_reason, beam_score)
 
 
 def chunk_choice(chat: bool, index: int, text: str, finish_reason: str | None, beam_score: float | None = None,
                  first: bool = False) -> dict:
-    out: dict[str, Any] = {"index": index}
+    """One choice of a streamed chunk: chat sends a delta (the role only in the first one)."""
     if chat:
-        out["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
+        message = {"delta": {"role": "assistant", "content": text} if first else {"content": text}}
     else:
-        out["text"] = text
-        out["logprobs"] = None
-    out["finish_reason"] = finish_reason
+        message = {"text": text, "logprobs": None}
+    return _choice(index, message, finish_reason, beam_score)
+
+
+def _choice(index: int, message: dict, finish_reason: str | None, beam_score: float | None) -> dict:
+    out: dict[str, Any] = {"index": index, **message, "finish_reason": finish_reason}
     if beam_score is not None:
         out["beam_score"] = beam_score
     return out
