@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml Makefile
 setup: $(STAMP)
 
 run: setup
-	$(VENV)/bin/widebeam generate --chat "Give me a name for a friendly robot." \
+	$(VENV)/bin/widebeam generate --chat "Name three colours." \
 		--beam-width 8 --max-new-tokens 24
 	$(VENV)/bin/widebeam plan --model smollm2-135m-instruct --memory 2GiB \
 		--beam-width 256 --prompt-len 4096 --max-new-tokens 64
