@@ -82,3 +82,12 @@ def tiny_gemma3_dir(request, tmp_path_factory):
         config.update(TINY_GEMMA3_FLAT_ROPE)
         (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_marian_dir(tmp_path_factory):
+    from tiny_models import save_tiny_marian
+
+    path = tmp_path_factory.mktemp("tiny-marian")
+    save_tiny_marian(path)
+    return path

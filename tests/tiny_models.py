@@ -29,3 +29,40 @@ def save_tiny_model(path, model_type: str = "llama", **overrides):
                 param.normal_(0, 0.2)
     model.save_pretrained(str(path), safe_serialization=True)
     return model
+
+
+# Marian's generation config bans the pad token (which is also the decoder start token); the tiny
+# model keeps that, and states every other setting that changes HF's outputs, so the parity
+# tests compare like with like.
+TINY_MARIAN_PAD = 127
+TINY_MARIAN_EOS = 2
+
+
+def save_tiny_marian(path, eos_logit_bias: float = 3.5, **overrides):
+    """A tiny random MarianMTModel (opus-mt layout: swish, scaled embeddings, shared embeddings,
+    sinusoidal positions), saved as safetensors with its generation config; returns it."""
+    from transformers import GenerationConfig, MarianConfig, MarianMTModel
+
+    base = {
+        "vocab_size": 128, "decoder_vocab_size": 128, "d_model": 64, "encoder_layers": 2, "decoder_layers": 2,
+        "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 96, "decoder_ffn_dim": 80,
+        "max_position_embeddings": 128, "pad_token_id": TINY_MARIAN_PAD, "eos_token_id": TINY_MARIAN_EOS,
+        "decoder_start_token_id": TINY_MARIAN_PAD, "forced_eos_token_id": None, "activation_function": "swish",
+        "scale_embedding": True, "share_encoder_decoder_embeddings": True, "tie_word_embeddings": True,
+    }
+    base.update(overrides)
+    torch.manual_seed(0)
+    model = MarianMTModel(MarianConfig(**base)).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            # the sinusoidal tables are (frozen) parameters too, but never saved: leave them exact
+            if "norm" not in name and "embed_positions" not in name:
+                param.normal_(0, 0.2)
+        model.final_logits_bias.normal_(0, 0.5)
+        model.final_logits_bias[0, TINY_MARIAN_EOS] += eos_logit_bias  # so beams do finish on EOS
+    model.generation_config = GenerationConfig(
+        decoder_start_token_id=TINY_MARIAN_PAD, eos_token_id=TINY_MARIAN_EOS, pad_token_id=TINY_MARIAN_PAD,
+        bad_words_ids=[[TINY_MARIAN_PAD]], forced_eos_token_id=None, num_beams=1,
+    )
+    model.save_pretrained(str(path), safe_serialization=True)
+    return model

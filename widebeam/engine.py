@@ -94,7 +94,9 @@ class LLMEngine:
         elif self.device.type == "cpu":
             kv_cache_bytes = min(kv_cache_bytes, DEFAULT_CPU_KV_CACHE_BYTES)
         specs = self.arch.kv_pool_specs(dtype)
-        needs = [PoolNeed(s, tokens_per_sequence(s, self.arch.max_position_embeddings,
+        # Encoder-decoder: the source is bounded by the model's positions, as the decoder's length is.
+        self.max_encoder_tokens = self.arch.max_position_embeddings if self.arch.is_encoder_decoder else 0
+        needs = [PoolNeed(s, tokens_per_sequence(s, self.arch.max_position_embeddings, self.max_encoder_tokens,
                                                  prefill_chunk_tokens=max_num_batched_tokens)) for s in specs]
         pool_blocks = split_by_need(kv_cache_bytes, needs, tokens_per_block)
         self.cache = KVCache(list(zip(specs, pool_blocks)), tokens_per_block, max_num_batched_tokens)
@@ -112,6 +114,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, {s.name: n for s, n in zip(specs, pool_blocks)},
                                   tokens_per_block, self.device, self.model.lm_head.weight.dtype)
         self.eos_token_ids = frozenset(self._eos_token_ids())
+        self.decoder_start_token_id, self.suppress_token_ids = self._encoder_decoder_settings()
         self.scheduler = Scheduler(self.cache, max_num_batched_tokens)
         self.last_schedule: SchedulerOutput | None = None  # what the latest step ran (for tests and metrics)
         self._requests: dict[str, RequestState] = {}
@@ -132,14 +135,22 @@ class LLMEngine:
                     "beam_width", f"beam_width must be in [1, {self.max_beam_width}] (the engine's max_beam_width), "
                     f"got {params.beam_width}")
             text, token_ids = self._tokenize(prompt)
+            encoder_token_ids = None
+            if self.decoder_start_token_id is not None:
+                if not token_ids:
+                    raise InvalidParameterError("prompt", "the source is empty: give at least one token")
+                # the prompt is the source; the decoder starts from its start token alone
+                encoder_token_ids, token_ids = token_ids, [self.decoder_start_token_id]
             admission = admit_check(self.cache, self.max_seq_len, len(token_ids), params.max_new_tokens,
-                                    params.beam_width)
+                                    params.beam_width, encoder_tokens=len(encoder_token_ids or ()),
+                                    max_encoder_tokens=self.max_encoder_tokens)
         except ValueError:
             self._num_rejected += 1
             raise
         request = RequestState(request_id, text, token_ids, params, admission,
                                holdings={name: Holding() for name in self.cache.managers},
-                               eos_token_ids=self.eos_token_ids, tokenizer=self.tokenizer)
+                               eos_token_ids=self.eos_token_ids, tokenizer=self.tokenizer,
+                               encoder_token_ids=encoder_token_ids, suppress_token_ids=self.suppress_token_ids)
         self._requests[request_id] = request
         self.scheduler.add(request)
 
@@ -180,8 +191,13 @@ class LLMEngine:
             return []
         inputs: list[SequenceInput] = []
         rows: list[tuple[RequestState, int, int]] = []
+        sources, cross_slots = [], []
         for item in schedule.scheduled:
             request = item.request
+            encoder_input = request.encoder_input(self.cache)
+            if encoder_input is not None:
+                sources.append(encoder_input[0])
+                cross_slots.append(encoder_input[1])
             if item.num_prompt_tokens:
                 request_inputs = [request.prefill_input(self.cache, item.num_prompt_tokens)]
             else:
@@ -191,6 +207,7 @@ class LLMEngine:
         # Copy-on-write copies queued while building the inputs must land before the forward writes.
         for name, manager in self.cache.managers.items():
             self.runner.copy_blocks(name, manager.take_copies())
+        self.runner.encode(sources, cross_slots)  # cross K/V in place before the decoder reads them
         logits = self.runner.execute(inputs)
         finished = []
         for request, start, end in rows:
@@ -225,14 +242,31 @@ class LLMEngine:
         return self.tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
                                                   add_generation_prompt=True)
 
+    def _generation_config(self) -> dict:
+        path = self.source.path / "generation_config.json"
+        if not path.exists():
+            return {}
+        import json
+
+        return json.loads(path.read_text())
+
+    def _encoder_decoder_settings(self) -> tuple[int | None, tuple[int, ...]]:
+        """(decoder_start_token_id, token ids never generated) of an encoder-decoder model; (None, ())
+        for a decoder-only one. Single-token `bad_words_ids` (Marian bans its pad token) are
+        suppressed the way HF's processor does; longer banned sequences are not supported."""
+        if not self.arch.is_encoder_decoder:
+            return None, ()
+        generation_config = self._generation_config()
+        start = generation_config.get("decoder_start_token_id")
+        if start is None:
+            start = self.model.decoder_start_token_id
+        bad_words = generation_config.get("bad_words_ids") or []
+        suppress = tuple(sorted({ids[0] for ids in bad_words if len(ids) == 1}))
+        return int(start), suppress
+
     def _eos_token_ids(self) -> set[int]:
         ids: set[int] = set()
-        generation_config = self.source.path / "generation_config.json"
-        candidates = []
-        if generation_config.exists():
-            import json
-
-            candidates.append(json.loads(generation_config.read_text()).get("eos_token_id"))
+        candidates = [self._generation_config().get("eos_token_id")]
         from widebeam.model.loader import load_config
 
         candidates.append(load_config(self.source).get("eos_token_id"))

@@ -6,6 +6,9 @@ the next W beams as (parent, token) pairs; `_reorder` then releases the parents 
 forks the ones continued more than once, and the next step's `append_slots` copies a shared
 partial block before it is written: free -> fork -> copy, so the request never holds more than its
 `required_blocks`.
+
+An encoder-decoder request's prompt is its source (`encoder_token_ids`): the engine encodes it once,
+into one cross block table that every beam points at, and the decoder prompt is the decoder start token.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import torch
 
 from widebeam.beam.search import BeamSearchState
 from widebeam.kv.cache import KVCache
-from widebeam.kv.managers import BlockTable, Holding
+from widebeam.kv.managers import BlockTable, CrossAttentionManager, Holding
 from widebeam.model.runner import SequenceInput
 from widebeam.outputs import CompletionOutput, RequestOutput
 from widebeam.params import BeamSearchParams, SamplingParams
@@ -45,6 +48,11 @@ class RequestState:
     text: str = ""
     outputs: list[CompletionOutput] | None = None
     num_prefilled_tokens: int = 0
+    # Encoder-decoder models: the source, and its cross table (allocated when the encoder runs).
+    encoder_token_ids: list[int] | None = None
+    cross_table: BlockTable | None = None
+    # Tokens never generated (HF `bad_words_ids` of single tokens, e.g. Marian's pad).
+    suppress_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.params, BeamSearchParams):
@@ -77,16 +85,32 @@ class RequestState:
                 for pool, need in self.admission.required_blocks.items()}
 
     # -- building a step ---------------------------------------------------------------------------
+    def encoder_input(self, cache: KVCache) -> tuple[list[int], list[int]] | None:
+        """(source tokens, cross slots) the first time an encoder-decoder request runs: the cross
+        table is allocated here, once, for every beam; None when there is nothing to encode."""
+        if self.encoder_token_ids is None or self.cross_table is not None:
+            return None
+        name, manager = _cross_pool(cache)
+        self.cross_table = manager.allocate(self.holdings[name], len(self.encoder_token_ids))
+        return self.encoder_token_ids, manager.slots(self.cross_table)
+
+    def _cross_fields(self) -> dict:
+        if self.cross_table is None:
+            return {}
+        return {"cross_block_table": self.cross_table.block_ids, "num_encoder_tokens": self.cross_table.num_tokens}
+
     def prefill_input(self, cache: KVCache, num_tokens: int) -> SequenceInput:
         """The next `num_tokens` prompt tokens, as one sequence: the prompt is stored once."""
         start = self.num_prefilled_tokens
         if not self.tables:
-            self.tables = {name: [manager.new_table(self.holdings[name])] for name, manager in cache.managers.items()}
+            # the cross pool is not per beam: its one table is `cross_table`
+            self.tables = {name: [manager.new_table(self.holdings[name])] for name, manager in cache.managers.items()
+                           if not isinstance(manager, CrossAttentionManager)}
         slots = {name: cache[name].append_slots(tables[0], num_tokens) for name, tables in self.tables.items()}
         block_tables = {name: tables[0].block_ids for name, tables in self.tables.items()}
         self.num_prefilled_tokens += num_tokens
         return SequenceInput(self.prompt_token_ids[start:start + num_tokens], start, block_tables, slots,
-                             group=self.request_id)
+                             group=self.request_id, **self._cross_fields())
 
     def decode_inputs(self, cache: KVCache) -> list[SequenceInput]:
         """One token per live sequence; the beams of a request form one group (shared prefix)."""
@@ -99,7 +123,8 @@ class RequestState:
         for i, token in enumerate(self.next_token_ids):
             slots = {name: cache[name].append_slots(tables[i], 1) for name, tables in self.tables.items()}
             block_tables = {name: tables[i].block_ids for name, tables in self.tables.items()}
-            inputs.append(SequenceInput([token], position, block_tables, slots, group=self.request_id))
+            inputs.append(SequenceInput([token], position, block_tables, slots, group=self.request_id,
+                                        **self._cross_fields()))
         return inputs
 
     def _num_generated(self) -> int:
@@ -119,6 +144,9 @@ class RequestState:
         if self.beam is not None:
             self._advance_beams(logits, cache)
         else:
+            if self.suppress_token_ids:  # as HF's processors do: on the logits, before choosing
+                logits = logits.clone()
+                logits[:, list(self.suppress_token_ids)] = float("-inf")
             self._advance_sample(logits[0])
         if self.finish_reason is not None or (self.beam is not None and self.beam.done):
             self.release(cache)
@@ -145,7 +173,10 @@ class RequestState:
             self.finish_reason = "length"
 
     def _advance_beams(self, logits: torch.Tensor, cache: KVCache) -> None:
-        result = self.beam.step(torch.log_softmax(logits.float(), dim=-1))
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        if self.suppress_token_ids:  # HF masks after the log-softmax in beam search: no renormalisation
+            logprobs[:, list(self.suppress_token_ids)] = float("-inf")
+        result = self.beam.step(logprobs)
         if self.beam.done:
             return
         # free -> fork here; the copy of a shared partial block happens when the next step appends.
@@ -171,6 +202,8 @@ class RequestState:
             for table in tables:
                 if not table.released:
                     cache[name].release(table)
+        if self.cross_table is not None and not self.cross_table.released:
+            _cross_pool(cache)[1].release(self.cross_table)
 
     # -- results -----------------------------------------------------------------------------------
     def _completions(self) -> list[CompletionOutput]:
@@ -196,13 +229,25 @@ class RequestState:
         completions = []
         if self.beam is None and self.output_token_ids:
             completions = [CompletionOutput(0, self.text, list(self.output_token_ids), self.cumulative_logprob, None)]
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, False)
+        return RequestOutput(self.request_id, self.prompt, self.source_token_ids, completions, False)
+
+    @property
+    def source_token_ids(self) -> list[int]:
+        """What the user sent: the source of an encoder-decoder request, else the prompt."""
+        return self.prompt_token_ids if self.encoder_token_ids is None else self.encoder_token_ids
 
     def output(self) -> RequestOutput:
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, list(self.outputs or []),
+        return RequestOutput(self.request_id, self.prompt, self.source_token_ids, list(self.outputs or []),
                              self.finished,
                              peak_blocks={name: h.peak_held_blocks for name, h in self.holdings.items()},
                              required_blocks=dict(self.admission.required_blocks))
+
+
+def _cross_pool(cache: KVCache) -> tuple[str, CrossAttentionManager]:
+    for name, manager in cache.managers.items():
+        if isinstance(manager, CrossAttentionManager):
+            return name, manager
+    raise ValueError("an encoder-decoder request needs a cross-attention pool")
 
 
 def _stop_string_cut(text: str, stops: tuple[str, ...]) -> int | None:

@@ -10,7 +10,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from widebeam.kv.spec import FullAttentionSpec, PoolSpec, SlidingWindowSpec, dtype_bytes
+from widebeam.kv.spec import CrossAttentionSpec, FullAttentionSpec, PoolSpec, SlidingWindowSpec, dtype_bytes
+
+# The pool of an encoder-decoder model's cross-attention K/V (see CrossAttentionSpec).
+CROSS_POOL = "cross"
+# Model types with an encoder and a decoder: the decoder's self-attention K/V go in "self", the
+# encoder output's K/V (one copy per decoder layer) in CROSS_POOL.
+ENCODER_DECODER_TYPES = ("marian",)
 
 BUILTIN_CONFIGS: dict[str, dict] = {
     "smollm2-135m-instruct": {
@@ -23,6 +29,15 @@ BUILTIN_CONFIGS: dict[str, dict] = {
         "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256, "vocab_size": 262144,
         "max_position_embeddings": 32768, "tie_word_embeddings": True, "sliding_window": 512,
         "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 3,
+    },
+    # Helsinki-NLP/opus-mt-en-de: 6 + 6 layers, d_model 512, shared 58101-token vocabulary.
+    "opus-mt-en-de": {
+        "model_type": "marian", "is_encoder_decoder": True, "d_model": 512, "encoder_layers": 6,
+        "decoder_layers": 6, "encoder_attention_heads": 8, "decoder_attention_heads": 8,
+        "encoder_ffn_dim": 2048, "decoder_ffn_dim": 2048, "vocab_size": 58101, "decoder_vocab_size": 58101,
+        "max_position_embeddings": 512, "share_encoder_decoder_embeddings": True, "tie_word_embeddings": True,
+        "activation_function": "swish", "scale_embedding": True, "pad_token_id": 58100,
+        "decoder_start_token_id": 58100, "eos_token_id": 0,
     },
     "llama-3-8b": {
         "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
@@ -69,10 +84,19 @@ class ModelArch:
     tie_word_embeddings: bool
     # One entry per layer: None for full attention, else the window in tokens.
     layer_windows: tuple[int | None, ...]
+    # Encoder-decoder models only (0 otherwise): the layers above are the decoder's.
+    num_encoder_layers: int = 0
+    encoder_intermediate_size: int = 0
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return self.num_encoder_layers > 0
 
     @classmethod
     def from_hf_config(cls, config: dict, name: str = "model") -> ModelArch:
         config = dict(config.get("text_config") or config)
+        if config.get("is_encoder_decoder") or config.get("model_type") in ENCODER_DECODER_TYPES:
+            config = _encoder_decoder_fields(config)
         try:
             num_layers = int(config["num_hidden_layers"])
             hidden_size = int(config["hidden_size"])
@@ -90,6 +114,8 @@ class ModelArch:
                 max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
                 layer_windows=_layer_windows(config, num_layers),
+                num_encoder_layers=int(config.get("num_encoder_layers", 0)),
+                encoder_intermediate_size=int(config.get("encoder_intermediate_size", 0)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"config for {name!r} lacks or mangles a required field: {exc}") from None
@@ -98,6 +124,8 @@ class ModelArch:
     @property
     def num_params(self) -> int:
         """Parameter count of a Llama-family decoder with this shape (norm weights included)."""
+        if self.is_encoder_decoder:
+            return self._encoder_decoder_params()
         h, kv_dim, q_dim = self.hidden_size, self.num_kv_heads * self.head_dim, self.num_heads * self.head_dim
         attention = h * q_dim + 2 * h * kv_dim + q_dim * h
         if self.model_type in _QKV_BIAS_TYPES:
@@ -107,12 +135,31 @@ class ModelArch:
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return embeddings + self.num_layers * (attention + mlp + norms) + h
 
+    def _encoder_decoder_params(self) -> int:
+        """Marian/BART-style: biased projections, LayerNorms (weight + bias), one shared embedding
+        matrix, a final logits bias; sinusoidal positions are computed, not stored."""
+        h = self.hidden_size
+        attention = 4 * (h * h + h)
+        layer_norm = 2 * h
+
+        def ffn(size: int) -> int:
+            return 2 * h * size + size + h
+
+        encoder = self.num_encoder_layers * (attention + ffn(self.encoder_intermediate_size) + 2 * layer_norm)
+        decoder = self.num_layers * (2 * attention + ffn(self.intermediate_size) + 3 * layer_norm)
+        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + self.vocab_size
+        return embeddings + encoder + decoder
+
     def weight_bytes(self, dtype: str) -> int:
         return self.num_params * dtype_bytes(dtype)
 
     def layer_pool_names(self) -> list[str]:
-        """The pool each layer's K/V live in, named as in `kv_pool_specs`."""
-        return ["self" if w is None else f"sliding_{w}" for w in self.layer_windows]
+        """The pool each layer's K/V live in, named as in `kv_pool_specs`. An encoder-decoder model
+        lists its decoder layers twice: their self-attention K/V, then their cross-attention K/V."""
+        names = ["self" if w is None else f"sliding_{w}" for w in self.layer_windows]
+        if self.is_encoder_decoder:
+            names += [CROSS_POOL] * self.num_layers
+        return names
 
     def kv_pool_specs(self, dtype: str) -> list[PoolSpec]:
         """One pool per attention kind: full-attention layers, and one pool per distinct window."""
@@ -126,7 +173,30 @@ class ModelArch:
             specs.append(
                 SlidingWindowSpec(name=f"sliding_{window}", num_layers=num_layers, window_tokens=window, **common)
             )
+        if self.is_encoder_decoder:
+            # every decoder layer attends the encoder output through its own K/V projections
+            specs.append(CrossAttentionSpec(name=CROSS_POOL, num_layers=self.num_layers, **common))
         return specs
+
+
+def _encoder_decoder_fields(config: dict) -> dict:
+    """Marian/BART config names mapped onto the decoder-only names ModelArch reads: the decoder's
+    layers, heads and vocabulary are the ones that hold KV and produce logits."""
+    if "d_model" not in config:
+        return config
+    heads = config.get("decoder_attention_heads")
+    return {
+        **config,
+        "hidden_size": config["d_model"],
+        "num_hidden_layers": config.get("decoder_layers"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "intermediate_size": config.get("decoder_ffn_dim"),
+        "vocab_size": config.get("decoder_vocab_size") or config.get("vocab_size"),
+        "tie_word_embeddings": config.get("tie_word_embeddings", True),
+        "num_encoder_layers": config.get("encoder_layers"),
+        "encoder_intermediate_size": config.get("encoder_ffn_dim"),
+    }
 
 
 def _layer_windows(config: dict, num_layers: int) -> tuple[int | None, ...]:

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
+from widebeam.model.arch import CROSS_POOL
 from widebeam.model.attention import AttentionMetadata
+from widebeam.model.cross_attention import CrossAttentionMetadata
 
 
 @dataclass
@@ -23,6 +25,10 @@ class SequenceInput:
     block_tables: dict[str, list[int]]  # pool name -> block ids, covering the new tokens too
     slots: dict[str, list[int]]  # pool name -> one slot per new token
     group: str | None = None  # sequences of one group (a request's beams) may share prefix blocks
+    # Encoder-decoder models: the request's cross block table (shared by all its beams) and the
+    # encoder output tokens it holds, E. `block_tables`/`slots` never name the cross pool.
+    cross_block_table: list[int] | None = None
+    num_encoder_tokens: int = 0
 
 
 class ModelRunner:
@@ -86,8 +92,10 @@ class ModelRunner:
                 groups=[seq.group for seq in seqs],
                 sliding_window=self.pool_windows.get(pool_name),
             )
-            for pool_name in self.kv_tensors
+            for pool_name in self.kv_tensors if pool_name != CROSS_POOL
         }
+        if CROSS_POOL in self.kv_tensors:
+            metadata[CROSS_POOL] = self._cross_metadata(seqs, query_start_loc)
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
             torch.tensor(positions, dtype=torch.long, device=self.device),
@@ -98,3 +106,35 @@ class ModelRunner:
             last = torch.tensor([end - 1 for end in query_start_loc[1:]], device=self.device)
             hidden = hidden[last]
         return self.model.compute_logits(hidden)
+
+    def _cross_metadata(self, seqs: list[SequenceInput], query_start_loc: list[int]) -> CrossAttentionMetadata:
+        missing = [i for i, seq in enumerate(seqs) if seq.cross_block_table is None or seq.num_encoder_tokens < 1]
+        if missing:
+            raise ValueError(f"sequences {missing[:5]} of an encoder-decoder model have no encoder output")
+        return CrossAttentionMetadata(query_start_loc=query_start_loc,
+                                      block_tables=[seq.cross_block_table for seq in seqs],
+                                      encoder_lens=[seq.num_encoder_tokens for seq in seqs],
+                                      tokens_per_block=self.tokens_per_block)
+
+    @torch.inference_mode()
+    def encode(self, sources: list[list[int]], cross_slots: list[list[int]]) -> None:
+        """Run the encoder once over each source (one padding-free batch) and write every decoder
+        layer's cross-attention K/V at `cross_slots` (one slot per source token, from
+        `CrossAttentionManager.slots`). Must run before the first `execute` that reads them."""
+        if not sources:
+            return
+        input_ids = [t for source in sources for t in source]
+        positions = [p for source in sources for p in range(len(source))]
+        query_start_loc = [0]
+        for source, slots in zip(sources, cross_slots):
+            if len(slots) != len(source):
+                raise ValueError(f"{len(source)} source tokens but {len(slots)} cross slots")
+            query_start_loc.append(query_start_loc[-1] + len(source))
+        cross_caches = [kv for kv, name in zip(self.kv_caches, self.model.layer_pool_names) if name == CROSS_POOL]
+        self.model.encode(
+            torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            torch.tensor(positions, dtype=torch.long, device=self.device),
+            query_start_loc,
+            cross_caches,
+            torch.tensor([s for slots in cross_slots for s in slots], dtype=torch.long, device=self.device),
+        )

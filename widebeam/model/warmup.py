@@ -8,6 +8,7 @@ import gc
 
 import torch
 
+from widebeam.model.arch import CROSS_POOL
 from widebeam.model.runner import ModelRunner, SequenceInput
 
 
@@ -50,16 +51,25 @@ def measure_activation_peak_bytes(model: torch.nn.Module, device: torch.device, 
     kernel cannot reset it, the estimate of the largest tensors of the step is used instead.
     """
     t = tokens_per_block
+    arch = model.arch
+    if arch.is_encoder_decoder:  # positions are a table of max_position_embeddings rows
+        max_num_batched_tokens = min(max_num_batched_tokens, arch.max_position_embeddings)
     prefill_blocks = -(-max_num_batched_tokens // t)
     pool_blocks = {name: prefill_blocks + max_beam_width for name in set(model.layer_pool_names)}
     runner = ModelRunner(model, pool_blocks, t, device, dtype)
+    self_pools = [name for name in pool_blocks if name != CROSS_POOL]
+    cross = {}
+    if CROSS_POOL in pool_blocks:
+        # the encoder over the longest source, whose cross K/V every sequence below reads
+        runner.encode([[0] * max_num_batched_tokens], [list(range(max_num_batched_tokens))])
+        cross = {"cross_block_table": list(range(prefill_blocks)), "num_encoder_tokens": max_num_batched_tokens}
     prefill = SequenceInput(
-        [0] * max_num_batched_tokens, 0, {name: list(range(prefill_blocks)) for name in pool_blocks},
-        {name: list(range(max_num_batched_tokens)) for name in pool_blocks},
+        [0] * max_num_batched_tokens, 0, {name: list(range(prefill_blocks)) for name in self_pools},
+        {name: list(range(max_num_batched_tokens)) for name in self_pools}, **cross,
     )
     decodes = [
-        SequenceInput([0], 0, {name: [prefill_blocks + i] for name in pool_blocks},
-                      {name: [(prefill_blocks + i) * t] for name in pool_blocks})
+        SequenceInput([0], 0, {name: [prefill_blocks + i] for name in self_pools},
+                      {name: [(prefill_blocks + i) * t] for name in self_pools}, **cross)
         for i in range(max_beam_width)
     ]
     if device.type == "cuda":

@@ -25,10 +25,18 @@ class Admission:
 
 
 def admit_check(cache: KVCache, max_seq_len: int, prompt_len: int, max_new_tokens: int | None,
-                beam_width: int = 1, encoder_tokens: int = 0) -> Admission:
-    """Validate lengths against `max_seq_len`, then every pool's budget; raise if it can never run."""
+                beam_width: int = 1, encoder_tokens: int = 0, max_encoder_tokens: int = 0) -> Admission:
+    """Validate lengths against `max_seq_len` (and an encoder-decoder request's source, of
+    `encoder_tokens`, against the model's `max_encoder_tokens`), then every pool's budget, the
+    cross pool's `ceil(E/T)` included; raise if it can never run."""
     if prompt_len < 1:
         raise InvalidParameterError("prompt", "prompt is empty: give at least one token")
+    if max_encoder_tokens and encoder_tokens > max_encoder_tokens:
+        raise InvalidParameterError(
+            "prompt",
+            f"source has {encoder_tokens} tokens but the encoder takes at most {max_encoder_tokens}: "
+            f"shorten the source to at most {max_encoder_tokens} tokens",
+        )
     if prompt_len >= max_seq_len:
         raise InvalidParameterError(
             "prompt",

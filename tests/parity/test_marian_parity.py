@@ -1,0 +1,156 @@
+"""Marian (encoder-decoder) through widebeam against transformers' MarianMTModel on a tiny random model:
+logits of the paged decoder with cross-attention through the 'cross' pool, then greedy, sampled and
+beam search through the whole engine (several sources of different lengths in one `generate` call),
+with the cross pool holding exactly ceil(E/T) blocks per request whatever the beam width."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from tiny_models import TINY_MARIAN_EOS as EOS
+from tiny_models import TINY_MARIAN_PAD as PAD
+from transformers import MarianMTModel
+
+from widebeam.engine import LLM
+from widebeam.kv.managers import Holding
+from widebeam.model.runner import SequenceInput
+from widebeam.params import BeamSearchParams, SamplingParams
+
+# Sources of several lengths (E = 2 .. 37), each ending with EOS as Marian's tokenizer ends them.
+SOURCES = [[5, 17, 33, 9, 100, 3, EOS], [7, 7, 9] * 4 + [EOS], list(range(3, 39)) + [EOS], [11, EOS]]
+# Everything in HF's generation config that changes outputs, stated explicitly.
+HF_SETTINGS = {"do_sample": False, "eos_token_id": EOS, "pad_token_id": PAD, "decoder_start_token_id": PAD,
+               "bad_words_ids": [[PAD]], "forced_eos_token_id": None, "no_repeat_ngram_size": 0,
+               "repetition_penalty": 1.0}
+
+# (beam_width, tokens_per_block, length_penalty, early_stopping, num_return_sequences, min_new_tokens)
+CASES = [
+    (1, 4, 1.0, False, 1, 0),
+    (4, 1, 1.0, True, 2, 0),
+    (4, 16, 2.0, False, 4, 3),
+    (4, 4, -1.0, "never", 2, 0),
+    (8, 4, 0.0, True, 8, 0),
+    (8, 16, 1.0, "never", 3, 2),
+    (8, 1, -1.0, False, 4, 1),
+]
+
+
+@pytest.fixture(scope="module")
+def models(tiny_marian_dir):
+    hf = MarianMTModel.from_pretrained(str(tiny_marian_dir), dtype=torch.float32).eval()
+    return {}, hf, tiny_marian_dir
+
+
+def get_llm(models, tokens_per_block):
+    llms, _, path = models
+    if tokens_per_block not in llms:
+        llms[tokens_per_block] = LLM(str(path), dtype="float32", device="cpu", tokens_per_block=tokens_per_block,
+                                     kv_cache_memory="8MiB", max_num_batched_tokens=64, max_beam_width=16)
+    return llms[tokens_per_block]
+
+
+@pytest.mark.parametrize("tokens_per_block", [1, 3, 16])
+def test_logits_match_with_cross_attention_from_the_pool(models, tokens_per_block):
+    engine, hf = get_llm(models, tokens_per_block).engine, models[1]
+    self_manager, cross_manager = engine.cache["self"], engine.cache["cross"]
+    cross_tables = [cross_manager.allocate(Holding(), len(s)) for s in SOURCES]
+    engine.runner.encode(SOURCES, [cross_manager.slots(t) for t in cross_tables])
+    # Decoder prefixes of different lengths, all in one forward, logits of every token.
+    decoder_ids = [[PAD, 4, 8, 9, 10], [PAD], [PAD] + [3] * 9, [PAD, 50, 51]]
+    tables = [self_manager.new_table(Holding()) for _ in decoder_ids]
+
+    def inputs_for(tokens_per_seq, starts):
+        return [SequenceInput(tokens, start, {"self": table.block_ids},
+                              {"self": self_manager.append_slots(table, len(tokens))},
+                              cross_block_table=cross.block_ids, num_encoder_tokens=cross.num_tokens)
+                for tokens, start, table, cross in zip(tokens_per_seq, starts, tables, cross_tables)]
+
+    logits = engine.runner.execute(inputs_for(decoder_ids, [0] * len(SOURCES)), all_logits=True)
+    offset = 0
+    with torch.no_grad():
+        for source, decoder in zip(SOURCES, decoder_ids):
+            expected = hf(input_ids=torch.tensor([source]), decoder_input_ids=torch.tensor([decoder])).logits[0]
+            torch.testing.assert_close(logits[offset:offset + len(decoder)], expected, atol=1e-4, rtol=1e-4)
+            offset += len(decoder)
+    # Then decode steps of all sequences together.
+    for step in range(4):
+        next_tokens = [[(7 * step + 3 * i) % 120 + 3] for i in range(len(SOURCES))]
+        logits = engine.runner.execute(inputs_for(next_tokens, [len(d) for d in decoder_ids]))
+        for decoder, token in zip(decoder_ids, next_tokens):
+            decoder.extend(token)
+        with torch.no_grad():
+            for row, source, decoder in zip(logits, SOURCES, decoder_ids):
+                expected = hf(input_ids=torch.tensor([source]), decoder_input_ids=torch.tensor([decoder])).logits[0, -1]
+                torch.testing.assert_close(row, expected, atol=1e-4, rtol=1e-4)
+    for table in tables:
+        self_manager.release(table)
+    for table in cross_tables:
+        cross_manager.release(table)
+    assert engine.stats()["pools"]["self"]["free_blocks"] == engine.stats()["pools"]["self"]["total_blocks"]
+    assert engine.stats()["pools"]["cross"]["free_blocks"] == engine.stats()["pools"]["cross"]["total_blocks"]
+
+
+@pytest.mark.parametrize("beam_width, tokens_per_block, length_penalty, early_stopping, num_return, min_new", CASES)
+def test_beam_search_matches_transformers(models, beam_width, tokens_per_block, length_penalty, early_stopping,
+                                          num_return, min_new):
+    llm, hf = get_llm(models, tokens_per_block), models[1]
+    max_new_tokens = 12
+    params = BeamSearchParams(beam_width=beam_width, max_new_tokens=max_new_tokens, length_penalty=length_penalty,
+                              early_stopping=early_stopping, num_return_sequences=num_return,
+                              min_new_tokens=min_new)
+    outputs = llm.generate([{"prompt_token_ids": s} for s in SOURCES], params, use_tqdm=False)
+    saw_eos = False
+    for source, output in zip(SOURCES, outputs):
+        with torch.no_grad():
+            expected = hf.generate(torch.tensor([source]), num_beams=beam_width, max_new_tokens=max_new_tokens,
+                                   length_penalty=length_penalty, early_stopping=early_stopping,
+                                   num_return_sequences=num_return, min_new_tokens=min_new,
+                                   output_scores=True, return_dict_in_generate=True, **HF_SETTINGS)
+        assert output.prompt_token_ids == source
+        assert len(output.outputs) == num_return
+        for rank, (beam, hf_sequence) in enumerate(zip(output.outputs, expected.sequences)):
+            generated = hf_sequence[1:].tolist()  # HF's sequences start with the decoder start token
+            n = len(beam.token_ids)
+            assert beam.token_ids == generated[:n], f"source {source[:4]} rank {rank}"
+            assert set(generated[n:]) <= {PAD, EOS} and (n == len(generated) or beam.token_ids[-1] == EOS)
+            assert PAD not in beam.token_ids  # bad_words_ids
+            saw_eos |= beam.token_ids[-1] == EOS
+            if beam_width > 1:
+                torch.testing.assert_close(beam.score, float(expected.sequences_scores[rank]), atol=1e-4, rtol=1e-5)
+        # The cross pool: ceil(E/T) blocks, once per request, whatever the beam width.
+        cross_blocks = math.ceil(len(source) / tokens_per_block)
+        assert output.required_blocks["cross"] == output.peak_blocks["cross"] == cross_blocks
+        assert output.peak_blocks["self"] <= output.required_blocks["self"]
+    if beam_width >= 4 and length_penalty <= 0:
+        assert saw_eos, "the EOS paths were not exercised"
+    for name, pool in llm.stats()["pools"].items():
+        assert pool["free_blocks"] == pool["total_blocks"], name
+
+
+def test_greedy_and_sampling_through_the_engine(models):
+    llm, hf = get_llm(models, 4), models[1]
+    outputs = llm.generate([{"prompt_token_ids": s} for s in SOURCES],
+                           SamplingParams(temperature=0.0, max_new_tokens=10), use_tqdm=False)
+    for source, output in zip(SOURCES, outputs):
+        with torch.no_grad():
+            expected = hf.generate(torch.tensor([source]), num_beams=1, max_new_tokens=10, **HF_SETTINGS)[0, 1:]
+        tokens = output.outputs[0].token_ids
+        assert tokens == expected.tolist()[:len(tokens)]
+    sampled = llm.generate([{"prompt_token_ids": s} for s in SOURCES],
+                           SamplingParams(temperature=1.0, seed=7, max_new_tokens=10), use_tqdm=False)
+    again = llm.generate([{"prompt_token_ids": s} for s in SOURCES],
+                         SamplingParams(temperature=1.0, seed=7, max_new_tokens=10), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in sampled] == [o.outputs[0].token_ids for o in again]
+    assert all(PAD not in o.outputs[0].token_ids for o in sampled)
+    for name, pool in llm.stats()["pools"].items():
+        assert pool["free_blocks"] == pool["total_blocks"], name
+
+
+def test_loads_through_the_registry_with_shared_embeddings(models):
+    model = get_llm(models, 4).engine.model
+    shared = model.model.shared.weight
+    assert model.model.encoder.embed_tokens.weight is shared and model.model.decoder.embed_tokens.weight is shared
+    assert model.lm_head.weight is shared
+    torch.testing.assert_close(model.final_logits_bias, models[1].final_logits_bias)

@@ -1,0 +1,101 @@
+"""Cross-attention: decoder queries attend an encoder output whose K/V live in the 'cross' pool.
+
+The encoder runs once per request; `write_kv` (model/attention.py) stores every decoder layer's
+K/V of its E output tokens in the request's cross block table, which never grows and which all its
+beams share. Decoder queries attend all E positions: no causal mask, no window.
+
+`cross_attention_reference` is the definition of correct: one sequence at a time. `cross_attention`
+is the path the model runs: the sequences that share one cross block table (the beams of a request,
+with their prefill or decode queries) form a group, their K/V are gathered once and every query of
+the group is scored against them in one matrix-matrix product, instead of one read and one
+matrix-vector product per beam.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class CrossAttentionMetadata:
+    """Where each sequence's queries are and which cross blocks hold its encoder output."""
+
+    query_start_loc: list[int]  # [num_seqs + 1] offsets into the flattened tokens
+    block_tables: list[list[int]]  # per sequence: its request's cross block table
+    encoder_lens: list[int]  # per sequence: E, the encoder output tokens in that table
+    tokens_per_block: int
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.encoder_lens)
+
+    def key_slots(self, seq_index: int, device: torch.device) -> torch.Tensor:
+        """Slots of encoder positions 0 .. E-1 of one sequence, in order."""
+        t = self.tokens_per_block
+        positions = torch.arange(self.encoder_lens[seq_index])
+        table = torch.tensor(self.block_tables[seq_index], dtype=torch.long)
+        return (table[positions // t] * t + positions % t).to(device)
+
+    def groups(self, device: torch.device) -> list[CrossGroup]:
+        """Sequences grouped by their cross block table; built once per forward, shared by all layers."""
+        key = ("groups", device)
+        if key not in self._cache:
+            by_table: dict[tuple[int, ...], list[int]] = {}
+            for i in range(self.num_seqs):
+                by_table.setdefault((self.encoder_lens[i], *self.block_tables[i]), []).append(i)
+            groups = []
+            for members in by_table.values():
+                rows = [r for i in members for r in range(self.query_start_loc[i], self.query_start_loc[i + 1])]
+                groups.append(CrossGroup(torch.tensor(rows, dtype=torch.long, device=device),
+                                         self.key_slots(members[0], device)))
+            self._cache[key] = groups
+        return self._cache[key]
+
+
+@dataclass
+class CrossGroup:
+    """Query rows (all tokens of all sequences of one request) and the encoder K/V slots they share."""
+
+    token_index: torch.Tensor  # [n] rows of the flattened tokens
+    key_slots: torch.Tensor  # [E]
+
+
+def _attend_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [n, H, d], k/v [E, KV, d] -> [n, H, d]: every query sees every key."""
+    num_queries, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    qg = q.float().reshape(num_queries, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.einsum("nkgd,ekd->kgne", qg, k.float()) * scale  # [KV, G, n, E]
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("kgne,ekd->nkgd", probs, v.float())
+    return out.reshape(num_queries, num_heads, head_dim).to(q.dtype)
+
+
+def cross_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              meta: CrossAttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [num_tokens, heads, head_dim] -> [num_tokens, heads, head_dim], one sequence at a time."""
+    out = torch.empty_like(q)
+    for i in range(meta.num_seqs):
+        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        slots = meta.key_slots(i, q.device)
+        k = k_cache[slots]  # [E, KV, d]
+        v = v_cache[slots]
+        group = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(group, dim=1).float()  # [E, H, d]
+        v = v.repeat_interleave(group, dim=1).float()
+        scores = torch.einsum("qhd,ehd->hqe", q[start:end].float(), k) * scale
+        out[start:end] = torch.einsum("hqe,ehd->qhd", torch.softmax(scores, dim=-1), v).to(q.dtype)
+    return out
+
+
+def cross_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: CrossAttentionMetadata, scale: float) -> torch.Tensor:
+    """Same contract as `cross_attention_reference`; each request's K/V are read once for all its beams."""
+    out = torch.empty_like(q)
+    for group in meta.groups(q.device):
+        out[group.token_index] = _attend_all(q[group.token_index], k_cache[group.key_slots],
+                                             v_cache[group.key_slots], scale)
+    return out
