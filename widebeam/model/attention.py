@@ -5,12 +5,12 @@ head_dim]`. A forward pass carries the new tokens of many sequences flattened in
 `AttentionMetadata` says where each sequence's queries are and which blocks hold its keys.
 
 `paged_attention_reference` is the definition of correct: one sequence at a time, plain matmuls.
-`paged_attention` is the path the model runs. Prefill chunks go one by one. Decoding sequences
-(one query each) go in groups: the beams of one request share their prompt's blocks, so the group's
-keys split into a shared prefix, read once for every beam's queries as one matrix-matrix product,
-and each beam's own suffix; the two parts' scores are normalised together by one softmax, which
-is exactly the log-sum-exp merge of the two partial attentions. Decoding sequences that share
-nothing go in one padded batch. Tests hold every path to the reference.
+`paged_attention` is the path the model runs. Prefill chunks go one by one through PyTorch's fused
+scaled-dot-product attention (einsum only with a logit soft-cap). Decoding sequences (one query
+each) go in groups: the beams of one request share their prompt's blocks, so the group's keys split
+into a shared prefix, read once for every beam's queries as one matrix-matrix product, and each
+beam's own suffix; the two partial attentions are merged exactly by log-sum-exp. Decoding sequences
+that share nothing go in one padded batch. Tests hold every path to the reference.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn import functional as F
 
 
 @dataclass
@@ -206,35 +207,77 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     return out
 
 
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache[slots] for any shape of `slots`; index_select is about twice as fast on CPU."""
+    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
+
+
 def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup, scale: float,
                   sliding_window: int | None, softcap: float | None) -> torch.Tensor:
-    """One decode group: q [B, H, d] -> [B, H, d]; the prefix is read once for all B queries."""
+    """One decode group: q [B, H, d] -> [B, H, d]; the prefix is read once for all B queries.
+
+    The prefix's scores for every beam and grouped head are one [KV, B*G, d] x [KV, d, P] product.
+    The two parts are merged by log-sum-exp (shared running max, summed exponentials), so no
+    [B, P + S] score tensor is concatenated. Products run in the cache dtype; the exponentials and
+    the merge in float32.
+    """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
-    qg = q.float().reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, KV, G, d]
-    k_suffix = k_cache[group.suffix_slots].float()  # [B, S, KV, d]
-    scores = [torch.einsum("bkgd,bskd->bkgs", qg, k_suffix)]
-    masks = [group.suffix_valid]
+    group_size = num_heads // num_kv_heads
+    rows = batch * group_size
+    # [KV, B*G, d]: the heads of one KV head, for every beam, as the rows of one matrix
+    # The scale goes on q (B x H x d numbers), not on the scores (B x H x (P + S)).
+    q_rows = (q * scale).to(k_cache.dtype).view(batch, num_kv_heads, group_size, head_dim).transpose(0, 1)
+    q_rows = q_rows.reshape(num_kv_heads, rows, head_dim)
+
+    k_suffix = _gather(k_cache, group.suffix_slots)  # [B, S, KV, d]
+    suffix_len = k_suffix.shape[1]
+    # [B, KV, G, d] x [B, KV, d, S] -> [B, KV, G, S] -> [KV, B*G, S]
+    suffix_scores = torch.matmul(q_rows.view(num_kv_heads, batch, group_size, head_dim).transpose(0, 1),
+                                 k_suffix.permute(0, 2, 3, 1))
+    suffix_scores = suffix_scores.transpose(0, 1).reshape(num_kv_heads, rows, suffix_len)
+    suffix_mask = group.suffix_valid
     if sliding_window is not None:
-        masks[0] = masks[0] & (group.suffix_positions > group.query_positions[:, None] - sliding_window)
+        suffix_mask = suffix_mask & (group.suffix_positions > group.query_positions[:, None] - sliding_window)
+    parts = [(_capped(suffix_scores, softcap), suffix_mask)]
     if group.prefix_tokens:
-        k_prefix = k_cache[group.prefix_slots].float()  # [P, KV, d]
-        scores.insert(0, torch.einsum("bkgd,pkd->bkgp", qg, k_prefix))
-        prefix_positions = torch.arange(group.prefix_tokens, device=q.device)
-        prefix_mask = torch.ones(batch, group.prefix_tokens, dtype=torch.bool, device=q.device)
+        k_prefix = _gather(k_cache, group.prefix_slots)  # [P, KV, d]
+        prefix_scores = torch.bmm(q_rows, k_prefix.permute(1, 2, 0))  # [KV, B*G, P]
+        prefix_mask = None
         if sliding_window is not None:
+            prefix_positions = torch.arange(group.prefix_tokens, device=q.device)
             prefix_mask = prefix_positions[None, :] > group.query_positions[:, None] - sliding_window
-        masks.insert(0, prefix_mask)
-    all_scores = torch.cat(scores, dim=-1) * scale  # [B, KV, G, P + S]
-    if softcap is not None:
-        all_scores = torch.tanh(all_scores / softcap) * softcap
-    mask = torch.cat(masks, dim=-1)  # [B, P + S]
-    probs = torch.softmax(all_scores.masked_fill(~mask[:, None, None, :], float("-inf")), dim=-1)
-    out = torch.einsum("bkgs,bskd->bkgd", probs[..., group.prefix_tokens:], v_cache[group.suffix_slots].float())
+        parts.insert(0, (_capped(prefix_scores, softcap), prefix_mask))
+    # mask [B, K] -> [1, B*G, K], matching the score rows
+    parts = [(scores if mask is None else scores.masked_fill(
+        ~mask.repeat_interleave(group_size, dim=0)[None], float("-inf")), mask) for scores, mask in parts]
+    row_max = parts[0][0].amax(dim=-1, keepdim=True)
+    for scores, _ in parts[1:]:
+        row_max = torch.maximum(row_max, scores.amax(dim=-1, keepdim=True))
+    denominator = torch.zeros_like(row_max)
+    out = None
+    values = [_gather(v_cache, group.suffix_slots)]  # [B, S, KV, d]
     if group.prefix_tokens:
-        v_prefix = v_cache[group.prefix_slots].float()
-        out = out + torch.einsum("bkgp,pkd->bkgd", probs[..., : group.prefix_tokens], v_prefix)
-    return out.reshape(batch, num_heads, head_dim).to(q.dtype)
+        values.insert(0, _gather(v_cache, group.prefix_slots))  # [P, KV, d]
+    for (scores, _), v in zip(parts, values):
+        weights = (scores - row_max).exp_()  # float32, [KV, B*G, K]
+        denominator += weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(v.dtype)
+        if v.dim() == 3:  # the shared prefix: [KV, B*G, P] x [KV, P, d]
+            part = torch.bmm(weights, v.transpose(0, 1))
+        else:  # each beam's own keys: [B, KV, G, S] x [B, KV, S, d]
+            per_beam = weights.view(num_kv_heads, batch, group_size, -1).transpose(0, 1)
+            part = torch.matmul(per_beam, v.transpose(1, 2)).transpose(0, 1).reshape(num_kv_heads, rows, head_dim)
+        out = part.float() if out is None else out + part
+    out = out / denominator  # [KV, B*G, d]
+    return out.view(num_kv_heads, batch, group_size, head_dim).transpose(0, 1).reshape(batch, num_heads, head_dim).to(q.dtype)
+
+
+def _capped(raw: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    scores = raw.float()
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    return scores
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -255,6 +298,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         query_positions = torch.arange(seq_len - (end - start), seq_len, device=q.device)
         key_positions = torch.arange(meta.key_start(i), seq_len, device=q.device)
         mask = _causal_mask(query_positions, key_positions, sliding_window)
-        out[start:end] = _attend(q[None, start:end], k_cache[slots][None], v_cache[slots][None], mask[None],
-                                 scale, softcap)[0]
+        k, v = _gather(k_cache, slots), _gather(v_cache, slots)  # [S, KV, d]
+        if softcap is None:
+            # PyTorch's fused kernel (flash attention on CPU): no [H, Q, S] score tensor in memory.
+            out[start:end] = F.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                attn_mask=mask[None, None], scale=scale, enable_gqa=True,
+            )[0].transpose(0, 1)
+        else:
+            out[start:end] = _attend(q[None, start:end], k[None], v[None], mask[None], scale, softcap)[0]
     return out
