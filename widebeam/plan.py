@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from widebeam.kv.budget import KVRequest, naive_full_attention_blocks, naive_max_seq_len
+from widebeam.kv.budget import KVRequest, cross_attention_blocks, naive_full_attention_blocks, naive_max_seq_len
 from widebeam.kv.cache import KVCache
 from widebeam.kv.sizing import PoolNeed, capacity_tokens, resolve_max_seq_len, split_by_need, tokens_per_sequence
 from widebeam.kv.spec import dtype_bytes
-from widebeam.model.arch import ModelArch
+from widebeam.model.arch import CROSS_POOL, ModelArch
 
 # Activations are computed in float32 or the weights' dtype; logits and log-probs always in float32.
 _LOGITS_BYTES = 4
@@ -28,6 +28,17 @@ class PlanInputs:
     kv_cache_fraction: float = 0.9
     dtype: str = "bfloat16"
     max_num_batched_tokens: int = 2048
+    # Encoder-decoder models: E, the source tokens (default: prompt_len). The decoder's own prompt
+    # is then its start token alone.
+    encoder_len: int | None = None
+
+    def request(self, arch: ModelArch) -> KVRequest:
+        """What the cache is asked to hold: for an encoder-decoder model the source goes to the
+        cross pool and the decoder prompt is one token."""
+        if not arch.is_encoder_decoder:
+            return KVRequest(self.prompt_len, self.max_new_tokens, self.beam_width)
+        encoder_len = self.prompt_len if self.encoder_len is None else self.encoder_len
+        return KVRequest(1, self.max_new_tokens, self.beam_width, encoder_tokens=encoder_len)
 
 
 def activation_reserve_bytes(arch: ModelArch, inputs: PlanInputs) -> int:
@@ -67,7 +78,11 @@ def plan(arch: ModelArch, inputs: PlanInputs) -> dict:
 
     specs = arch.kv_pool_specs(inputs.dtype)
     chunk = inputs.max_num_batched_tokens
-    needs = [PoolNeed(s, tokens_per_sequence(s, arch.max_position_embeddings, prefill_chunk_tokens=chunk))
+    request = inputs.request(arch)
+    # cross pools are sized for the longest source the model takes (its position limit)
+    max_encoder_tokens = arch.max_position_embeddings if arch.is_encoder_decoder else 0
+    needs = [PoolNeed(s, tokens_per_sequence(s, arch.max_position_embeddings, max_encoder_tokens,
+                                             prefill_chunk_tokens=chunk))
              for s in specs]
     blocks_per_pool = split_by_need(kv_cache_bytes, needs, t)
     cache = KVCache(list(zip(specs, blocks_per_pool)), t, chunk)
@@ -79,7 +94,6 @@ def plan(arch: ModelArch, inputs: PlanInputs) -> dict:
     if max_seq_len > 0:
         max_seq_len = resolve_max_seq_len(arch.max_position_embeddings, max_seq_len)
 
-    request = KVRequest(inputs.prompt_len, inputs.max_new_tokens, inputs.beam_width)
     budgets = cache.budgets(request)
     pools = [
         {
@@ -95,13 +109,25 @@ def plan(arch: ModelArch, inputs: PlanInputs) -> dict:
         }
         for b in budgets
     ]
-    fits_length = inputs.prompt_len + inputs.max_new_tokens <= max_seq_len
+    fits_length = request.prompt_tokens + inputs.max_new_tokens <= max_seq_len
+    if arch.is_encoder_decoder:
+        fits_length = fits_length and request.encoder_tokens <= arch.max_position_embeddings
     fits = all(p["fits"] for p in pools) and fits_length
     max_concurrent = min(p["max_concurrent_requests"] for p in pools) if fits else 0
 
-    naive_required = naive_full_attention_blocks(inputs.prompt_len, inputs.max_new_tokens, inputs.beam_width, t)
+    p = request.prompt_tokens
+    naive_required = naive_full_attention_blocks(p, inputs.max_new_tokens, inputs.beam_width, t)
     naive_seq_len = min(arch.max_position_embeddings, naive_max_seq_len(capacity_blocks, inputs.beam_width, t))
-    naive_fits = naive_required <= capacity_blocks and inputs.prompt_len + inputs.max_new_tokens <= naive_seq_len
+    naive_fits = naive_required <= capacity_blocks and p + inputs.max_new_tokens <= naive_seq_len
+    naive_concurrent = capacity_blocks // naive_required if naive_fits else 0
+    naive_cross = {}
+    if arch.is_encoder_decoder:
+        # HF-style engines expand the encoder output (and its cross K/V) once per beam
+        cross_required = cross_attention_blocks(request.encoder_tokens, t) * inputs.beam_width
+        cross_capacity = cache[CROSS_POOL].capacity_blocks()
+        naive_fits = naive_fits and cross_required <= cross_capacity
+        naive_concurrent = min(naive_concurrent, cross_capacity // cross_required) if naive_fits else 0
+        naive_cross = {"cross_required_blocks": cross_required}
     return {
         "model": arch.name,
         "dtype": inputs.dtype,
@@ -119,6 +145,7 @@ def plan(arch: ModelArch, inputs: PlanInputs) -> dict:
             "prompt_len": inputs.prompt_len,
             "max_new_tokens": inputs.max_new_tokens,
             "beam_width": inputs.beam_width,
+            **({"encoder_len": request.encoder_tokens} if arch.is_encoder_decoder else {}),
         },
         "pools": pools,
         "fits": fits,
@@ -127,6 +154,7 @@ def plan(arch: ModelArch, inputs: PlanInputs) -> dict:
             "max_seq_len": naive_seq_len,
             "required_blocks": naive_required,
             "fits": naive_fits,
-            "max_concurrent_requests": capacity_blocks // naive_required if naive_fits else 0,
+            "max_concurrent_requests": naive_concurrent,
+            **naive_cross,
         },
     }
