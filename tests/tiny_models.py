@@ -38,16 +38,17 @@ TINY_MARIAN_PAD = 127
 TINY_MARIAN_EOS = 2
 
 
-def save_tiny_marian(path, eos_logit_bias: float = 3.5, **overrides):
+def save_tiny_marian(path, eos_logit_bias: float = 3.5, vocab_size: int = 128, pad: int = TINY_MARIAN_PAD,
+                     eos: int = TINY_MARIAN_EOS, **overrides):
     """A tiny random MarianMTModel (opus-mt layout: swish, scaled embeddings, shared embeddings,
     sinusoidal positions), saved as safetensors with its generation config; returns it."""
     from transformers import GenerationConfig, MarianConfig, MarianMTModel
 
     base = {
-        "vocab_size": 128, "decoder_vocab_size": 128, "d_model": 64, "encoder_layers": 2, "decoder_layers": 2,
-        "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 96, "decoder_ffn_dim": 80,
-        "max_position_embeddings": 128, "pad_token_id": TINY_MARIAN_PAD, "eos_token_id": TINY_MARIAN_EOS,
-        "decoder_start_token_id": TINY_MARIAN_PAD, "forced_eos_token_id": None, "activation_function": "swish",
+        "vocab_size": vocab_size, "decoder_vocab_size": vocab_size, "d_model": 64, "encoder_layers": 2,
+        "decoder_layers": 2, "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 96,
+        "decoder_ffn_dim": 80, "max_position_embeddings": 128, "pad_token_id": pad, "eos_token_id": eos,
+        "decoder_start_token_id": pad, "forced_eos_token_id": None, "activation_function": "swish",
         "scale_embedding": True, "share_encoder_decoder_embeddings": True, "tie_word_embeddings": True,
     }
     base.update(overrides)
@@ -59,10 +60,42 @@ def save_tiny_marian(path, eos_logit_bias: float = 3.5, **overrides):
             if "norm" not in name and "embed_positions" not in name:
                 param.normal_(0, 0.2)
         model.final_logits_bias.normal_(0, 0.5)
-        model.final_logits_bias[0, TINY_MARIAN_EOS] += eos_logit_bias  # so beams do finish on EOS
+        model.final_logits_bias[0, eos] += eos_logit_bias  # so beams do finish on EOS
     model.generation_config = GenerationConfig(
-        decoder_start_token_id=TINY_MARIAN_PAD, eos_token_id=TINY_MARIAN_EOS, pad_token_id=TINY_MARIAN_PAD,
-        bad_words_ids=[[TINY_MARIAN_PAD]], forced_eos_token_id=None, num_beams=1,
+        decoder_start_token_id=pad, eos_token_id=eos, pad_token_id=pad, bad_words_ids=[[pad]],
+        forced_eos_token_id=None, num_beams=1,
     )
     model.save_pretrained(str(path), safe_serialization=True)
     return model
+
+
+def save_tiny_marian_tokenizer(path):
+    """A MarianTokenizer over a tiny SentencePiece model trained here on a few English sentences (same
+    model for source and target, as opus-mt ships two); returns it. Its vocabulary: </s> = 0, <unk> = 1,
+    the pieces, then <pad> last."""
+    import io
+    import json
+    from pathlib import Path
+
+    import sentencepiece as spm
+    from transformers import MarianTokenizer
+
+    sentences = ["the cat sat on the mat", "a dog runs in the park", "hello world", "translate this sentence please",
+                 "beam search finds good translations", "the quick brown fox jumps over the lazy dog"] * 20
+    proto = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(sentences), model_writer=proto, vocab_size=60,
+                                   model_type="unigram", character_coverage=1.0, bos_id=-1, eos_id=-1, unk_id=0,
+                                   pad_id=-1, hard_vocab_limit=False, minloglevel=2)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    for name in ("source.spm", "target.spm"):
+        (path / name).write_bytes(proto.getvalue())
+    processor = spm.SentencePieceProcessor(model_proto=proto.getvalue())
+    vocab = {"</s>": 0, "<unk>": 1}
+    for i in range(processor.get_piece_size()):
+        vocab.setdefault(processor.id_to_piece(i), len(vocab))
+    vocab["<pad>"] = len(vocab)
+    (path / "vocab.json").write_text(json.dumps(vocab))
+    tokenizer = MarianTokenizer(str(path / "source.spm"), str(path / "target.spm"), str(path / "vocab.json"))
+    tokenizer.save_pretrained(str(path))
+    return tokenizer

@@ -5,7 +5,10 @@ with the cross pool holding exactly ceil(E/T) blocks per request whatever the be
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -154,3 +157,34 @@ def test_loads_through_the_registry_with_shared_embeddings(models):
     assert model.model.encoder.embed_tokens.weight is shared and model.model.decoder.embed_tokens.weight is shared
     assert model.lm_head.weight is shared
     torch.testing.assert_close(model.final_logits_bias, models[1].final_logits_bias)
+
+
+def test_generate_cli_translates_text_like_transformers(tmp_path):
+    """A model directory with a tokenizer: `widebeam generate "text" --model DIR` encodes the text as
+    the source and returns HF's beams and scores."""
+    pytest.importorskip("sentencepiece")  # Marian's tokenizer (the dev extra installs it)
+    from tiny_models import save_tiny_marian, save_tiny_marian_tokenizer
+
+    tokenizer = save_tiny_marian_tokenizer(tmp_path)
+    hf = save_tiny_marian(tmp_path, vocab_size=len(tokenizer), pad=tokenizer.pad_token_id,
+                          eos=tokenizer.eos_token_id, eos_logit_bias=2.0)
+    text = "the quick brown dog sat on the mat"
+    proc = subprocess.run([sys.executable, "-m", "widebeam", "generate", text, "--model", str(tmp_path),
+                           "--beam-width", "4", "--max-new-tokens", "8", "--tokens-per-block", "4", "--json",
+                           "--kv-cache-memory", "1MiB", "--device", "cpu"],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    source = tokenizer(text).input_ids
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([source]), num_beams=4, num_return_sequences=4, max_new_tokens=8,
+                               output_scores=True, return_dict_in_generate=True,
+                               **{**HF_SETTINGS, "eos_token_id": tokenizer.eos_token_id,
+                                  "pad_token_id": tokenizer.pad_token_id, "bad_words_ids": [[tokenizer.pad_token_id]],
+                                  "decoder_start_token_id": tokenizer.pad_token_id})
+    for rank, beam in enumerate(result["outputs"]):
+        generated = expected.sequences[rank, 1:].tolist()
+        assert beam["token_ids"] == generated[:len(beam["token_ids"])]
+        assert beam["text"] == tokenizer.decode(beam["token_ids"], skip_special_tokens=True)
+        assert abs(beam["score"] - float(expected.sequences_scores[rank])) < 1e-4
+    assert result["kv_peak_blocks"]["cross"] == math.ceil(len(source) / 4)

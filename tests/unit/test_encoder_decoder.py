@@ -76,7 +76,7 @@ def test_plan_shows_both_pools_and_cross_blocks_do_not_grow_with_beams(tiny_mari
 def test_plan_cli_lists_the_cross_pool():
     proc = subprocess.run([sys.executable, "-m", "widebeam", "plan", "--model", "opus-mt-en-de", "--memory", "1GiB",
                            "--beam-width", "8", "--prompt-len", "200", "--json"],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
     pools = {p["name"]: p for p in json.loads(proc.stdout)["pools"]}
     assert pools["cross"]["required_blocks"] == math.ceil(200 / 16) and pools["cross"]["kind"] == "cross"

@@ -14,6 +14,7 @@ Module and parameter names follow the Hugging Face checkpoint, so its safetensor
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -120,7 +121,7 @@ class MarianAttention(nn.Module):
         """Dense bidirectional attention within each source of a padding-free batch."""
         q, (k, v) = self.heads(self.q_proj(x)), self.project_kv(x)
         out = torch.empty_like(q)
-        for start, end in zip(query_start_loc[:-1], query_start_loc[1:]):
+        for start, end in itertools.pairwise(query_start_loc):
             scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k[start:end].float()) * self.scale
             out[start:end] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v[start:end].float()).to(q.dtype)
         return self.output(out)
