@@ -46,11 +46,15 @@ from pathlib import Path
 os.environ.setdefault("WIDEBEAM_CACHE", "/tmp/wbcache")
 
 import torch
+from contention import (  # benchmarks/ is on sys.path when run as a script
+    CpuMeter,
+    contended,
+    idle_threshold,
+    measured,
+    wait_for_idle,
+)
 from rich.console import Console
-
-from contention import CpuMeter, contended, measured, idle_threshold, wait_for_idle  # benchmarks/ is on sys.path when run as a script
-
-from throughput_report import speedups, print_report, source_fingerprint, cpu_model, cpu_flags
+from throughput_report import cpu_flags, cpu_model, print_report, source_fingerprint, speedups
 
 from widebeam.engine import LLM
 from widebeam.kv.managers import Holding

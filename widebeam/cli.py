@@ -71,7 +71,25 @@ def build_parser() -> argparse.ArgumentParser:
     from widebeam.server.serve_cli import add_serve_parser
 
     add_serve_parser(sub, _OneLineParser)
+
+    from widebeam import bench
+
+    b = sub.add_parser("bench", help="beam search side by side with transformers: time, memory, KV, compute floor")
+    bench.add_arguments(b)
+    b.set_defaults(func=_cmd_bench)
     return parser
+
+
+def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from widebeam import bench
+    from widebeam.errors import WidebeamError
+
+    try:
+        bench.run(args)
+    except WidebeamError as exc:
+        print(f"widebeam bench: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

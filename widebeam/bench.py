@@ -1,0 +1,235 @@
+"""widebeam vs Hugging Face transformers beam search, side by side in one run (`widebeam bench`).
+
+Same model, same prompts, dtype and thread count; the two engines alternate at every point after a
+warm-up of both. Per point: wall time, beam-tokens/s, peak process memory (RSS high-water mark,
+reset before each run), peak KV bytes held, and the compute floor: the time of the model's dense
+matmuls alone for the same batch shapes (one prefill of P tokens, then N steps of W rows), measured
+on this machine in the same run, with each engine's time as a multiple of it.
+
+Two sweeps: W in {1, 4, 16, 64} at P=512 (both engines), and a wide one, W in {64, 128, 256} x
+P in {512, 2048, 4096}, where transformers is skipped, with the reason, when its KV for W x (P + N)
+tokens would exceed `--hf-kv-limit`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from pathlib import Path
+
+from widebeam.argtypes import byte_size, int_at_least
+from widebeam.units import format_bytes
+
+# torch and transformers are imported where used: `widebeam plan` builds this parser too, and stays quick.
+
+DEFAULT_OUT = "benchmarks/results/beam_vs_hf.json"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m-instruct",
+                        help="alias or Hugging Face directory of a decoder-only model (default SmolLM2-135M)")
+    parser.add_argument("--widths", type=int_at_least(1), nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--prompt-lens", type=int_at_least(1), nargs="+", default=[512])
+    parser.add_argument("--max-new-tokens", type=int_at_least(1), default=32)
+    parser.add_argument("--wide-widths", type=int_at_least(1), nargs="+", default=[64, 128, 256])
+    parser.add_argument("--wide-prompt-lens", type=int_at_least(1), nargs="+", default=[512, 2048, 4096])
+    parser.add_argument("--no-wide", action="store_true", help="skip the wide sweep")
+    parser.add_argument("--hf-kv-limit", type=byte_size, default=byte_size("6GiB"),
+                        help="skip transformers when its W x (P+N) KV would exceed this (default 6GiB)")
+    parser.add_argument("--kv-cache-memory", type=byte_size, default=byte_size("2GiB"),
+                        help="widebeam's KV budget (default 2GiB)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int_at_least(1), default=2)
+    parser.add_argument("--out", default=DEFAULT_OUT, help=f"JSON path; the plot goes next to it (default {DEFAULT_OUT})")
+
+
+def _rss(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_peak() -> None:
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+    except OSError:
+        pass
+
+
+def make_prompt(tokenizer, prompt_len: int, vocab_size: int) -> list[int]:
+    """A prompt of exactly `prompt_len` tokens: text when the model has a tokenizer, else a fixed
+    pseudo-random id sequence (a model directory without one, as in tests)."""
+    if tokenizer is None:
+        return [(i * 7919 + 13) % (vocab_size - 3) + 3 for i in range(prompt_len)]
+    text = " ".join(f"Record {i}: the {('red', 'green', 'blue')[i % 3]} crate weighs {i % 17} kg."
+                    for i in range(prompt_len))
+    return tokenizer.encode(text)[:prompt_len]
+
+
+def compute_floor_s(hf_model, prompt_len: int, width: int, new_tokens: int, dtype) -> float:
+    """Dense matmuls only: every linear layer's weight times the step's activations."""
+    import torch
+
+    weights = [m.weight for m in hf_model.modules() if isinstance(m, torch.nn.Linear)]
+    head = hf_model.lm_head.weight
+    hidden = head.shape[1]
+    # Real-valued inputs made before timing: uninitialised memory can hold denormals, which make
+    # CPU matmuls many times slower and the floor meaningless.
+    inputs = {rows: {n: torch.randn(rows, n, dtype=dtype) for n in {w.shape[1] for w in weights}}
+              for rows in (prompt_len, width, 1)}
+    with torch.inference_mode():
+        start = time.perf_counter()
+        for rows, steps in ((prompt_len, 1), (width, new_tokens)):
+            for _ in range(steps):
+                for w in weights:
+                    if w is not head:
+                        torch.nn.functional.linear(inputs[rows][w.shape[1]], w)
+                head_rows = 1 if rows == prompt_len else rows  # prefill needs only the last token's logits
+                torch.nn.functional.linear(inputs[head_rows][hidden], head)
+        return time.perf_counter() - start
+
+
+def run_widebeam(llm, prompt_ids: list[int], width: int, new_tokens: int) -> dict:
+    from widebeam.params import BeamSearchParams
+
+    # min_new_tokens = N bans EOS until the end, exactly as transformers is run below
+    params = BeamSearchParams(beam_width=width, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+    _reset_peak()
+    start = time.perf_counter()
+    (out,) = llm.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    spec = llm.engine.cache["self"].spec
+    return {"wall_s": elapsed, "peak_rss_bytes": _rss("VmHWM"),
+            "peak_kv_bytes": out.peak_blocks["self"] * spec.bytes_per_block(llm.engine.cache.tokens_per_block),
+            "best": out.outputs[0].token_ids}
+
+
+def hf_kv_bytes(hf_model, num_tokens: int) -> int:
+    """What transformers' cache holds for `num_tokens` positions (every beam's own copy counted)."""
+    cfg = hf_model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return num_tokens * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * hf_model.dtype.itemsize
+
+
+def run_hf(hf_model, prompt_ids: list[int], width: int, new_tokens: int, eos_id: int) -> dict:
+    import torch
+
+    _reset_peak()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = hf_model.generate(torch.tensor([prompt_ids]), num_beams=width, do_sample=False, max_new_tokens=new_tokens,
+                                min_new_tokens=new_tokens, eos_token_id=eos_id, pad_token_id=eos_id)
+    elapsed = time.perf_counter() - start
+    return {"wall_s": elapsed, "peak_rss_bytes": _rss("VmHWM"),
+            "peak_kv_bytes": hf_kv_bytes(hf_model, width * (len(prompt_ids) + new_tokens)),
+            "best": out[0, len(prompt_ids):].tolist()}
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    """Both sweeps; writes the JSON after every point (a long run keeps what it measured) and the plot."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from widebeam.engine import LLM
+
+    torch.set_num_threads(args.threads)
+    points = [(w, p) for p in args.prompt_lens for w in args.widths]
+    if not args.no_wide:
+        points += [(w, p) for p in args.wide_prompt_lens for w in args.wide_widths if (w, p) not in points]
+    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
+              max_beam_width=max(w for w, _ in points))
+    dtype = llm.engine.model.lm_head.weight.dtype
+    hf = AutoModelForCausalLM.from_pretrained(str(llm.engine.source.path), dtype=dtype).eval()
+    eos_id = min(llm.engine.eos_token_ids)
+
+    vocab_size = llm.engine.model.arch.vocab_size
+    warm = make_prompt(llm.tokenizer, 64, vocab_size)
+    run_widebeam(llm, warm, 2, 4)
+    run_hf(hf, warm, 2, 4, eos_id)
+
+    out_path = Path(args.out)
+    rows = []
+    for width, prompt_len in points:
+        prompt_ids = make_prompt(llm.tokenizer, prompt_len, vocab_size)
+        n = args.max_new_tokens
+        row = {"beam_width": width, "prompt_len": len(prompt_ids), "max_new_tokens": n, "dtype": args.dtype,
+               "threads": args.threads,
+               "compute_floor_s": compute_floor_s(hf, len(prompt_ids), width, n, dtype)}
+        wb = run_widebeam(llm, prompt_ids, width, n)
+        row["widebeam"] = {k: v for k, v in wb.items() if k != "best"}
+        hf_kv = hf_kv_bytes(hf, width * (len(prompt_ids) + n))
+        if hf_kv > args.hf_kv_limit:
+            row["transformers"] = {"skipped": f"its KV for W x (P+N) = {width * (len(prompt_ids) + n)} tokens "
+                                              f"({format_bytes(hf_kv)}) exceeds --hf-kv-limit "
+                                              f"{format_bytes(args.hf_kv_limit)}"}
+        else:
+            ref = run_hf(hf, prompt_ids, width, n, eos_id)
+            row["transformers"] = {k: v for k, v in ref.items() if k != "best"}
+            row["same_best_sequence"] = wb["best"] == ref["best"]
+            row["speedup"] = ref["wall_s"] / wb["wall_s"]
+        for side in ("widebeam", "transformers"):
+            if "wall_s" in row[side]:
+                row[side]["beam_tokens_per_s"] = width * n / row[side]["wall_s"]
+                row[side]["x_compute_floor"] = row[side]["wall_s"] / row["compute_floor_s"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps({"model": args.model, "torch": torch.__version__,
+                                        "kv_cache_memory_bytes": args.kv_cache_memory, "points": rows}, indent=2) + "\n")
+    print_table(rows)
+    plot(rows, out_path.with_suffix(".png"), args.model, args.max_new_tokens)
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="beam search: widebeam vs transformers (same run)")
+    for column in ("W", "P", "widebeam s", "hf s", "speed-up", "same best", "KV widebeam", "KV hf",
+                   "widebeam x floor"):
+        table.add_column(column, justify="right")
+    for r in rows:
+        wb, hf = r["widebeam"], r["transformers"]
+        table.add_row(str(r["beam_width"]), str(r["prompt_len"]), f"{wb['wall_s']:.2f}",
+                      f"{hf['wall_s']:.2f}" if "wall_s" in hf else "skipped",
+                      f"{r['speedup']:.2f}x" if "speedup" in r else "-",
+                      ("yes" if r["same_best_sequence"] else "NO") if "same_best_sequence" in r else "-",
+                      format_bytes(wb["peak_kv_bytes"]),
+                      format_bytes(hf["peak_kv_bytes"]) if "peak_kv_bytes" in hf else "-",
+                      f"{wb['x_compute_floor']:.2f}")
+    Console().print(table)
+
+
+def plot(rows: list[dict], path: Path, model: str, new_tokens: int) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is not installed: no plot ({path}); pip install matplotlib")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for prompt_len in sorted({r["prompt_len"] for r in rows}):
+        sub = [r for r in rows if r["prompt_len"] == prompt_len]
+        ax.plot([r["beam_width"] for r in sub], [r["widebeam"]["wall_s"] for r in sub], "o-",
+                label=f"widebeam P={prompt_len}")
+        hf = [r for r in sub if "wall_s" in r["transformers"]]
+        if hf:
+            ax.plot([r["beam_width"] for r in hf], [r["transformers"]["wall_s"] for r in hf], "s--",
+                    label=f"transformers P={prompt_len}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("beam width")
+    ax.set_ylabel("wall time (s)")
+    ax.set_title(f"beam search, {model}, N={new_tokens} new tokens")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
