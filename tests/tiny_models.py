@@ -39,7 +39,7 @@ TINY_MARIAN_EOS = 2
 
 
 def save_tiny_marian(path, eos_logit_bias: float = 3.5, vocab_size: int = 128, pad: int = TINY_MARIAN_PAD,
-                     eos: int = TINY_MARIAN_EOS, **overrides):
+                     eos: int = TINY_MARIAN_EOS, forced_eos: bool = False, **overrides):
     """A tiny random MarianMTModel (opus-mt layout: swish, scaled embeddings, shared embeddings,
     sinusoidal positions), saved as safetensors with its generation config; returns it."""
     from transformers import GenerationConfig, MarianConfig, MarianMTModel
@@ -48,7 +48,8 @@ def save_tiny_marian(path, eos_logit_bias: float = 3.5, vocab_size: int = 128, p
         "vocab_size": vocab_size, "decoder_vocab_size": vocab_size, "d_model": 64, "encoder_layers": 2,
         "decoder_layers": 2, "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 96,
         "decoder_ffn_dim": 80, "max_position_embeddings": 128, "pad_token_id": pad, "eos_token_id": eos,
-        "decoder_start_token_id": pad, "forced_eos_token_id": None, "activation_function": "swish",
+        "decoder_start_token_id": pad, "forced_eos_token_id": eos if forced_eos else None,
+        "activation_function": "swish",
         "scale_embedding": True, "share_encoder_decoder_embeddings": True, "tie_word_embeddings": True,
     }
     base.update(overrides)
@@ -63,7 +64,7 @@ def save_tiny_marian(path, eos_logit_bias: float = 3.5, vocab_size: int = 128, p
         model.final_logits_bias[0, eos] += eos_logit_bias  # so beams do finish on EOS
     model.generation_config = GenerationConfig(
         decoder_start_token_id=pad, eos_token_id=eos, pad_token_id=pad, bad_words_ids=[[pad]],
-        forced_eos_token_id=None, num_beams=1,
+        forced_eos_token_id=eos if forced_eos else None, num_beams=1,
     )
     model.save_pretrained(str(path), safe_serialization=True)
     return model

@@ -24,7 +24,7 @@ from widebeam.kv.sizing import (
     split_by_need,
     tokens_per_sequence,
 )
-from widebeam.model.loader import DEFAULT_MODEL, resolve_model
+from widebeam.model.loader import DEFAULT_MODEL, load_config, resolve_model
 from widebeam.model.registry import load_model, load_tokenizer
 from widebeam.model.runner import ModelRunner, SequenceInput
 from widebeam.outputs import RequestOutput
@@ -114,7 +114,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, {s.name: n for s, n in zip(specs, pool_blocks)},
                                   tokens_per_block, self.device, self.model.lm_head.weight.dtype)
         self.eos_token_ids = frozenset(self._eos_token_ids())
-        self.decoder_start_token_id, self.suppress_token_ids = self._encoder_decoder_settings()
+        self.decoder_start_token_id, self.suppress_token_ids, self.forced_eos_token_id = \
+            self._encoder_decoder_settings()
         self.scheduler = Scheduler(self.cache, max_num_batched_tokens)
         self.last_schedule: SchedulerOutput | None = None  # what the latest step ran (for tests and metrics)
         self._requests: dict[str, RequestState] = {}
@@ -150,7 +151,8 @@ class LLMEngine:
         request = RequestState(request_id, text, token_ids, params, admission,
                                holdings={name: Holding() for name in self.cache.managers},
                                eos_token_ids=self.eos_token_ids, tokenizer=self.tokenizer,
-                               encoder_token_ids=encoder_token_ids, suppress_token_ids=self.suppress_token_ids)
+                               encoder_token_ids=encoder_token_ids, suppress_token_ids=self.suppress_token_ids,
+                               forced_eos_token_id=self.forced_eos_token_id)
         self._requests[request_id] = request
         self.scheduler.add(request)
 
@@ -250,19 +252,22 @@ class LLMEngine:
 
         return json.loads(path.read_text())
 
-    def _encoder_decoder_settings(self) -> tuple[int | None, tuple[int, ...]]:
-        """(decoder_start_token_id, token ids never generated) of an encoder-decoder model; (None, ())
-        for a decoder-only one. Single-token `bad_words_ids` (Marian bans its pad token) are
-        suppressed the way HF's processor does; longer banned sequences are not supported."""
+    def _encoder_decoder_settings(self) -> tuple[int | None, tuple[int, ...], int | None]:
+        """(decoder_start_token_id, token ids never generated, forced_eos_token_id) of an
+        encoder-decoder model; (None, (), None) for a decoder-only one. Single-token `bad_words_ids`
+        (Marian bans its pad token) are suppressed the way HF's processor does; longer banned
+        sequences are not supported. The forced EOS is HF's: the last allowed token (number
+        max_new_tokens) is EOS."""
         if not self.arch.is_encoder_decoder:
-            return None, ()
+            return None, (), None
         generation_config = self._generation_config()
         start = generation_config.get("decoder_start_token_id")
         if start is None:
             start = self.model.decoder_start_token_id
         bad_words = generation_config.get("bad_words_ids") or []
         suppress = tuple(sorted({ids[0] for ids in bad_words if len(ids) == 1}))
-        return int(start), suppress
+        forced_eos = generation_config.get("forced_eos_token_id", load_config(self.source).get("forced_eos_token_id"))
+        return int(start), suppress, forced_eos if isinstance(forced_eos, int) else None
 
     def _eos_token_ids(self) -> set[int]:
         ids: set[int] = set()

@@ -53,6 +53,8 @@ class RequestState:
     cross_table: BlockTable | None = None
     # Tokens never generated (HF `bad_words_ids` of single tokens, e.g. Marian's pad).
     suppress_token_ids: tuple[int, ...] = ()
+    # HF `forced_eos_token_id` (Marian's generation config sets it): the last allowed token is this.
+    forced_eos_token_id: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.params, BeamSearchParams):
@@ -144,9 +146,8 @@ class RequestState:
         if self.beam is not None:
             self._advance_beams(logits, cache)
         else:
-            if self.suppress_token_ids:  # as HF's processors do: on the logits, before choosing
-                logits = logits.clone()
-                logits[:, list(self.suppress_token_ids)] = float("-inf")
+            if self.suppress_token_ids or self._forcing_eos():  # as HF's processors: on the logits
+                logits = self._processed(logits.clone())
             self._advance_sample(logits[0])
         if self.finish_reason is not None or (self.beam is not None and self.beam.done):
             self.release(cache)
@@ -173,10 +174,8 @@ class RequestState:
             self.finish_reason = "length"
 
     def _advance_beams(self, logits: torch.Tensor, cache: KVCache) -> None:
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        if self.suppress_token_ids:  # HF masks after the log-softmax in beam search: no renormalisation
-            logprobs[:, list(self.suppress_token_ids)] = float("-inf")
-        result = self.beam.step(logprobs)
+        # HF's processors run after the log-softmax in beam search: no renormalisation
+        result = self.beam.step(self._processed(torch.log_softmax(logits.float(), dim=-1)))
         if self.beam.done:
             return
         # free -> fork here; the copy of a shared partial block happens when the next step appends.
@@ -195,6 +194,18 @@ class RequestState:
                         cache[name].release(tables[i])
                     self.tables[name] = [tables[i] for i in keep]
                 self.next_token_ids = [self.next_token_ids[i] for i in keep]
+
+    def _forcing_eos(self) -> bool:
+        return self.forced_eos_token_id is not None and self._num_generated() == self.admission.max_new_tokens - 1
+
+    def _processed(self, scores: torch.Tensor) -> torch.Tensor:
+        """Scores [rows, vocab] with suppressed tokens at -inf and, on the last token, only the forced EOS."""
+        if self.suppress_token_ids:
+            scores[:, list(self.suppress_token_ids)] = float("-inf")
+        if self._forcing_eos():
+            scores.fill_(float("-inf"))
+            scores[:, self.forced_eos_token_id] = 0.0
+        return scores
 
     def release(self, cache: KVCache) -> None:
         """Give back every block; safe to call twice (abort after finish)."""

@@ -151,6 +151,29 @@ def test_greedy_and_sampling_through_the_engine(models):
         assert pool["free_blocks"] == pool["total_blocks"], name
 
 
+@pytest.mark.parametrize("beam_width", [1, 4])
+def test_forced_eos_of_the_generation_config_matches_transformers(tmp_path, beam_width):
+    """opus-mt's generation config forces EOS as the last allowed token (`forced_eos_token_id`)."""
+    from tiny_models import save_tiny_marian
+
+    hf = save_tiny_marian(tmp_path, forced_eos=True, eos_logit_bias=0.0)
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", tokens_per_block=4, kv_cache_memory="4MiB",
+              max_num_batched_tokens=64, max_beam_width=8)
+    max_new_tokens = 6
+    params = BeamSearchParams(beam_width=beam_width, max_new_tokens=max_new_tokens, num_return_sequences=beam_width)
+    outputs = llm.generate([{"prompt_token_ids": s} for s in SOURCES], params, use_tqdm=False)
+    for source, output in zip(SOURCES, outputs):
+        with torch.no_grad():
+            expected = hf.generate(torch.tensor([source]), num_beams=beam_width, num_return_sequences=beam_width,
+                                   max_new_tokens=max_new_tokens, output_scores=True, return_dict_in_generate=True,
+                                   **{**HF_SETTINGS, "forced_eos_token_id": EOS})
+        for rank, beam in enumerate(output.outputs):
+            assert beam.token_ids == expected.sequences[rank, 1:1 + len(beam.token_ids)].tolist()
+            assert beam.token_ids[-1] == EOS
+            if beam_width > 1:
+                torch.testing.assert_close(beam.score, float(expected.sequences_scores[rank]), atol=1e-4, rtol=1e-5)
+
+
 def test_loads_through_the_registry_with_shared_embeddings(models):
     model = get_llm(models, 4).engine.model
     shared = model.model.shared.weight
