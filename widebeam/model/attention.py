@@ -230,12 +230,11 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     q_rows = (q * scale).to(k_cache.dtype).view(batch, num_kv_heads, group_size, head_dim).transpose(0, 1)
     q_rows = q_rows.reshape(num_kv_heads, rows, head_dim)
 
-    k_suffix = _gather(k_cache, group.suffix_slots)  # [B, S, KV, d]
-    suffix_len = k_suffix.shape[1]
-    # [B, KV, G, d] x [B, KV, d, S] -> [B, KV, G, S] -> [KV, B*G, S]
-    suffix_scores = torch.matmul(q_rows.view(num_kv_heads, batch, group_size, head_dim).transpose(0, 1),
-                                 k_suffix.permute(0, 2, 3, 1))
-    suffix_scores = suffix_scores.transpose(0, 1).reshape(num_kv_heads, rows, suffix_len)
+    k_suffix = _kv_major(_gather(k_cache, group.suffix_slots))  # [KV, B, S, d]
+    suffix_len = k_suffix.shape[2]
+    # [KV, B, G, d] x [KV, B, d, S] -> [KV, B, G, S], which is [KV, B*G, S] with no copy
+    suffix_scores = torch.matmul(q_rows.view(num_kv_heads, batch, group_size, head_dim), k_suffix.transpose(-1, -2))
+    suffix_scores = suffix_scores.view(num_kv_heads, rows, suffix_len)
     suffix_mask = group.suffix_valid
     if sliding_window is not None:
         suffix_mask = suffix_mask & (group.suffix_positions > group.query_positions[:, None] - sliding_window)
@@ -256,7 +255,7 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         row_max = torch.maximum(row_max, scores.amax(dim=-1, keepdim=True))
     denominator = torch.zeros_like(row_max)
     out = None
-    values = [_gather(v_cache, group.suffix_slots)]  # [B, S, KV, d]
+    values = [_kv_major(_gather(v_cache, group.suffix_slots))]  # [KV, B, S, d]
     if group.prefix_tokens:
         values.insert(0, _gather(v_cache, group.prefix_slots))  # [P, KV, d]
     for (scores, _), v in zip(parts, values):
@@ -265,12 +264,16 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         weights = weights.to(v.dtype)
         if v.dim() == 3:  # the shared prefix: [KV, B*G, P] x [KV, P, d]
             part = torch.bmm(weights, v.transpose(0, 1))
-        else:  # each beam's own keys: [B, KV, G, S] x [B, KV, S, d]
-            per_beam = weights.view(num_kv_heads, batch, group_size, -1).transpose(0, 1)
-            part = torch.matmul(per_beam, v.transpose(1, 2)).transpose(0, 1).reshape(num_kv_heads, rows, head_dim)
+        else:  # each beam's own keys: [KV, B, G, S] x [KV, B, S, d]
+            part = torch.matmul(weights.view(num_kv_heads, batch, group_size, -1), v).view(num_kv_heads, rows, head_dim)
         out = part.float() if out is None else out + part
     out = out / denominator  # [KV, B*G, d]
     return out.view(num_kv_heads, batch, group_size, head_dim).transpose(0, 1).reshape(batch, num_heads, head_dim).to(q.dtype)
+
+
+def _kv_major(x: torch.Tensor) -> torch.Tensor:
+    """[B, S, KV, d] -> contiguous [KV, B, S, d]: one copy here makes both products copy-free."""
+    return x.permute(2, 0, 1, 3).contiguous()
 
 
 def _capped(raw: torch.Tensor, softcap: float | None) -> torch.Tensor:
