@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share of the memory left after weights and activations given to KV (default 0.9)")
     p.add_argument("--beam-width", type=_int_at_least(1), default=1)
     p.add_argument("--prompt-len", type=_int_at_least(1), default=512)
+    p.add_argument("--encoder-len", type=_int_at_least(1), default=None,
+                   help="encoder-decoder models: source tokens E, held once in the cross pool (default: --prompt-len)")
     p.add_argument("--max-new-tokens", type=_int_at_least(1), default=128)
     p.add_argument("--tokens-per-block", type=_int_at_least(1), default=16)
     p.add_argument("--max-num-batched-tokens", type=_int_at_least(1), default=2048,
@@ -47,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate a completion for one prompt")
     g.add_argument("prompt", help="the prompt text (with --chat: the user message)")
     g.add_argument("--model", default="smollm2-135m-instruct",
-                   help="alias (smollm2-135m-instruct, gemma3-270m), a Hugging Face model dir, or a .gguf file")
+                   help="alias (smollm2-135m-instruct, gemma3-270m), a Hugging Face model dir (Llama-family, Gemma 3, "
+                        "Marian translation), or a .gguf file")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     g.add_argument("--max-new-tokens", type=_int_at_least(1), default=32)
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
@@ -166,6 +169,7 @@ def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         kv_cache_fraction=args.kv_cache_fraction,
         dtype=args.dtype,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        encoder_len=args.encoder_len,
     )
     try:
         result = plan(arch, inputs)
@@ -199,7 +203,9 @@ def _print_plan(result: dict) -> None:
     sizing.add_row("max_seq_len (model limit)", f"{result['max_seq_len']} ({result['model_max_seq_len']})")
     console.print(sizing)
 
-    pools = Table(title=f"request: prompt {req['prompt_len']}, new {req['max_new_tokens']}, beam {req['beam_width']}")
+    source = f"source {req['encoder_len']} -> decoder " if "encoder_len" in req else ""
+    pools = Table(title=f"request: {source}prompt {req['prompt_len']}, new {req['max_new_tokens']}, "
+                        f"beam {req['beam_width']}")
     for column in ("pool", "kind", "layers", "bytes/token", "required blocks", "capacity blocks", "fits", "at once"):
         pools.add_column(column, justify="right" if column not in ("pool", "kind") else "left")
     for p in result["pools"]:

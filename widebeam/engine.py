@@ -27,12 +27,12 @@ from widebeam.kv.sizing import (
 from widebeam.model.loader import DEFAULT_MODEL, load_config, resolve_model
 from widebeam.model.registry import load_model, load_tokenizer
 from widebeam.model.runner import ModelRunner, SequenceInput
+from widebeam.model.warmup import estimate_activation_peak_bytes, measure_activation_peak_bytes
 from widebeam.outputs import RequestOutput
 from widebeam.params import BeamSearchParams, SamplingParams
 from widebeam.request import RequestState
 from widebeam.sched.admission import admit_check
 from widebeam.sched.scheduler import Scheduler, SchedulerOutput
-from widebeam.model.warmup import estimate_activation_peak_bytes, measure_activation_peak_bytes
 from widebeam.units import format_bytes, parse_bytes
 
 log = logging.getLogger("widebeam")

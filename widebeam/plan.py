@@ -8,9 +8,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from widebeam.kv.budget import KVRequest, cross_attention_blocks, naive_full_attention_blocks, naive_max_seq_len
+from widebeam.kv.budget import (
+    KVRequest,
+    cross_attention_blocks,
+    naive_full_attention_blocks,
+    naive_max_seq_len,
+)
 from widebeam.kv.cache import KVCache
-from widebeam.kv.sizing import PoolNeed, capacity_tokens, resolve_max_seq_len, split_by_need, tokens_per_sequence
+from widebeam.kv.sizing import (
+    PoolNeed,
+    capacity_tokens,
+    resolve_max_seq_len,
+    split_by_need,
+    tokens_per_sequence,
+)
 from widebeam.kv.spec import dtype_bytes
 from widebeam.model.arch import CROSS_POOL, ModelArch
 
@@ -142,7 +153,7 @@ def plan(arch: ModelArch, inputs: PlanInputs) -> dict:
         "model_max_seq_len": arch.max_position_embeddings,
         "max_seq_len": max_seq_len,
         "request": {
-            "prompt_len": inputs.prompt_len,
+            "prompt_len": request.prompt_tokens,  # 1 (the decoder start token) for an encoder-decoder model
             "max_new_tokens": inputs.max_new_tokens,
             "beam_width": inputs.beam_width,
             **({"encoder_len": request.encoder_tokens} if arch.is_encoder_decoder else {}),

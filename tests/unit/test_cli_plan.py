@@ -66,6 +66,18 @@ def test_plan_reads_a_config_json(tmp_path):
     assert result["pools"][0]["required_blocks"] == 6 + math.ceil((4 + 10) / 16) * 4
 
 
+@pytest.mark.parametrize("beam_width", [1, 16])
+def test_plan_encoder_decoder_shows_the_cross_pool_once_per_request(beam_width):
+    proc = run_cli("plan", "--model", "opus-mt-en-de", "--memory", "4GiB", "--beam-width", str(beam_width),
+                   "--encoder-len", "200", "--max-new-tokens", "128", "--json")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["request"]["encoder_len"] == 200 and result["request"]["prompt_len"] == 1
+    required = {pool["name"]: pool["required_blocks"] for pool in result["pools"]}
+    # the decoder starts from one token; the source's K/V are held once, whatever the width
+    assert required == {"self": beam_width * math.ceil((1 + 128) / 16), "cross": math.ceil(200 / 16)}
+
+
 def test_plan_table_shows_both_models():
     proc = run_cli("plan", "--model", "gemma3-270m", "--memory", "2GiB", "--beam-width", "16")
     assert proc.returncode == 0, proc.stderr

@@ -105,7 +105,7 @@ def test_adversarial_traces_reach_required_exactly(prompt_tokens, max_new_tokens
                                                    window_tokens, chunk_tokens):
     """Some chunking of the prompt, then every beam diverging, holds exactly the bound."""
     peak = 0
-    for first in range(0, min(prompt_tokens, window_tokens + 2 * tokens_per_block + chunk_tokens) + 1):
+    for first in range(min(prompt_tokens, window_tokens + 2 * tokens_per_block + chunk_tokens) + 1):
         for tail_first in (first, max(0, prompt_tokens - chunk_tokens - first)):
             trace = SlidingTrace(prompt_tokens, max_new_tokens, beam_width, tokens_per_block, window_tokens,
                                  chunk_tokens)

@@ -29,7 +29,6 @@ from widebeam.kv.budget import (
 )
 from widebeam.kv.spec import CrossAttentionSpec, FullAttentionSpec, PoolSpec, SlidingWindowSpec
 
-
 # A block table entry whose block was released because no query can see it any more (sliding window).
 # Entries stay aligned with positions: block i of a table always covers positions [i*T, (i+1)*T).
 DROPPED = -1
