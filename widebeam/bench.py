@@ -4,7 +4,9 @@ Same model, same prompts, dtype and thread count; the two engines alternate at e
 warm-up of both. Per point: wall time, beam-tokens/s, peak process memory (RSS high-water mark,
 reset before each run), peak KV bytes held, and the compute floor: the time of the model's dense
 matmuls alone for the same batch shapes (one prefill of P tokens, then N steps of W rows), measured
-on this machine in the same run, with each engine's time as a multiple of it.
+on this machine in the same run, with each engine's time as a multiple of it. A second floor adds
+attention's own products (the prompt's causal attention, then every beam's queries against P + n keys
+per step), which dominate long prompts and no engine can skip.
 
 Two sweeps: W in {1, 4, 16, 64} at P=512 (both engines), and a wide one, W in {64, 128, 256} x
 P in {512, 2048, 4096}, where transformers is skipped, with the reason, when its KV for W x (P + N)
@@ -40,6 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip transformers when its W x (P+N) KV would exceed this (default 6GiB)")
     parser.add_argument("--kv-cache-memory", type=byte_size, default=byte_size("2GiB"),
                         help="widebeam's KV budget (default 2GiB)")
+    parser.add_argument("--tokens-per-block", type=int_at_least(1), default=16,
+                        help="KV block size T: smaller blocks share more of the beams' common tokens (default 16)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int_at_least(1), default=2)
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"JSON path; the plot goes next to it (default {DEFAULT_OUT})")
@@ -95,6 +99,39 @@ def compute_floor_s(hf_model, prompt_len: int, width: int, new_tokens: int, dtyp
         return time.perf_counter() - start
 
 
+def attention_floor_s(hf_model, prompt_len: int, width: int, new_tokens: int, dtype) -> float:
+    """Attention's own products, which no engine can skip: the prompt's causal attention once
+    (fused SDPA), then per decode step and layer the W x heads queries against the P + n keys (QK^T
+    and PV). Timed at the average context P + N/2, the best of 3 steps, times N."""
+    import torch
+
+    cfg = hf_model.config
+    num_layers, num_heads = cfg.num_hidden_layers, cfg.num_attention_heads
+    num_kv_heads = cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+    rows = width * (num_heads // num_kv_heads)  # the grouped heads of every beam share one KV head
+    context = prompt_len + new_tokens // 2
+    q = torch.randn(num_kv_heads, rows, head_dim, dtype=dtype)
+    k_t = torch.randn(num_kv_heads, head_dim, context, dtype=dtype)
+    probs = torch.softmax(torch.randn(num_kv_heads, rows, context), dim=-1).to(dtype)
+    v = torch.randn(num_kv_heads, context, head_dim, dtype=dtype)
+    qp = torch.randn(1, num_heads, prompt_len, head_dim, dtype=dtype)
+    kp = torch.randn(1, num_heads, prompt_len, head_dim, dtype=dtype)
+    with torch.inference_mode():
+        start = time.perf_counter()
+        for _ in range(num_layers):
+            torch.nn.functional.scaled_dot_product_attention(qp, kp, kp, is_causal=True)
+        prefill = time.perf_counter() - start
+        step = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            for _ in range(num_layers):
+                torch.bmm(q, k_t)
+                torch.bmm(probs, v)
+            step = min(step, time.perf_counter() - start)
+    return prefill + step * new_tokens
+
+
 def run_widebeam(llm, prompt_ids: list[int], width: int, new_tokens: int) -> dict:
     from widebeam.params import BeamSearchParams
 
@@ -143,7 +180,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     if not args.no_wide:
         points += [(w, p) for p in args.wide_prompt_lens for w in args.wide_widths if (w, p) not in points]
     llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
-              max_beam_width=max(w for w, _ in points))
+              max_beam_width=max(w for w, _ in points), tokens_per_block=args.tokens_per_block)
     dtype = llm.engine.model.lm_head.weight.dtype
     hf = AutoModelForCausalLM.from_pretrained(str(llm.engine.source.path), dtype=dtype).eval()
     eos_id = min(llm.engine.eos_token_ids)
@@ -159,8 +196,9 @@ def run(args: argparse.Namespace) -> list[dict]:
         prompt_ids = make_prompt(llm.tokenizer, prompt_len, vocab_size)
         n = args.max_new_tokens
         row = {"beam_width": width, "prompt_len": len(prompt_ids), "max_new_tokens": n, "dtype": args.dtype,
-               "threads": args.threads,
-               "compute_floor_s": compute_floor_s(hf, len(prompt_ids), width, n, dtype)}
+               "threads": args.threads, "tokens_per_block": args.tokens_per_block,
+               "compute_floor_s": compute_floor_s(hf, len(prompt_ids), width, n, dtype),
+               "attention_floor_s": attention_floor_s(hf, len(prompt_ids), width, n, dtype)}
         wb = run_widebeam(llm, prompt_ids, width, n)
         row["widebeam"] = {k: v for k, v in wb.items() if k != "best"}
         hf_kv = hf_kv_bytes(hf, width * (len(prompt_ids) + n))
@@ -177,6 +215,8 @@ def run(args: argparse.Namespace) -> list[dict]:
             if "wall_s" in row[side]:
                 row[side]["beam_tokens_per_s"] = width * n / row[side]["wall_s"]
                 row[side]["x_compute_floor"] = row[side]["wall_s"] / row["compute_floor_s"]
+                row[side]["x_compute_and_attention_floor"] = (
+                    row[side]["wall_s"] / (row["compute_floor_s"] + row["attention_floor_s"]))
         rows.append(row)
         print(json.dumps(row), flush=True)
         out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -193,7 +233,7 @@ def print_table(rows: list[dict]) -> None:
 
     table = Table(title="beam search: widebeam vs transformers (same run)")
     for column in ("W", "P", "widebeam s", "hf s", "speed-up", "same best", "KV widebeam", "KV hf",
-                   "widebeam x floor"):
+                   "widebeam x floor", "x floor+attn"):
         table.add_column(column, justify="right")
     for r in rows:
         wb, hf = r["widebeam"], r["transformers"]
@@ -203,8 +243,10 @@ def print_table(rows: list[dict]) -> None:
                       ("yes" if r["same_best_sequence"] else "NO") if "same_best_sequence" in r else "-",
                       format_bytes(wb["peak_kv_bytes"]),
                       format_bytes(hf["peak_kv_bytes"]) if "peak_kv_bytes" in hf else "-",
-                      f"{wb['x_compute_floor']:.2f}")
-    Console().print(table)
+                      f"{wb['x_compute_floor']:.2f}", f"{wb['x_compute_and_attention_floor']:.2f}")
+    console = Console()
+    # a pipe or log file reports 80 columns, which would fold every figure in two
+    Console(width=max(console.width, 130)).print(table)
 
 
 def plot(rows: list[dict], path: Path, model: str, new_tokens: int) -> None:

@@ -36,6 +36,9 @@ def test_bench_compares_both_engines_in_one_run(tiny_dir, tmp_path):
             assert figures["wall_s"] > 0 and figures["peak_rss_bytes"] > 0
             assert figures["beam_tokens_per_s"] == pytest.approx(p["beam_width"] * 6 / figures["wall_s"])
             assert figures["x_compute_floor"] == pytest.approx(figures["wall_s"] / p["compute_floor_s"])
+            floors = p["compute_floor_s"] + p["attention_floor_s"]
+            assert p["attention_floor_s"] > 0
+            assert figures["x_compute_and_attention_floor"] == pytest.approx(figures["wall_s"] / floors)
     # tiny model: 2 layers x 2 KV heads x 16 dims x 2 (K, V) x 4 bytes = 512 bytes per token
     w1, w4 = points
     assert w1["transformers"]["peak_kv_bytes"] == (40 + 6) * 512

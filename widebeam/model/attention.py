@@ -225,6 +225,15 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     num_kv_heads = k_cache.shape[1]
     group_size = num_heads // num_kv_heads
     rows = batch * group_size
+    suffix_mask = group.suffix_valid
+    if sliding_window is not None:
+        suffix_mask = suffix_mask & (group.suffix_positions > group.query_positions[:, None] - sliding_window)
+    if not group.prefix_tokens and softcap is None:
+        # Nothing shared: each row attends its own keys, which PyTorch's fused kernel does best.
+        k = _gather(k_cache, group.suffix_slots).transpose(1, 2)  # [B, KV, S, d]
+        v = _gather(v_cache, group.suffix_slots).transpose(1, 2)
+        return F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=suffix_mask[:, None, None, :],
+                                              scale=scale, enable_gqa=True)[:, :, 0, :]
     # [KV, B*G, d]: the heads of one KV head, for every beam, as the rows of one matrix
     # The scale goes on q (B x H x d numbers), not on the scores (B x H x (P + S)).
     q_rows = (q * scale).to(k_cache.dtype).view(batch, num_kv_heads, group_size, head_dim).transpose(0, 1)
@@ -235,9 +244,6 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     # [KV, B, G, d] x [KV, B, d, S] -> [KV, B, G, S], which is [KV, B*G, S] with no copy
     suffix_scores = torch.matmul(q_rows.view(num_kv_heads, batch, group_size, head_dim), k_suffix.transpose(-1, -2))
     suffix_scores = suffix_scores.view(num_kv_heads, rows, suffix_len)
-    suffix_mask = group.suffix_valid
-    if sliding_window is not None:
-        suffix_mask = suffix_mask & (group.suffix_positions > group.query_positions[:, None] - sliding_window)
     parts = [(_capped(suffix_scores, softcap), suffix_mask)]
     if group.prefix_tokens:
         k_prefix = _gather(k_cache, group.prefix_slots)  # [P, KV, d]
