@@ -16,6 +16,7 @@ tokens would exceed `--hf-kv-limit`.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import time
@@ -59,6 +60,11 @@ def _rss(field: str) -> int:
 
 def _reset_peak() -> None:
     gc.collect()
+    # Give freed heap back to the OS first, or the next run's peak starts at the last one's leftovers.
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets VmHWM to the current RSS

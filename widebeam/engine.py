@@ -266,7 +266,10 @@ class LLMEngine:
             start = self.model.decoder_start_token_id
         bad_words = generation_config.get("bad_words_ids") or []
         suppress = tuple(sorted({ids[0] for ids in bad_words if len(ids) == 1}))
-        forced_eos = generation_config.get("forced_eos_token_id", load_config(self.source).get("forced_eos_token_id"))
+        # As transformers: a saved generation config is the whole story (a setting it leaves out is
+        # off); only a model without one falls back to config.json.
+        settings = generation_config if generation_config else load_config(self.source)
+        forced_eos = settings.get("forced_eos_token_id")
         return int(start), suppress, forced_eos if isinstance(forced_eos, int) else None
 
     def _eos_token_ids(self) -> set[int]:

@@ -174,6 +174,23 @@ def test_forced_eos_of_the_generation_config_matches_transformers(tmp_path, beam
                 torch.testing.assert_close(beam.score, float(expected.sequences_scores[rank]), atol=1e-4, rtol=1e-5)
 
 
+def test_a_generation_config_without_forced_eos_wins_over_config_json(tmp_path):
+    """As in transformers: a saved generation config is complete; config.json's forced EOS is ignored."""
+    from tiny_models import save_tiny_marian
+
+    hf = save_tiny_marian(tmp_path, eos_logit_bias=0.0, forced_eos_token_id=EOS)  # config.json only
+    assert hf.generation_config.forced_eos_token_id is None
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", tokens_per_block=4, kv_cache_memory="4MiB",
+              max_num_batched_tokens=64, max_beam_width=4)
+    params = BeamSearchParams(beam_width=4, max_new_tokens=6)
+    outputs = llm.generate([{"prompt_token_ids": s} for s in SOURCES], params, use_tqdm=False)
+    settings = {k: v for k, v in HF_SETTINGS.items() if k != "forced_eos_token_id"}
+    for source, output in zip(SOURCES, outputs):
+        with torch.no_grad():
+            expected = hf.generate(torch.tensor([source]), num_beams=4, max_new_tokens=6, **settings)
+        assert output.outputs[0].token_ids == expected[0, 1:1 + len(output.outputs[0].token_ids)].tolist()
+
+
 def test_loads_through_the_registry_with_shared_embeddings(models):
     model = get_llm(models, 4).engine.model
     shared = model.model.shared.weight
