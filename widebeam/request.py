@@ -146,8 +146,10 @@ class RequestState:
         if self.beam is not None:
             self._advance_beams(logits, cache)
         else:
-            if self.suppress_token_ids or self._forcing_eos():  # as HF's processors: on the logits
+            banned = self._ends_too_early()
+            if self.suppress_token_ids or self._forcing_eos() or banned:  # as HF's processors: on the logits
                 logits = self._processed(logits.clone())
+                logits[:, banned] = float("-inf")
             self._advance_sample(logits[0])
         if self.finish_reason is not None or (self.beam is not None and self.beam.done):
             self.release(cache)
@@ -175,7 +177,9 @@ class RequestState:
 
     def _advance_beams(self, logits: torch.Tensor, cache: KVCache) -> None:
         # HF's processors run after the log-softmax in beam search: no renormalisation
-        result = self.beam.step(self._processed(torch.log_softmax(logits.float(), dim=-1)))
+        # HF's forced EOS (on the last allowed token) overrides min_new_tokens' EOS ban
+        result = self.beam.step(self._processed(torch.log_softmax(logits.float(), dim=-1)),
+                                mask_min_length_eos=not self._forcing_eos())
         if self.beam.done:
             return
         # free -> fork here; the copy of a shared partial block happens when the next step appends.
@@ -194,6 +198,15 @@ class RequestState:
                         cache[name].release(tables[i])
                     self.tables[name] = [tables[i] for i in keep]
                 self.next_token_ids = [self.next_token_ids[i] for i in keep]
+
+    def _ends_too_early(self) -> list[int]:
+        """Token ids a sampled sequence may not produce yet: EOS (unless ignored) and stop token ids
+        while fewer than `min_new_tokens` were generated, masked as transformers and vLLM do (not
+        emitted and walked past). A forced EOS on the last allowed token overrides this, as in HF."""
+        params = self.params
+        if self._num_generated() >= params.min_new_tokens or self._forcing_eos():
+            return []
+        return sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids)))
 
     def _forcing_eos(self) -> bool:
         return self.forced_eos_token_id is not None and self._num_generated() == self.admission.max_new_tokens - 1

@@ -195,8 +195,10 @@ class BeamSearchState:
 
     # -- the search --------------------------------------------------------------------------------------
 
-    def step(self, logprobs: torch.Tensor) -> StepResult:
+    def step(self, logprobs: torch.Tensor, mask_min_length_eos: bool = True) -> StepResult:
         """Consume the live beams' next-token log-probs `[num_live_beams, vocab]`; return the next live beams.
+
+        `mask_min_length_eos=False` lets EOS through before `min_new_tokens` (a caller forcing EOS).
 
         Returns an empty `StepResult` when the search is done (then `done` is True).
         """
@@ -211,7 +213,7 @@ class BeamSearchState:
             lp = lp.float()
         device = lp.device
         width = self.beam_width
-        mask_eos = bool(self._eos_sorted) and self._generated < self.params.min_new_tokens
+        mask_eos = mask_min_length_eos and bool(self._eos_sorted) and self._generated < self.params.min_new_tokens
 
         first = self._generated == 0
         if first and width > 1:
