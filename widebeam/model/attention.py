@@ -106,21 +106,20 @@ class AttentionMetadata:
         prefix_table = torch.tensor(self.block_tables[members[0]][: prefix_tokens // t], dtype=torch.long)
         prefix_slots = (prefix_table[:, None] * t + torch.arange(t)).reshape(-1)
         starts = [max(prefix_tokens, self.key_start(i)) for i in members]
-        suffix_len = max(self.seq_lens[i] - start for i, start in zip(members, starts))
-        suffix_slots = torch.zeros(len(members), suffix_len, dtype=torch.long)
-        suffix_valid = torch.zeros(len(members), suffix_len, dtype=torch.bool)
-        suffix_positions = torch.zeros(len(members), suffix_len, dtype=torch.long)
-        for row, (i, start) in enumerate(zip(members, starts)):
-            positions = torch.arange(start, self.seq_lens[i])
-            suffix_positions[row, : len(positions)] = positions
-            table = torch.tensor(self.block_tables[i], dtype=torch.long)
-            slots = table[positions // t] * t + positions % t
-            n = len(slots)
-            suffix_slots[row, :n] = slots
-            # Pad with a slot of the same sequence: the cache is never zeroed, and a masked key
-            # must still hold finite numbers (0 x NaN is NaN).
-            suffix_slots[row, n:] = slots[0]
-            suffix_valid[row, :n] = True
+        ends = [self.seq_lens[i] for i in members]
+        # Only the blocks holding each row's own keys, padded with the row's first block.
+        own_blocks = [self.block_tables[i][start // t:(end - 1) // t + 1] for i, start, end in zip(members, starts, ends)]
+        num_blocks = max(len(blocks) for blocks in own_blocks)
+        blocks = torch.tensor([b + [b[0]] * (num_blocks - len(b)) for b in own_blocks], dtype=torch.long)  # [B, nb]
+        start_t, end_t = torch.tensor(starts), torch.tensor(ends)
+        suffix_len = int((end_t - start_t).max())
+        suffix_positions = start_t[:, None] + torch.arange(suffix_len)  # [B, S]
+        suffix_valid = suffix_positions < end_t[:, None]
+        # A padded key repeats the row's first key: the cache is never zeroed, and a masked key
+        # must still hold finite numbers (0 x NaN is NaN).
+        suffix_positions = torch.where(suffix_valid, suffix_positions, start_t[:, None])
+        offsets = suffix_positions - (start_t // t * t)[:, None]  # from the first own block's slot 0
+        suffix_slots = blocks.gather(1, offsets // t) * t + offsets % t
         return DecodeGroup(
             token_index=torch.tensor([self.query_start_loc[i] for i in members], device=device),
             query_positions=torch.tensor([self.seq_lens[i] - 1 for i in members], device=device),
