@@ -10,7 +10,8 @@ scaled-dot-product attention (einsum only with a logit soft-cap). Decoding seque
 each) go in groups: the beams of one request share their prompt's blocks, so the group's keys split
 into a shared prefix, read once for every beam's queries as one matrix-matrix product, and each
 beam's own suffix; the two partial attentions are merged exactly by log-sum-exp. Decoding sequences
-that share nothing go in one padded batch. Tests hold every path to the reference.
+that share nothing go in one padded batch through the fused kernel. Tests hold every path to the
+reference.
 """
 
 from __future__ import annotations
@@ -233,8 +234,8 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         v = _gather(v_cache, group.suffix_slots).transpose(1, 2)
         return F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=suffix_mask[:, None, None, :],
                                               scale=scale, enable_gqa=True)[:, :, 0, :]
-    # [KV, B*G, d]: the heads of one KV head, for every beam, as the rows of one matrix
-    # The scale goes on q (B x H x d numbers), not on the scores (B x H x (P + S)).
+    # [KV, B*G, d]: the heads of one KV head, for every beam, as the rows of one matrix. The scale
+    # goes on q (B x H x d numbers), not on the scores (B x H x (P + S)).
     q_rows = (q * scale).to(k_cache.dtype).view(batch, num_kv_heads, group_size, head_dim).transpose(0, 1)
     q_rows = q_rows.reshape(num_kv_heads, rows, head_dim)
 
@@ -243,7 +244,7 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     # [KV, B, G, d] x [KV, B, d, S] -> [KV, B, G, S], which is [KV, B*G, S] with no copy
     suffix_scores = torch.matmul(q_rows.view(num_kv_heads, batch, group_size, head_dim), k_suffix.transpose(-1, -2))
     suffix_scores = suffix_scores.view(num_kv_heads, rows, suffix_len)
-    parts = [(_capped(suffix_scores, softcap), suffix_mask)]
+    parts = [_masked(_capped(suffix_scores, softcap), suffix_mask, group_size)]
     if group.prefix_tokens:
         k_prefix = _gather(k_cache, group.prefix_slots)  # [P, KV, d]
         prefix_scores = torch.bmm(q_rows, k_prefix.permute(1, 2, 0))  # [KV, B*G, P]
@@ -251,19 +252,16 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         if sliding_window is not None:
             prefix_positions = torch.arange(group.prefix_tokens, device=q.device)
             prefix_mask = prefix_positions[None, :] > group.query_positions[:, None] - sliding_window
-        parts.insert(0, (_capped(prefix_scores, softcap), prefix_mask))
-    # mask [B, K] -> [1, B*G, K], matching the score rows
-    parts = [(scores if mask is None else scores.masked_fill(
-        ~mask.repeat_interleave(group_size, dim=0)[None], float("-inf")), mask) for scores, mask in parts]
-    row_max = parts[0][0].amax(dim=-1, keepdim=True)
-    for scores, _ in parts[1:]:
+        parts.insert(0, _masked(_capped(prefix_scores, softcap), prefix_mask, group_size))
+    row_max = parts[0].amax(dim=-1, keepdim=True)
+    for scores in parts[1:]:
         row_max = torch.maximum(row_max, scores.amax(dim=-1, keepdim=True))
     denominator = torch.zeros_like(row_max)
     out = None
     values = [_kv_major(_gather(v_cache, group.suffix_slots))]  # [KV, B, S, d]
     if group.prefix_tokens:
         values.insert(0, _gather(v_cache, group.prefix_slots))  # [P, KV, d]
-    for (scores, _), v in zip(parts, values):
+    for scores, v in zip(parts, values):
         weights = (scores - row_max).exp_()  # float32, [KV, B*G, K]
         denominator += weights.sum(dim=-1, keepdim=True)
         weights = weights.to(v.dtype)
@@ -286,6 +284,13 @@ def _capped(raw: torch.Tensor, softcap: float | None) -> torch.Tensor:
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     return scores
+
+
+def _masked(scores: torch.Tensor, mask: torch.Tensor | None, group_size: int) -> torch.Tensor:
+    """scores [KV, B*G, K] with keys a beam may not see at -inf; mask [B, K] (None: all visible)."""
+    if mask is None:
+        return scores
+    return scores.masked_fill(~mask.repeat_interleave(group_size, dim=0)[None], float("-inf"))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn import functional as F
 
 
 @dataclass
@@ -64,14 +65,11 @@ class CrossGroup:
 
 
 def _attend_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [n, H, d], k/v [E, KV, d] -> [n, H, d]: every query sees every key."""
-    num_queries, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
-    qg = q.float().reshape(num_queries, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.einsum("nkgd,ekd->kgne", qg, k.float()) * scale  # [KV, G, n, E]
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("kgne,ekd->nkgd", probs, v.float())
-    return out.reshape(num_queries, num_heads, head_dim).to(q.dtype)
+    """q [n, H, d], k/v [E, KV, d] -> [n, H, d]: every query sees every key (PyTorch's fused kernel;
+    the n queries of all beams are the rows of one product against the one K/V read)."""
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                         scale=scale, enable_gqa=True)  # [1, H, n, d]
+    return out[0].transpose(0, 1)
 
 
 def cross_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
