@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from widebeam.bench import _reset_peak, _rss
+from widebeam.bench import peak_rss_bytes, reset_peak_rss
 from widebeam.engine import LLM
 from widebeam.model.arch import BUILTIN_CONFIGS
 from widebeam.params import BeamSearchParams
@@ -68,23 +68,23 @@ def main() -> None:
                    "bad_words_ids": [[PAD]], "max_new_tokens": n, "min_new_tokens": n}
 
     def run_widebeam(width):
-        _reset_peak()
+        reset_peak_rss()
         start = time.perf_counter()
         (out,) = llm.generate([{"prompt_token_ids": source}],
                               BeamSearchParams(beam_width=width, max_new_tokens=n, min_new_tokens=n), use_tqdm=False)
         wall = time.perf_counter() - start
         kv = sum(out.peak_blocks[name] * t * bytes_per_token[name] for name in bytes_per_token)
-        return {"wall_s": wall, "peak_rss_bytes": _rss("VmHWM"), "peak_kv_bytes": kv,
+        return {"wall_s": wall, "peak_rss_bytes": peak_rss_bytes(), "peak_kv_bytes": kv,
                 "peak_blocks": dict(out.peak_blocks)}, out.outputs[0].token_ids
 
     def run_hf(width):
-        _reset_peak()
+        reset_peak_rss()
         start = time.perf_counter()
         with torch.inference_mode():
             out = hf.generate(torch.tensor([source]), num_beams=width, **hf_settings)
         wall = time.perf_counter() - start
         kv = width * (n * bytes_per_token["self"] + len(source) * bytes_per_token["cross"])
-        return {"wall_s": wall, "peak_rss_bytes": _rss("VmHWM"), "peak_kv_bytes": kv}, out[0, 1:].tolist()
+        return {"wall_s": wall, "peak_rss_bytes": peak_rss_bytes(), "peak_kv_bytes": kv}, out[0, 1:].tolist()
 
     run_widebeam(2)
     run_hf(2)

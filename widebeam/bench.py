@@ -39,8 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wide-widths", type=int_at_least(1), nargs="+", default=[64, 128, 256])
     parser.add_argument("--wide-prompt-lens", type=int_at_least(1), nargs="+", default=[512, 2048, 4096])
     parser.add_argument("--no-wide", action="store_true", help="skip the wide sweep")
-    parser.add_argument("--hf-kv-limit", type=byte_size, default=byte_size("6GiB"),
-                        help="skip transformers when its W x (P+N) KV would exceed this (default 6GiB)")
+    parser.add_argument("--hf-kv-limit", type=byte_size, default=byte_size("4GiB"),
+                        help="skip transformers when its W x (P+N) KV would exceed this (default 4GiB; "
+                             "transformers also copies it every step, so its peak is about twice that)")
     parser.add_argument("--kv-cache-memory", type=byte_size, default=byte_size("2GiB"),
                         help="widebeam's KV budget (default 2GiB)")
     parser.add_argument("--tokens-per-block", type=int_at_least(1), default=16,
@@ -50,15 +51,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"JSON path; the plot goes next to it (default {DEFAULT_OUT})")
 
 
-def _rss(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
+def peak_rss_bytes() -> int:
+    """This process's resident-memory high-water mark (VmHWM), 0 where /proc is missing."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return 0
 
 
-def _reset_peak() -> None:
+def reset_peak_rss() -> None:
     gc.collect()
     # Give freed heap back to the OS first, or the next run's peak starts at the last one's leftovers.
     try:
@@ -143,12 +148,12 @@ def run_widebeam(llm, prompt_ids: list[int], width: int, new_tokens: int) -> dic
 
     # min_new_tokens = N bans EOS until the end, exactly as transformers is run below
     params = BeamSearchParams(beam_width=width, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
-    _reset_peak()
+    reset_peak_rss()
     start = time.perf_counter()
     (out,) = llm.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     spec = llm.engine.cache["self"].spec
-    return {"wall_s": elapsed, "peak_rss_bytes": _rss("VmHWM"),
+    return {"wall_s": elapsed, "peak_rss_bytes": peak_rss_bytes(),
             "peak_kv_bytes": out.peak_blocks["self"] * spec.bytes_per_block(llm.engine.cache.tokens_per_block),
             "best": out.outputs[0].token_ids}
 
@@ -163,13 +168,13 @@ def hf_kv_bytes(hf_model, num_tokens: int) -> int:
 def run_hf(hf_model, prompt_ids: list[int], width: int, new_tokens: int, eos_id: int) -> dict:
     import torch
 
-    _reset_peak()
+    reset_peak_rss()
     start = time.perf_counter()
     with torch.inference_mode():
         out = hf_model.generate(torch.tensor([prompt_ids]), num_beams=width, do_sample=False, max_new_tokens=new_tokens,
                                 min_new_tokens=new_tokens, eos_token_id=eos_id, pad_token_id=eos_id)
     elapsed = time.perf_counter() - start
-    return {"wall_s": elapsed, "peak_rss_bytes": _rss("VmHWM"),
+    return {"wall_s": elapsed, "peak_rss_bytes": peak_rss_bytes(),
             "peak_kv_bytes": hf_kv_bytes(hf_model, width * (len(prompt_ids) + new_tokens)),
             "best": out[0, len(prompt_ids):].tolist()}
 
