@@ -16,13 +16,14 @@ tokens would exceed `--hf-kv-limit`.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import json
 import time
 from pathlib import Path
 
+from widebeam import memstats
 from widebeam.argtypes import byte_size, int_at_least
+from widebeam.memstats import rss_bytes
 from widebeam.units import format_bytes
 
 # torch and transformers are imported where used: `widebeam plan` builds this parser too, and stays quick.
@@ -52,29 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def peak_rss_bytes() -> int:
-    """This process's resident-memory high-water mark (VmHWM), 0 where /proc is missing."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return rss_bytes("VmHWM") or 0
 
 
 def reset_peak_rss() -> None:
     gc.collect()
-    # Give freed heap back to the OS first, or the next run's peak starts at the last one's leftovers.
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS
-    except OSError:
-        pass
+    # heap freed by the previous run goes back to the OS, or this run's peak starts at its leftovers
+    memstats.reset_peak_rss(trim_heap=True)
 
 
 def make_prompt(tokenizer, prompt_len: int, vocab_size: int) -> list[int]:

@@ -8,29 +8,9 @@ import gc
 
 import torch
 
+from widebeam.memstats import reset_peak_rss, rss_bytes
 from widebeam.model.arch import CROSS_POOL
 from widebeam.model.runner import ModelRunner, SequenceInput
-
-
-def _rss_bytes(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def _reset_peak_rss() -> bool:
-    """Reset the kernel's peak-RSS mark (VmHWM) to the current RSS; False where unsupported."""
-    try:
-        with open("/proc/self/clear_refs", "w") as clear_refs:
-            clear_refs.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def estimate_activation_peak_bytes(arch, max_num_batched_tokens: int, max_beam_width: int) -> int:
@@ -82,11 +62,11 @@ def measure_activation_peak_bytes(model: torch.nn.Module, device: torch.device, 
         peak = torch.cuda.max_memory_allocated(device) - base
     else:
         gc.collect()
-        base = _rss_bytes("VmRSS")
-        measured = base is not None and _reset_peak_rss()
+        base = rss_bytes("VmRSS")
+        measured = base is not None and reset_peak_rss()
         for batch in ([prefill], decodes):
             torch.log_softmax(runner.execute(batch), dim=-1)
-        high = _rss_bytes("VmHWM") if measured else None
+        high = rss_bytes("VmHWM") if measured else None
         if high is not None and base is not None:
             peak = max(high - base, 0)
         else:
