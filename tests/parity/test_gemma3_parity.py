@@ -12,6 +12,7 @@ import json
 
 import pytest
 import torch
+from beam_checks import assert_beams_match
 from transformers import AutoModelForCausalLM
 
 from widebeam.engine import LLM
@@ -139,14 +140,7 @@ def test_beam_search_matches_transformers(tiny_gemma3_dir, hf, llm, beam_width):
                                    eos_token_id=EOS, pad_token_id=PAD, output_scores=True,
                                    return_dict_in_generate=True)
         assert len(output.outputs) == beam_width
-        for rank, (beam, hf_sequence) in enumerate(zip(output.outputs, expected.sequences)):
-            generated = hf_sequence[len(prompt):].tolist()
-            n = len(beam.token_ids)
-            assert beam.token_ids == generated[:n], f"prompt {prompt[:4]} rank {rank}"
-            # transformers pads a hypothesis that ended early (with pad, or with EOS itself)
-            assert set(generated[n:]) <= {PAD, EOS} and (n == len(generated) or beam.token_ids[-1] == EOS)
-            if beam_width > 1:
-                torch.testing.assert_close(beam.score, float(expected.sequences_scores[rank]), atol=1e-4, rtol=1e-5)
+        assert_beams_match(output, expected, len(prompt), PAD, EOS, beam_width, f"prompt {prompt[:4]}")
         for pool, required in output.required_blocks.items():
             assert output.peak_blocks[pool] <= required, pool
     for name, stats in llm.stats()["pools"].items():
