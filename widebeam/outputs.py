@@ -25,3 +25,24 @@ class RequestOutput:
     # KV accounting per pool: the most distinct blocks the request held at once, and its bound.
     peak_blocks: dict[str, int] = field(default_factory=dict)
     required_blocks: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class RequestDelta:
+    """What one engine step changed for one request: `LLMEngine.step()` returns one per request
+    that took part in the step.
+
+    Sampled requests stream: `new_token_ids` and `new_text` are what this step appended (text held
+    back while it could still be the start of a stop string, so the concatenation of every delta's
+    `new_text` is the final text). Beam requests report `num_generated_tokens` only: their beams are
+    reordered every step, so their text is final only at the end. `first_token` is True on the step
+    that produced the request's first generated token; `output` is set on the step it finished.
+    """
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    num_generated_tokens: int = 0
+    first_token: bool = False
+    finished: bool = False
+    output: RequestOutput | None = None

@@ -24,7 +24,7 @@ from widebeam.errors import WidebeamError
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
+from widebeam.defaults import DEFAULT_MODEL  # noqa: E402  (re-exported)
 GEMMA3_MODEL = "gemma3-270m"
 ALIASES = (DEFAULT_MODEL, GEMMA3_MODEL)
 

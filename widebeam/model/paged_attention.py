@@ -1,0 +1,27 @@
+"""The attention layer every decoder uses: write this step's K/V, then attend through the backend.
+
+Models own the projections, norms and rotary embedding; this module owns the KV write and the
+attention read, so a model never names a backend. The window comes from the pool's metadata (one
+source: the pool the layer's K/V live in), not from the model.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from widebeam.model.attention import AttentionMetadata, paged_attention, write_kv
+
+
+class PagedAttention(nn.Module):
+    """q [num_tokens, heads, head_dim], k/v [num_tokens, kv_heads, head_dim] -> [num_tokens, heads, head_dim]."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
+        return paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, meta.sliding_window)
