@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
+from widebeam.defaults import DEFAULT_MODEL
 from widebeam.errors import WidebeamError
 
 log = logging.getLogger(__name__)
 
-from widebeam.defaults import DEFAULT_MODEL  # noqa: E402  (re-exported)
 GEMMA3_MODEL = "gemma3-270m"
 ALIASES = (DEFAULT_MODEL, GEMMA3_MODEL)
 
