@@ -6,28 +6,39 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from widebeam.kv.block_pool import BlockPool
 from widebeam.kv.budget import KVRequest, full_attention_blocks, sliding_window_blocks
-from widebeam.kv.managers import DROPPED, Holding, SlidingWindowManager
+from widebeam.kv.cache import KVCache
+from widebeam.kv.managers import DROPPED
 from widebeam.kv.spec import SlidingWindowSpec
 
 
 class SlidingTrace:
+    """Drives the engine's own coordinator (`RequestKV`) on a pool sized to exactly the bound, and
+    checks the bound after every single allocation the pool makes."""
+
     def __init__(self, prompt_tokens, max_new_tokens, beam_width, tokens_per_block, window_tokens, chunk_tokens):
         self.request = KVRequest(prompt_tokens, max_new_tokens, beam_width)
         spec = SlidingWindowSpec(name="sliding", num_layers=1, num_kv_heads=1, head_dim=8, window_tokens=window_tokens)
         self.required_blocks = sliding_window_blocks(prompt_tokens, max_new_tokens, beam_width, tokens_per_block,
                                                      window_tokens, chunk_tokens)
-        self.pool = BlockPool(self.required_blocks, name="sliding")
-        self.manager = SlidingWindowManager(spec, self.pool, tokens_per_block, chunk_tokens)
-        assert self.manager.required_blocks(self.request) == self.required_blocks
-        self.holding = Holding()
+        self.cache = KVCache([(spec, self.required_blocks)], tokens_per_block, chunk_tokens)
+        self.pool = self.cache["sliding"].pool
+        assert self.cache["sliding"].required_blocks(self.request) == self.required_blocks
+        self.kv = self.cache.new_request()
+        self.holding = self.kv.holdings["sliding"]
         self.peak_blocks = 0
         self.window_tokens, self.t = window_tokens, tokens_per_block
+        allocate = self.pool.allocate
+
+        def checked_allocate():
+            block_id = allocate()
+            self.check()
+            return block_id
+
+        self.pool.allocate = checked_allocate
 
     def check(self, tables=()):
-        held = self.holding.num_held_blocks
-        assert held == self.pool.num_used_blocks
+        held = self.pool.num_used_blocks
         assert held <= self.required_blocks, f"held {held} > required {self.required_blocks}"
         self.peak_blocks = max(self.peak_blocks, held)
         for table in tables:  # everything the last written query can see is still there
@@ -36,30 +47,22 @@ class SlidingTrace:
             assert all(table.block_ids[i] != DROPPED for i in needed)
 
     def prefill(self, chunks):
-        prompt = self.manager.new_table(self.holding)
         for chunk in chunks:
-            self.manager.append_slots(prompt, chunk)
-            self.check([prompt])
-        beams = [self.manager.fork(prompt) for _ in range(self.request.beam_width)]
-        self.manager.release(prompt)
-        self.check()
-        return beams
+            self.kv.prefill_slots(chunk)
+            self.check(self.kv.tables["sliding"])
+        return self.step([0] * self.request.beam_width, append=False)
 
-    def step(self, beams, parents):
-        beams = self.manager.reorder(beams, parents)
-        self.check()
-        for beam in beams:  # every beam trims before any appends, as the engine does
-            self.manager.trim(beam)
-            self.check()
-        for beam in beams:
-            self.manager.append_slots(beam)
-            self.check()
-        self.check(beams)
-        return beams
+    def step(self, parents, append=True):
+        self.kv.reorder(parents)
+        assert self.holding.num_held_blocks == self.pool.num_used_blocks
+        if append:
+            self.kv.decode_slots()
+            self.check(self.kv.tables["sliding"])
+        assert self.holding.num_held_blocks == self.pool.num_used_blocks
+        return self.kv.tables["sliding"]
 
     def finish(self, beams):
-        for beam in beams:
-            self.manager.release(beam)
+        self.kv.free()
         assert self.pool.num_free_blocks == self.pool.num_blocks and self.holding.num_held_blocks == 0
 
 
@@ -95,7 +98,7 @@ def test_random_traces_never_exceed_required(prompt_tokens, max_new_tokens, beam
     beams = trace.prefill(chunks)
     for _ in range(data.draw(st.integers(0, max_new_tokens))):
         parents = data.draw(st.lists(st.integers(0, len(beams) - 1), min_size=len(beams), max_size=len(beams)))
-        beams = trace.step(beams, parents)
+        beams = trace.step(parents)
     trace.finish(beams)
 
 
@@ -111,7 +114,7 @@ def test_adversarial_traces_reach_required_exactly(prompt_tokens, max_new_tokens
                                  chunk_tokens)
             beams = trace.prefill(split(prompt_tokens, min(tail_first, prompt_tokens), chunk_tokens))
             for _ in range(max_new_tokens):
-                beams = trace.step(beams, list(range(beam_width)))
+                beams = trace.step(list(range(beam_width)))
             trace.finish(beams)
             peak = max(peak, trace.peak_blocks)
         if peak == trace.required_blocks:

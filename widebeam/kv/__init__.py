@@ -11,6 +11,7 @@ from widebeam.kv.managers import (
     PoolManager,
     SlidingWindowManager,
 )
+from widebeam.kv.request_kv import RequestKV
 from widebeam.kv.spec import CrossAttentionSpec, FullAttentionSpec, PoolSpec, SlidingWindowSpec
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "PoolBudget",
     "PoolManager",
     "PoolSpec",
+    "RequestKV",
     "SlidingWindowManager",
     "SlidingWindowSpec",
     "cross_attention_blocks",

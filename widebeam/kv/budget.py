@@ -139,10 +139,11 @@ def sliding_window_blocks(
     (the window still at 0, the interval sliding with period T, the prompt's end cutting the
     chunk), so a handful of starts `_prefill_chunk_starts` gives the exact maximum.
 
-    Decode (W beams) while position x is written: the full prompt blocks that still overlap
+    Decode (W beams) while positions x .. x + D are written (D extra tokens per step, e.g.
+    speculative ones, rolled back after the step): the full prompt blocks that still overlap
     [x - w + 1, x] are shared by all beams; each beam owns the blocks from its partial prompt block
-    (or the window start, if later) up to x. The bound is the largest such total over
-    x = P .. P + N + D - 1; beams that all diverge at once reach it.
+    (or the window start, if later) up to x + D. The bound is the largest such total over
+    x = P .. P + N - 1; beams that all diverge at once reach it.
     """
     if window_tokens < 1:
         raise ValueError(f"window_tokens must be >= 1, got {window_tokens}")
@@ -155,9 +156,11 @@ def sliding_window_blocks(
     )
     shared_end = (prompt_tokens // t) * t  # positions below this live in shared full prompt blocks
     decode_blocks = 0
-    for x in range(prompt_tokens, prompt_tokens + max_new_tokens + extra_tokens):
+    for x in range(prompt_tokens, prompt_tokens + max_new_tokens):
+        # A step writes positions x .. x + D at once (D speculative tokens, rolled back after), having
+        # trimmed by the committed length x: keys from the first query's window start stay.
         window_start = max(0, x - window_tokens + 1)
         shared = _blocks_spanned(window_start, shared_end - 1, t)
-        own = _blocks_spanned(max(window_start, shared_end), x, t)
+        own = _blocks_spanned(max(window_start, shared_end), x + extra_tokens, t)
         decode_blocks = max(decode_blocks, shared + own * beam_width)
     return min(full, max(prefill_blocks, decode_blocks))

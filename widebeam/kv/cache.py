@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from widebeam.errors import RequestTooLargeError
 from widebeam.kv.block_pool import BlockPool
 from widebeam.kv.budget import KVRequest
-from widebeam.kv.managers import CrossAttentionManager, PoolManager, make_manager
+from widebeam.kv.managers import PoolManager, make_manager
+from widebeam.kv.request_kv import RequestKV
 from widebeam.kv.spec import PoolSpec
 
 
@@ -59,12 +60,6 @@ class KVCache:
         for budget in budgets:
             if not budget.fits:
                 manager = self.managers[budget.pool]
-                detail = ""
-                if isinstance(manager, CrossAttentionManager):
-                    detail = (
-                        f"the encoder output has {request.encoder_tokens} tokens and at most "
-                        f"{budget.capacity_blocks * self.tokens_per_block} fit"
-                    )
                 raise RequestTooLargeError(
                     pool=budget.pool,
                     required_blocks=budget.required_blocks,
@@ -73,10 +68,19 @@ class KVCache:
                     max_new_tokens=request.max_new_tokens,
                     beam_width=request.beam_width,
                     tokens_per_block=self.tokens_per_block,
-                    detail=detail,
+                    detail=manager.fit_detail(request),
                     **manager.fit_hints(request),
                 )
         return budgets
+
+    def new_request(self) -> RequestKV:
+        """The coordinator that does all of one request's allocation in these pools."""
+        return RequestKV(self)
+
+    def take_copies(self) -> dict[str, list[tuple[int, int]]]:
+        """Queued copy-on-write copies (src_block_id, dst_block_id) per pool, handed over once;
+        the runner must run them before the forward pass that writes the copies."""
+        return {name: copies for name, m in self.managers.items() if (copies := m.take_copies())}
 
     def num_free_blocks(self) -> dict[str, int]:
         return {name: m.pool.num_free_blocks for name, m in self.managers.items()}

@@ -69,12 +69,16 @@ class BlockTable:
 class PoolManager(ABC):
     """One pool kind's contract: `required_blocks` and `capacity_blocks`, in blocks of this pool."""
 
-    def __init__(self, spec: PoolSpec, pool: BlockPool, tokens_per_block: int):
+    def __init__(self, spec: PoolSpec, pool: BlockPool, tokens_per_block: int,
+                 prefill_chunk_tokens: int | None = None):
+        """`prefill_chunk_tokens`: the largest prompt chunk one step writes (the sliding-window
+        bound depends on it); None means whole prompts."""
         if tokens_per_block < 1:
             raise ValueError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
         self.spec = spec
         self.pool = pool
         self.tokens_per_block = tokens_per_block
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         self.pending_copies: list[tuple[int, int]] = []
 
     @property
@@ -88,6 +92,14 @@ class PoolManager(ABC):
     def capacity_blocks(self) -> int:
         return self.pool.num_blocks
 
+    def new_table(self, holding: Holding) -> BlockTable:
+        """An empty table whose blocks count toward `holding` (one request's, in this pool)."""
+        return BlockTable(holding)
+
+    @abstractmethod
+    def append_slots(self, table: BlockTable, num_tokens: int = 1) -> list[int]:
+        """Reserve slots for `num_tokens` more tokens of the table and return them in order."""
+
     def uses(self, request: KVRequest) -> bool:
         """Whether `request` takes any blocks from this pool."""
         return True
@@ -96,8 +108,30 @@ class PoolManager(ABC):
         """What would fit instead: keyword arguments for `RequestTooLargeError`."""
         return {"max_new_tokens_that_fit": None, "beam_width_that_fits": None}
 
+    def fit_detail(self, request: KVRequest) -> str:
+        """A sentence on why `request` cannot fit, where the kind has more to say than the numbers."""
+        return ""
+
     def trim(self, table: BlockTable) -> None:
         """Release blocks no future query can see; nothing for kinds that keep every token."""
+
+    def check_truncate(self, table: BlockTable, num_tokens: int) -> None:
+        """Raise `BlockStateError` if `truncate(table, num_tokens)` is not possible; changes nothing."""
+        self._check_live(table)
+        if not 0 <= num_tokens <= table.num_tokens:
+            raise BlockStateError(f"cannot truncate a table of {table.num_tokens} tokens to {num_tokens}")
+
+    def truncate(self, table: BlockTable, num_tokens: int) -> None:
+        """Roll a table back to its first `num_tokens` tokens (speculative tokens not accepted):
+        the blocks past them are dropped. A shared last block stays shared; the next append
+        copies it before writing, as for any shared partial block."""
+        self.check_truncate(table, num_tokens)
+        num_kept_blocks = -(-num_tokens // self.tokens_per_block)
+        for block_id in table.block_ids[num_kept_blocks:]:
+            if block_id != DROPPED and self.pool.dec_ref(block_id):
+                table.holding._sub(1)
+        del table.block_ids[num_kept_blocks:]
+        table.num_tokens = num_tokens
 
     def take_copies(self) -> list[tuple[int, int]]:
         """Hand the queued (src_block_id, dst_block_id) copies to the runner and forget them."""
@@ -141,9 +175,6 @@ class FullAttentionManager(PoolManager):
             "max_new_tokens_that_fit": max_new_tokens_that_fit(capacity, p, request.beam_width, t, d),
             "beam_width_that_fits": beam_width_that_fits(capacity, p, request.max_new_tokens, t, d),
         }
-
-    def new_table(self, holding: Holding) -> BlockTable:
-        return BlockTable(holding)
 
     def allocate_prompt(self, holding: Holding, num_tokens: int) -> BlockTable:
         """The prompt's blocks, once for the whole request; beams `fork` from the returned table."""
@@ -221,9 +252,8 @@ class SlidingWindowManager(FullAttentionManager):
 
     def __init__(self, spec: SlidingWindowSpec, pool: BlockPool, tokens_per_block: int,
                  prefill_chunk_tokens: int | None = None):
-        super().__init__(spec, pool, tokens_per_block)
+        super().__init__(spec, pool, tokens_per_block, prefill_chunk_tokens)
         self.window_tokens = spec.window_tokens
-        self.prefill_chunk_tokens = prefill_chunk_tokens
 
     def required_blocks(self, request: KVRequest) -> int:
         return sliding_window_blocks(request.prompt_tokens, request.max_new_tokens, request.beam_width,
@@ -260,6 +290,16 @@ class SlidingWindowManager(FullAttentionManager):
         self.trim(table)
         return super().append_slots(table, num_tokens)
 
+    def check_truncate(self, table: BlockTable, num_tokens: int) -> None:
+        # Trimming happens only before an append, by the length committed then, so a rollback to
+        # at least that length never needs a released block; one below it would.
+        super().check_truncate(table, num_tokens)
+        first_visible = max(num_tokens - self.window_tokens + 1, 0)
+        needed = range(first_visible // self.tokens_per_block, -(-num_tokens // self.tokens_per_block))
+        if any(i < len(table.block_ids) and table.block_ids[i] == DROPPED for i in needed):
+            raise BlockStateError(f"cannot truncate to {num_tokens} tokens: the window already released "
+                                  "blocks those tokens' queries would see")
+
 
 def _largest(fits, lo: int, hi: int) -> int:
     """The largest value in [lo, hi] for which the monotone predicate holds; lo - 1 if none (lo > 0)
@@ -285,11 +325,23 @@ class CrossAttentionManager(PoolManager):
     def uses(self, request: KVRequest) -> bool:
         return request.encoder_tokens > 0
 
+    def fit_detail(self, request: KVRequest) -> str:
+        return (f"the encoder output has {request.encoder_tokens} tokens and at most "
+                f"{self.capacity_blocks() * self.tokens_per_block} fit")
+
+    def append_slots(self, table: BlockTable, num_tokens: int = 1) -> list[int]:
+        """All of the encoder output at once: the table never grows after."""
+        self._check_live(table)
+        if table.block_ids:
+            raise BlockStateError("a cross table is written once, by the encoder")
+        for _ in range(cross_attention_blocks(num_tokens, self.tokens_per_block)):
+            table.block_ids.append(self._allocate(table.holding))
+        table.num_tokens = num_tokens
+        return self.slots(table)
+
     def allocate(self, holding: Holding, encoder_tokens: int) -> BlockTable:
-        num_blocks = cross_attention_blocks(encoder_tokens, self.tokens_per_block)
-        table = BlockTable(holding, [], encoder_tokens)
-        for _ in range(num_blocks):
-            table.block_ids.append(self._allocate(holding))
+        table = BlockTable(holding)
+        self.append_slots(table, encoder_tokens)
         return table
 
     def slots(self, table: BlockTable) -> list[int]:
@@ -297,13 +349,18 @@ class CrossAttentionManager(PoolManager):
         return [table.block_ids[i // t] * t + i % t for i in range(table.num_tokens)]
 
 
+# One manager per pool kind: no kind opts out of the cost model.
+MANAGER_BY_KIND: dict[str, type[PoolManager]] = {
+    FullAttentionSpec.kind: FullAttentionManager,
+    SlidingWindowSpec.kind: SlidingWindowManager,
+    CrossAttentionSpec.kind: CrossAttentionManager,
+}
+
+
 def make_manager(spec: PoolSpec, pool: BlockPool, tokens_per_block: int,
                  prefill_chunk_tokens: int | None = None) -> PoolManager:
-    """The manager for a pool kind. Every kind has one: no kind opts out of the cost model."""
-    if isinstance(spec, SlidingWindowSpec):
-        return SlidingWindowManager(spec, pool, tokens_per_block, prefill_chunk_tokens)
-    if isinstance(spec, CrossAttentionSpec):
-        return CrossAttentionManager(spec, pool, tokens_per_block)
-    if isinstance(spec, FullAttentionSpec):
-        return FullAttentionManager(spec, pool, tokens_per_block)
-    raise TypeError(f"no manager for pool kind {type(spec).__name__}")
+    """The manager for a pool's kind."""
+    manager_class = MANAGER_BY_KIND.get(spec.kind)
+    if manager_class is None:
+        raise TypeError(f"no manager for pool kind {spec.kind!r}")
+    return manager_class(spec, pool, tokens_per_block, prefill_chunk_tokens)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from widebeam.errors import CacheTooSmallError
-from widebeam.kv.spec import CrossAttentionSpec, PoolSpec, SlidingWindowSpec
+from widebeam.kv.spec import PoolSpec
 
 
 @dataclass(frozen=True)
@@ -24,13 +24,7 @@ class PoolNeed:
 def tokens_per_sequence(spec: PoolSpec, max_seq_len: int, max_encoder_tokens: int = 0,
                         prefill_chunk_tokens: int | None = None) -> int:
     """How many tokens one sequence can hold in a pool of this kind at once."""
-    if isinstance(spec, CrossAttentionSpec):
-        return max_encoder_tokens
-    if isinstance(spec, SlidingWindowSpec):
-        # a prefill chunk of C tokens still sees w - 1 tokens before it
-        chunk = max_seq_len if prefill_chunk_tokens is None else prefill_chunk_tokens
-        return min(spec.window_tokens - 1 + chunk, max_seq_len)
-    return max_seq_len
+    return spec.tokens_per_sequence(max_seq_len, max_encoder_tokens, prefill_chunk_tokens)
 
 
 def split_by_need(kv_cache_bytes: int, needs: Sequence[PoolNeed], tokens_per_block: int) -> list[int]:
@@ -80,10 +74,34 @@ def resolve_max_seq_len(
 
 
 def capacity_tokens(specs: Sequence[PoolSpec], blocks_per_pool: Sequence[int], tokens_per_block: int) -> int | None:
-    """Token capacity that bounds one sequence's length: the smallest full-attention pool's
+    """Token capacity that bounds one sequence's length: the smallest length-bounding pool's
     `blocks x T`. Sliding-window pools release what falls behind the window, so their need
     saturates and they do not bound the length (admission still checks their saturated need);
     cross pools hold encoder output. None when no pool bounds the length."""
-    bounds = [n * tokens_per_block for spec, n in zip(specs, blocks_per_pool)
-              if not isinstance(spec, (SlidingWindowSpec, CrossAttentionSpec))]
+    bounds = [n * tokens_per_block for spec, n in zip(specs, blocks_per_pool) if spec.bounds_length]
     return min(bounds) if bounds else None
+
+
+@dataclass(frozen=True)
+class PoolSizing:
+    """What start-up sizing decided: blocks per pool (by pool name) and the length bound."""
+
+    blocks_per_pool: dict[str, int]
+    capacity_tokens: int | None  # None when no pool bounds a sequence's length
+    model_max_seq_len: int
+
+    def max_seq_len(self, requested_max_seq_len: int | None = None) -> int:
+        """The engine's `max_seq_len` (raises `CacheTooSmallError` when nothing fits)."""
+        bound = self.model_max_seq_len if self.capacity_tokens is None else self.capacity_tokens
+        return resolve_max_seq_len(self.model_max_seq_len, bound, requested_max_seq_len)
+
+
+def size_pools(specs: Sequence[PoolSpec], kv_cache_bytes: int, tokens_per_block: int, model_max_seq_len: int,
+               max_encoder_tokens: int = 0, prefill_chunk_tokens: int | None = None) -> PoolSizing:
+    """The one sizing chain the engine and `widebeam plan` share: memory -> blocks per pool (in
+    proportion to need) -> the token capacity that bounds `max_seq_len`."""
+    needs = [PoolNeed(s, tokens_per_sequence(s, model_max_seq_len, max_encoder_tokens, prefill_chunk_tokens))
+             for s in specs]
+    blocks = split_by_need(kv_cache_bytes, needs, tokens_per_block)
+    return PoolSizing({s.name: n for s, n in zip(specs, blocks)}, capacity_tokens(specs, blocks, tokens_per_block),
+                      model_max_seq_len)

@@ -30,6 +30,10 @@ class PoolSpec:
     """The layers one pool serves. `name` is how errors, stats and metrics refer to the pool."""
 
     kind: ClassVar[str] = "abstract"
+    # False for pools whose one table serves every sequence of a request (the encoder output).
+    per_sequence: ClassVar[bool] = True
+    # Whether the pool's token capacity bounds one sequence's length (`max_seq_len`).
+    bounds_length: ClassVar[bool] = True
 
     name: str
     num_layers: int
@@ -51,6 +55,11 @@ class PoolSpec:
     def bytes_per_block(self, tokens_per_block: int) -> int:
         return self.bytes_per_token * tokens_per_block
 
+    def tokens_per_sequence(self, max_seq_len: int, max_encoder_tokens: int = 0,
+                            prefill_chunk_tokens: int | None = None) -> int:
+        """How many tokens one sequence can hold in a pool of this kind at once (sizing weight)."""
+        return max_seq_len
+
 
 @dataclass(frozen=True, kw_only=True)
 class FullAttentionSpec(PoolSpec):
@@ -64,6 +73,8 @@ class SlidingWindowSpec(PoolSpec):
     """Self-attention over the last `window_tokens` positions only."""
 
     kind: ClassVar[str] = "sliding"
+    # What falls behind the window is released, so the need saturates instead of growing.
+    bounds_length: ClassVar[bool] = False
     window_tokens: int
 
     def __post_init__(self) -> None:
@@ -71,9 +82,21 @@ class SlidingWindowSpec(PoolSpec):
         if self.window_tokens < 1:
             raise ValueError(f"window_tokens must be >= 1, got {self.window_tokens}")
 
+    def tokens_per_sequence(self, max_seq_len: int, max_encoder_tokens: int = 0,
+                            prefill_chunk_tokens: int | None = None) -> int:
+        # a prefill chunk of C tokens still sees w - 1 tokens before it
+        chunk = max_seq_len if prefill_chunk_tokens is None else prefill_chunk_tokens
+        return min(self.window_tokens - 1 + chunk, max_seq_len)
+
 
 @dataclass(frozen=True, kw_only=True)
 class CrossAttentionSpec(PoolSpec):
     """Decoder-to-encoder attention: the encoder output's K/V, computed once, shared by all beams."""
 
     kind: ClassVar[str] = "cross"
+    per_sequence: ClassVar[bool] = False
+    bounds_length: ClassVar[bool] = False
+
+    def tokens_per_sequence(self, max_seq_len: int, max_encoder_tokens: int = 0,
+                            prefill_chunk_tokens: int | None = None) -> int:
+        return max_encoder_tokens

@@ -1,0 +1,109 @@
+"""The KV coordinator (`RequestKV`) across every pool kind at once, against the real allocator.
+
+Random beam traces (chunked prefill, forks, prunes, beams dropped on stop strings, speculative
+tokens appended and rolled back) run on a cache whose every pool is sized to exactly the request's
+`required_blocks`, so any overshoot fails as OutOfBlocksError; after every step each pool's held
+count matches its pool and stays within the bound, and `free()` gives every block back.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from widebeam.errors import BlockStateError
+from widebeam.kv.budget import KVRequest
+from widebeam.kv.cache import KVCache
+from widebeam.kv.spec import CrossAttentionSpec, FullAttentionSpec, SlidingWindowSpec
+
+COMMON = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 8}
+
+
+def exact_cache(request: KVRequest, tokens_per_block: int, window_tokens: int, chunk_tokens: int) -> KVCache:
+    specs = [FullAttentionSpec(name="self", **COMMON),
+             SlidingWindowSpec(name="sliding", window_tokens=window_tokens, **COMMON),
+             CrossAttentionSpec(name="cross", **COMMON)]
+    sizing = KVCache([(s, 10**6) for s in specs], tokens_per_block, chunk_tokens)
+    required = {b.pool: b.required_blocks for b in sizing.budgets(request)}
+    return KVCache([(s, required.get(s.name, 0)) for s in specs], tokens_per_block, chunk_tokens)
+
+
+def check(cache: KVCache, kv) -> None:
+    for name, manager in cache.managers.items():
+        assert kv.holdings[name].num_held_blocks == manager.pool.num_used_blocks, name
+        assert manager.pool.num_used_blocks <= manager.pool.num_blocks
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data(), prompt_tokens=st.integers(1, 40), max_new_tokens=st.integers(1, 12),
+       beam_width=st.integers(1, 5), tokens_per_block=st.sampled_from([1, 2, 4, 16]),
+       window_tokens=st.integers(1, 20), chunk_tokens=st.integers(1, 24), encoder_tokens=st.integers(1, 30),
+       speculative_tokens=st.integers(0, 3))
+def test_random_traces_stay_within_every_pool(data, prompt_tokens, max_new_tokens, beam_width, tokens_per_block,
+                                              window_tokens, chunk_tokens, encoder_tokens, speculative_tokens):
+    request = KVRequest(prompt_tokens, max_new_tokens, beam_width, extra_tokens=speculative_tokens,
+                        encoder_tokens=encoder_tokens)
+    cache = exact_cache(request, tokens_per_block, window_tokens, chunk_tokens)
+    start_free = cache.num_free_blocks()
+    kv = cache.new_request()
+    assert len(kv.allocate_shared(encoder_tokens)["cross"]) == encoder_tokens
+    left = prompt_tokens
+    while left:
+        chunk = data.draw(st.integers(1, min(left, chunk_tokens)))
+        assert len(kv.prefill_slots(chunk)["self"]) == chunk
+        left -= chunk
+        check(cache, kv)
+    kv.reorder([0] * beam_width)
+    for _ in range(data.draw(st.integers(0, max_new_tokens))):
+        live = kv.num_sequences
+        if speculative_tokens:  # draft tokens written, then all but the first rolled back
+            committed = [kv.num_tokens(i) for i in range(live)]
+            kv.decode_slots(1 + speculative_tokens)
+            check(cache, kv)
+            for i in range(live):
+                kv.truncate(i, committed[i] + 1)
+        else:
+            kv.decode_slots()
+        check(cache, kv)
+        assert all(kv.num_tokens(i) == kv.num_tokens(0) for i in range(kv.num_sequences))
+        cache.take_copies()
+        if live > 1 and data.draw(st.booleans()):  # beams that hit a stop string leave early
+            kv.drop(data.draw(st.lists(st.integers(0, live - 1), max_size=live - 1, unique=True)))
+            check(cache, kv)
+        parents = data.draw(st.lists(st.integers(0, kv.num_sequences - 1), min_size=1, max_size=beam_width))
+        kv.reorder(parents)
+        check(cache, kv)
+    kv.free()
+    kv.free()  # abort after finish frees nothing twice
+    assert cache.num_free_blocks() == start_free
+
+
+def test_truncate_rolls_back_blocks_and_a_shared_block_is_copied_before_it_is_rewritten():
+    request = KVRequest(6, 8, 2, extra_tokens=4)
+    cache = exact_cache(request, 4, 64, 64)
+    kv = cache.new_request()
+    kv.prefill_slots(6)  # blocks: [0..3], [4,5 + 2 free slots]
+    kv.reorder([0, 0])  # two beams share both blocks
+    kv.decode_slots(4)  # each beam copies the shared partial block, then takes a new one
+    assert len(cache.take_copies()["self"]) == 2 - 1  # the last sharer keeps the original
+    held = kv.held_blocks()["self"]
+    kv.truncate(0, 7)
+    assert kv.num_tokens(0) == 7 and kv.held_blocks()["self"] == held - 1
+    with pytest.raises(BlockStateError):
+        kv.truncate(0, 9)  # a rollback never grows a table
+    kv.free()
+    assert cache.num_free_blocks()["self"] == cache["self"].pool.num_blocks
+
+
+def test_sliding_pool_refuses_a_rollback_below_what_its_window_released():
+    request = KVRequest(16, 8, 1)
+    cache = exact_cache(request, 4, 4, 16)
+    kv = cache.new_request()
+    kv.prefill_slots(16)
+    kv.decode_slots()  # trims blocks no query at position 16 can see
+    with pytest.raises(BlockStateError, match="window already released"):
+        kv.truncate(0, 5)
+    assert kv.num_tokens(0) == 17  # all pools or none: the full pool was not rolled back either
+    kv.truncate(0, 16)  # back to the committed length is always possible
+    kv.free()

@@ -1,0 +1,149 @@
+"""One request's KV across every pool: the coordinator that does all of its allocation.
+
+A request has live sequences (one while its prompt is prefilled and for sampling; W beams after).
+In each per-sequence pool it holds one block table per live sequence; in each per-request pool
+(the encoder output's cross pool) one table that every sequence reads. Pool kinds are dispatched by
+their spec (`per_sequence`), never by the manager's class.
+
+The order of operations is what keeps a request within its `required_blocks` in every pool:
+- `reorder(parents)`: pruned parents are released before the kept ones are forked (the held count
+  only falls here);
+- `decode_slots()`: every sequence trims what its window left behind before any sequence appends
+  (the sliding-window bound rests on it); a shared partial block is copied before it is written,
+  the copy queued for the runner (`KVCache.take_copies`);
+- `truncate(seq, num_tokens)` rolls back tokens not accepted (speculative decoding); a sliding pool
+  trims only by the length committed before an append, so a rollback to it never needs a released
+  block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from widebeam.errors import BlockStateError
+from widebeam.kv.managers import BlockTable, Holding, PoolManager
+
+if TYPE_CHECKING:
+    from widebeam.kv.cache import KVCache
+
+
+class RequestKV:
+    """Block tables and holdings of one request, in every pool of a `KVCache`."""
+
+    def __init__(self, cache: KVCache):
+        self.cache = cache
+        self.holdings: dict[str, Holding] = {name: Holding() for name in cache.managers}
+        # Per-sequence pools: one table per live sequence; empty until the prompt's first chunk.
+        self.tables: dict[str, list[BlockTable]] = {}
+        # Per-request pools: one table shared by every sequence (allocated once, never grows).
+        self.shared_tables: dict[str, BlockTable] = {}
+        self._freed = False
+
+    # -- reading ------------------------------------------------------------------------------------
+    @property
+    def num_sequences(self) -> int:
+        return len(next(iter(self.tables.values()))) if self.tables else 0
+
+    def num_tokens(self, seq_index: int = 0) -> int:
+        """Tokens sequence `seq_index` has in the cache (the same in every per-sequence pool)."""
+        for tables in self.tables.values():
+            return tables[seq_index].num_tokens
+        return 0
+
+    def block_tables(self, seq_index: int) -> dict[str, list[int]]:
+        """Pool name -> the block ids sequence `seq_index` reads (per-request pools included)."""
+        out = {name: tables[seq_index].block_ids for name, tables in self.tables.items()}
+        out.update({name: table.block_ids for name, table in self.shared_tables.items()})
+        return out
+
+    def num_shared_tokens(self) -> dict[str, int]:
+        """Per-request pool -> tokens its table holds (the encoder output's length)."""
+        return {name: table.num_tokens for name, table in self.shared_tables.items()}
+
+    def held_blocks(self) -> dict[str, int]:
+        """Distinct blocks held now, per pool (blocks shared by several sequences count once)."""
+        return {name: holding.num_held_blocks for name, holding in self.holdings.items()}
+
+    def peak_blocks(self) -> dict[str, int]:
+        return {name: holding.peak_held_blocks for name, holding in self.holdings.items()}
+
+    def remaining_blocks(self, required_blocks: dict[str, int]) -> dict[str, int]:
+        """What the request may still take, per pool: its reservation beside others."""
+        return {name: need - self.holdings[name].num_held_blocks for name, need in required_blocks.items()}
+
+    # -- allocating ---------------------------------------------------------------------------------
+    def allocate_shared(self, num_tokens: int) -> dict[str, list[int]]:
+        """Allocate every per-request pool's table for `num_tokens` tokens (the encoder output),
+        once; returns pool name -> one slot per token."""
+        if self.shared_tables:
+            raise BlockStateError("the request's shared tables are already allocated")
+        slots = {}
+        for name, manager in self._managers(per_sequence=False):
+            table = manager.new_table(self.holdings[name])
+            slots[name] = manager.append_slots(table, num_tokens)
+            self.shared_tables[name] = table
+        return slots
+
+    def prefill_slots(self, num_tokens: int) -> dict[str, list[int]]:
+        """Slots for the next `num_tokens` prompt tokens, as one sequence: the prompt is stored once."""
+        if not self.tables:
+            self.tables = {name: [manager.new_table(self.holdings[name])]
+                           for name, manager in self._managers(per_sequence=True)}
+        elif self.num_sequences != 1:
+            raise BlockStateError("a prompt is prefilled as one sequence, before any fork")
+        return {name: self.cache[name].append_slots(tables[0], num_tokens) for name, tables in self.tables.items()}
+
+    def decode_slots(self, num_tokens: int = 1) -> list[dict[str, list[int]]]:
+        """Slots for `num_tokens` more tokens of every live sequence, per sequence: pool -> slots.
+
+        Every sequence trims before any appends, so blocks leave before new ones come."""
+        for name, tables in self.tables.items():
+            manager = self.cache[name]
+            for table in tables:
+                manager.trim(table)
+        return [{name: self.cache[name].append_slots(tables[i], num_tokens) for name, tables in self.tables.items()}
+                for i in range(self.num_sequences)]
+
+    def reorder(self, parent_indices: Sequence[int]) -> None:
+        """The next step's sequences: sequence i continues `parent_indices[i]`. Parents nobody
+        continues are released first, then each chosen parent is kept by its first child and
+        forked for the others."""
+        for name, tables in self.tables.items():
+            self.tables[name] = self.cache[name].reorder(tables, list(parent_indices))
+
+    def drop(self, seq_indices: Iterable[int]) -> None:
+        """Release the given live sequences (beams that finished on a stop string); the others
+        keep their order."""
+        dropped = set(seq_indices)
+        if not dropped:
+            return
+        for name, tables in self.tables.items():
+            manager = self.cache[name]
+            for i in dropped:
+                manager.release(tables[i])
+            self.tables[name] = [table for i, table in enumerate(tables) if i not in dropped]
+
+    def truncate(self, seq_index: int, num_tokens: int) -> None:
+        """Roll sequence `seq_index` back to its first `num_tokens` tokens in every per-sequence pool;
+        all pools or none (a pool that cannot roll back raises before any pool changes)."""
+        for name, tables in self.tables.items():
+            self.cache[name].check_truncate(tables[seq_index], num_tokens)
+        for name, tables in self.tables.items():
+            self.cache[name].truncate(tables[seq_index], num_tokens)
+
+    def free(self) -> None:
+        """Give back every block; safe to call twice (abort after finish)."""
+        if self._freed:
+            return
+        self._freed = True
+        for name, tables in self.tables.items():
+            for table in tables:
+                if not table.released:
+                    self.cache[name].release(table)
+        for name, table in self.shared_tables.items():
+            if not table.released:
+                self.cache[name].release(table)
+
+    def _managers(self, per_sequence: bool) -> list[tuple[str, PoolManager]]:
+        return [(name, m) for name, m in self.cache.managers.items() if m.spec.per_sequence == per_sequence]
