@@ -1,4 +1,4 @@
-"""Architecture facts a capacity plan needs, read from a Hugging Face `config.json`.
+"""Architecture facts the KV layer and a capacity plan need, read from a Hugging Face `config.json`.
 
 Built-in entries carry the configs of the models widebeam ships aliases for and of a few well-known
 large models, so `widebeam plan` works without downloading anything.
@@ -59,18 +59,40 @@ BUILTIN_CONFIGS: dict[str, dict] = {
         "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000,
         "max_position_embeddings": 32768, "tie_word_embeddings": False, "sliding_window": 4096,
     },
+    # Qwen/Qwen3-0.6B: q/k RMS-normed per head, head_dim 128 (not hidden / heads), no sliding window.
+    "qwen3-0.6b": {
+        "model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+        "max_position_embeddings": 40960, "tie_word_embeddings": True, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000, "attention_bias": False, "use_sliding_window": False, "sliding_window": None,
+        "max_window_layers": 28, "bos_token_id": 151643, "eos_token_id": 151645,
+    },
+    # microsoft/Phi-3-mini-4k-instruct: fused qkv_proj / gate_up_proj, every layer windowed (2047).
+    "phi-3-mini-4k": {
+        "model_type": "phi3", "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32064,
+        "max_position_embeddings": 4096, "original_max_position_embeddings": 4096, "tie_word_embeddings": False,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "rope_scaling": None, "sliding_window": 2047,
+        "bos_token_id": 1, "eos_token_id": 32000, "pad_token_id": 32000,
+    },
 }
-
-# Model types whose q/k/v projections carry a bias.
-_QKV_BIAS_TYPES = {"qwen2"}
-
 
 class ConfigError(ValueError):
     """A model config that is missing or cannot be read."""
 
 
+class UnsupportedModelError(ValueError):
+    """A model or config feature widebeam does not implement; the message names what is supported."""
+
+
 @dataclass(frozen=True)
 class ModelArch:
+    """The shape of a model as the KV layer and the capacity plan see it.
+
+    Built by the model's family entry (widebeam.model.families) from its config.json, the one parse
+    both `widebeam plan` and the engine use.
+    """
+
     name: str
     model_type: str
     num_layers: int
@@ -87,6 +109,12 @@ class ModelArch:
     # Encoder-decoder models only (0 otherwise): the layers above are the decoder's.
     num_encoder_layers: int = 0
     encoder_intermediate_size: int = 0
+    # Facts only the parameter count (a plan's weight bytes) needs.
+    qkv_bias: bool = False
+    output_bias: bool = False
+    mlp_bias: bool = False
+    norms_per_layer: int = 2  # hidden-size norms in each decoder layer (Gemma 3 has four)
+    qk_norm: bool = False  # a head_dim-sized norm on q and one on k in each layer
 
     @property
     def is_encoder_decoder(self) -> bool:
@@ -94,44 +122,27 @@ class ModelArch:
 
     @classmethod
     def from_hf_config(cls, config: dict, name: str = "model") -> ModelArch:
-        config = dict(config.get("text_config") or config)
-        if config.get("is_encoder_decoder") or config.get("model_type") in ENCODER_DECODER_TYPES:
-            config = _encoder_decoder_fields(config)
-        try:
-            num_layers = int(config["num_hidden_layers"])
-            hidden_size = int(config["hidden_size"])
-            num_heads = int(config["num_attention_heads"])
-            arch = cls(
-                name=name,
-                model_type=str(config.get("model_type", "llama")),
-                num_layers=num_layers,
-                hidden_size=hidden_size,
-                intermediate_size=int(config["intermediate_size"]),
-                num_heads=num_heads,
-                num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
-                head_dim=int(config.get("head_dim") or hidden_size // num_heads),
-                vocab_size=int(config["vocab_size"]),
-                max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                layer_windows=_layer_windows(config, num_layers),
-                num_encoder_layers=int(config.get("num_encoder_layers", 0)),
-                encoder_intermediate_size=int(config.get("encoder_intermediate_size", 0)),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ConfigError(f"config for {name!r} lacks or mangles a required field: {exc}") from None
-        return arch
+        """The architecture of a Hugging Face config, through its family's parse (kept for callers
+        that need only the architecture)."""
+        from widebeam.model.families import parse_config
+
+        return parse_config(config, name=name).arch
 
     @property
     def num_params(self) -> int:
-        """Parameter count of a Llama-family decoder with this shape (norm weights included)."""
+        """Parameter count of a gated-MLP decoder with this shape (norm weights included)."""
         if self.is_encoder_decoder:
             return self._encoder_decoder_params()
         h, kv_dim, q_dim = self.hidden_size, self.num_kv_heads * self.head_dim, self.num_heads * self.head_dim
         attention = h * q_dim + 2 * h * kv_dim + q_dim * h
-        if self.model_type in _QKV_BIAS_TYPES:
+        if self.qkv_bias:
             attention += q_dim + 2 * kv_dim
+        if self.output_bias:
+            attention += h
         mlp = 3 * h * self.intermediate_size
-        norms = 2 * h + (4 * h + 2 * self.head_dim if self.model_type.startswith("gemma3") else 0)
+        if self.mlp_bias:
+            mlp += 2 * self.intermediate_size + h
+        norms = self.norms_per_layer * h + (2 * self.head_dim if self.qk_norm else 0)
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return embeddings + self.num_layers * (attention + mlp + norms) + h
 
@@ -179,45 +190,22 @@ class ModelArch:
         return specs
 
 
-def _encoder_decoder_fields(config: dict) -> dict:
-    """Marian/BART config names mapped onto the decoder-only names ModelArch reads: the decoder's
-    layers, heads and vocabulary are the ones that hold KV and produce logits."""
-    if "d_model" not in config:
-        return config
-    heads = config.get("decoder_attention_heads")
-    return {
-        **config,
-        "hidden_size": config["d_model"],
-        "num_hidden_layers": config.get("decoder_layers"),
-        "num_attention_heads": heads,
-        "num_key_value_heads": heads,
-        "intermediate_size": config.get("decoder_ffn_dim"),
-        "vocab_size": config.get("decoder_vocab_size") or config.get("vocab_size"),
-        "tie_word_embeddings": config.get("tie_word_embeddings", True),
-        "num_encoder_layers": config.get("encoder_layers"),
-        "encoder_intermediate_size": config.get("encoder_ffn_dim"),
-    }
-
-
-def _layer_windows(config: dict, num_layers: int) -> tuple[int | None, ...]:
-    window = config.get("sliding_window")
-    layer_types = config.get("layer_types")
-    if layer_types:
-        if len(layer_types) != num_layers:
-            raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
-        return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
-    if window and config.get("use_sliding_window", True):
-        pattern = config.get("sliding_window_pattern")
-        if pattern:  # Gemma 2/3 style: every `pattern`-th layer is global
-            return tuple(None if (i + 1) % int(pattern) == 0 else int(window) for i in range(num_layers))
-        return (int(window),) * num_layers
-    return (None,) * num_layers
-
-
 def load_arch(model: str) -> ModelArch:
     """A built-in name, a `config.json` path, or a directory holding one."""
+    from widebeam.model.families import parse_config
+
     if model in BUILTIN_CONFIGS:
-        return ModelArch.from_hf_config(BUILTIN_CONFIGS[model], name=model)
+        config = BUILTIN_CONFIGS[model]
+    else:
+        config = _read_config(model)
+    try:
+        return parse_config(config, name=str(model)).arch
+    except UnsupportedModelError as exc:
+        # a plan for a model the engine cannot run is refused the same way a bad config is
+        raise ConfigError(str(exc)) from None
+
+
+def _read_config(model: str) -> dict:
     path = Path(model)
     if path.is_dir():
         path = path / "config.json"
@@ -232,4 +220,4 @@ def load_arch(model: str) -> ModelArch:
         raise ConfigError(f"cannot read model config {str(path)!r}: {exc}") from None
     if not isinstance(config, dict):
         raise ConfigError(f"model config {str(path)!r} is not a JSON object")
-    return ModelArch.from_hf_config(config, name=str(model))
+    return config

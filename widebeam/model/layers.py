@@ -1,4 +1,4 @@
-"""Building blocks of Llama-family decoders: RMSNorm, rotary embeddings, the gated MLP."""
+"""Building blocks of the decoders: RMSNorm, rotary embeddings, the gated MLP."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-
-class UnsupportedModelError(ValueError):
-    """A model or config feature widebeam does not implement; the message names what is supported."""
+# Re-exported: both moved to torch-free modules so the family table can raise and parse them.
+from widebeam.model.arch import UnsupportedModelError
+from widebeam.model.family_configs import SUPPORTED_ROPE_TYPES, rope_parameters  # noqa: F401
 
 
 class RMSNorm(nn.Module):
@@ -52,30 +52,12 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
-
-def rope_parameters(config: dict, rope_theta_key: str = "rope_theta") -> dict:
-    """The RoPE settings from either config style (transformers 5 `rope_parameters`, or 4.x
-    `rope_theta` + `rope_scaling`), normalised to one dict with `rope_type` and `rope_theta`."""
-    params = dict(config.get("rope_parameters") or {})
-    if "rope_type" not in params and "type" in params:
-        params["rope_type"] = params.pop("type")
-    scaling = config.get("rope_scaling") or {}
-    if scaling:
-        params.update(scaling)
-        params["rope_type"] = scaling.get("rope_type") or scaling.get("type") or "default"
-    params.setdefault("rope_type", "default")
-    params.setdefault("rope_theta", config.get(rope_theta_key, 10000.0))
-    return params
-
-
-def rope_inv_freq(params: dict, head_dim: int) -> torch.Tensor:
+def rope_inv_freq(params: dict, rotary_dims: int) -> torch.Tensor:
     """Inverse frequencies for the scaling types Llama, SmolLM2, Qwen2 and Mistral configs use."""
     rope_type = params["rope_type"]
     base = float(params["rope_theta"])
     # explicit device: models are built under torch.device("meta") and these are not in checkpoints
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    exponents = torch.arange(0, rotary_dims, 2, dtype=torch.int64, device="cpu").float() / rotary_dims
     inv_freq = 1.0 / (base**exponents)
     if rope_type == "default":
         return inv_freq
@@ -107,22 +89,26 @@ class RotaryEmbedding(nn.Module):
     the module's state and computed on first use on each device.
     """
 
-    def __init__(self, params: dict, head_dim: int):
+    def __init__(self, params: dict, rotary_dims: int):
         super().__init__()
-        self._inv_freq_cpu = rope_inv_freq(params, head_dim)
+        self._inv_freq_cpu = rope_inv_freq(params, rotary_dims)
         self._inv_freq_by_device: dict[torch.device, torch.Tensor] = {}
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         inv_freq = self._inv_freq_by_device.get(positions.device)
         if inv_freq is None:
             inv_freq = self._inv_freq_by_device.setdefault(positions.device, self._inv_freq_cpu.to(positions.device))
-        freqs = positions[:, None].float() * inv_freq[None, :]  # [num_tokens, head_dim / 2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [num_tokens, head_dim]
+        freqs = positions[:, None].float() * inv_freq[None, :]  # [num_tokens, rotary_dims / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [num_tokens, rotary_dims]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, heads, head_dim]; cos, sin: [num_tokens, head_dim]."""
+    """x: [num_tokens, heads, head_dim]; cos, sin: [num_tokens, rotary_dims]. With fewer rotary dims
+    than head_dim (a partial rotary), the leading dims rotate and the rest pass through."""
+    rotary_dims = cos.shape[-1]
+    if rotary_dims < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :rotary_dims], cos, sin), x[..., rotary_dims:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]

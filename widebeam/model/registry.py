@@ -1,20 +1,17 @@
-"""From a resolved model directory to a ready model and tokenizer on a device."""
+"""From a resolved model directory to a ready model and tokenizer on a device.
+
+Which class runs a config is the family table's answer (families.py); this module builds it on the
+meta device, fills it from safetensors and moves it to the device.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from widebeam.model.gemma3 import SUPPORTED_MODEL_TYPES as GEMMA3_TYPES
-from widebeam.model.gemma3 import Gemma3Config, Gemma3ForCausalLM
-from widebeam.model.layers import UnsupportedModelError
-from widebeam.model.llama import SUPPORTED_MODEL_TYPES as LLAMA_TYPES
-from widebeam.model.llama import LlamaConfig, LlamaForCausalLM
+from widebeam.model.families import SUPPORTED_MODEL_TYPES, ParsedConfig, parse_config  # noqa: F401
 from widebeam.model.loader import ModelSource, load_config, load_state_dict
-from widebeam.model.marian import SUPPORTED_MODEL_TYPES as MARIAN_TYPES
-from widebeam.model.marian import MarianConfig, MarianMTModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SUPPORTED_MODEL_TYPES = LLAMA_TYPES + GEMMA3_TYPES + MARIAN_TYPES
 
 
 def torch_dtype(dtype: str) -> torch.dtype:
@@ -25,16 +22,18 @@ def torch_dtype(dtype: str) -> torch.dtype:
 
 
 def build_model(config: dict) -> torch.nn.Module:
-    model_type = config.get("model_type")
-    if model_type in LLAMA_TYPES:
-        return LlamaForCausalLM(LlamaConfig.from_hf_config(config))
-    if model_type in GEMMA3_TYPES:
-        return Gemma3ForCausalLM(Gemma3Config.from_hf_config(config))
-    if model_type in MARIAN_TYPES:
-        return MarianMTModel(MarianConfig.from_hf_config(config))
-    raise UnsupportedModelError(
-        f"model architecture {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-    )
+    """The runtime model (contract.CausalModel) of a config.json dict, parameters uninitialised."""
+    parsed = parse_config(config)
+    return parsed.family.build(parsed)
+
+
+def build_marian(parsed: ParsedConfig) -> torch.nn.Module:
+    from widebeam.model.marian import MarianConfig, MarianMTModel
+
+    settings = parsed.settings
+    return MarianMTModel(MarianConfig(arch=parsed.arch, encoder_heads=settings.encoder_heads,
+                                      activation=settings.activation, embed_scale=settings.embed_scale,
+                                      decoder_start_token_id=settings.decoder_start_token_id))
 
 
 def load_model(source: ModelSource, dtype: str, device: torch.device) -> torch.nn.Module:
@@ -44,10 +43,7 @@ def load_model(source: ModelSource, dtype: str, device: torch.device) -> torch.n
         model = build_model(config)
     model = model.to_empty(device="cpu")  # no random init: every parameter comes from the checkpoint
     model.load_weights(load_state_dict(source))
-    if hasattr(model, "tie_weights"):  # models with more than one tie (Marian) tie themselves
-        model.tie_weights()
-    elif model.arch.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+    model.tie_weights()  # to_empty gave the tied parameters separate storage
     return model.to(device=device, dtype=torch_dtype(dtype)).eval()
 
 
