@@ -1,9 +1,10 @@
-"""LLMEngine (add_request / step / abort) and LLM, the offline front door.
+"""LLMEngine (add_request / step / abort): the engine's loop over its workers and one KV cache.
 
 One step runs one forward pass: the prefill of newly admitted requests and one decode token for
-every running sequence, in one batch. A request is admitted when its worst case (`required_blocks`
-minus what it already holds) fits beside the remaining worst cases of the running ones, so nothing
-is ever evicted and a request that cannot fit right now waits instead of spinning.
+every running sequence, in one batch, and returns one `RequestDelta` per request that took part. A
+request is admitted when its worst case (`required_blocks` minus what it already holds) fits beside
+the remaining worst cases of the running ones, so nothing is ever evicted and a request that cannot
+fit right now waits instead of spinning. The path of one request: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -14,32 +15,27 @@ import os
 
 import torch
 
+from widebeam.activation import estimate_activation_peak_bytes
+from widebeam.config import EngineConfig
+from widebeam.decoding.decoders import BeamDecoder, SamplingDecoder
+from widebeam.decoding.processors import BanUntilMinTokens, ForceEOSAtEnd, SuppressTokens
+from widebeam.defaults import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_MODEL
 from widebeam.errors import InvalidParameterError
 from widebeam.kv.cache import KVCache
-from widebeam.kv.managers import Holding
-from widebeam.kv.sizing import (
-    PoolNeed,
-    capacity_tokens,
-    resolve_max_seq_len,
-    split_by_need,
-    tokens_per_sequence,
-)
-from widebeam.model.loader import DEFAULT_MODEL, load_config, resolve_model
+from widebeam.kv.sizing import size_pools
+from widebeam.model.loader import load_config, resolve_model
 from widebeam.model.registry import load_model, load_tokenizer
-from widebeam.model.runner import ModelRunner, SequenceInput
-from widebeam.model.warmup import estimate_activation_peak_bytes, measure_activation_peak_bytes
-from widebeam.outputs import RequestOutput
+from widebeam.model.runner import SequenceInput
+from widebeam.model.warmup import measure_activation_peak_bytes
+from widebeam.outputs import RequestDelta, RequestOutput
 from widebeam.params import BeamSearchParams, SamplingParams
-from widebeam.request import RequestState
+from widebeam.request import Request
 from widebeam.sched.admission import admit_check
 from widebeam.sched.scheduler import Scheduler, SchedulerOutput
 from widebeam.units import format_bytes, parse_bytes
+from widebeam.worker import Worker
 
 log = logging.getLogger("widebeam")
-
-# On a CPU host the KV cache shares memory with everything else the user runs, and tests and
-# users may hold several engines in one process: without `kv_cache_memory`, take at most this.
-DEFAULT_CPU_KV_CACHE_BYTES = 2 * 2**30
 
 
 def default_device() -> torch.device:
@@ -61,70 +57,71 @@ def available_memory_bytes(device: torch.device) -> int:
 
 
 class LLMEngine:
-    def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str = "float32", device: str | None = None,
-                 tokens_per_block: int = 16, kv_cache_memory: int | str | None = None,
-                 kv_cache_fraction: float = 0.9, max_seq_len: int | None = None, max_beam_width: int = 256,
-                 max_num_batched_tokens: int = 2048):
-        if max_beam_width < 1:
-            raise InvalidParameterError("max_beam_width", f"max_beam_width must be >= 1, got {max_beam_width}")
-        self.max_beam_width = max_beam_width
-        if not 0 < kv_cache_fraction <= 1:
-            raise InvalidParameterError("kv_cache_fraction", f"kv_cache_fraction must be in (0, 1], got {kv_cache_fraction}")
-        self.device = torch.device(device) if device else default_device()
-        self.dtype = dtype
+    def __init__(self, model: str = DEFAULT_MODEL, **kwargs):
+        """`kwargs`: the settings of `EngineConfig.from_kwargs` (dtype, device, kv_cache_memory,
+        kv_cache_fraction, tokens_per_block, max_seq_len, max_beam_width, max_num_batched_tokens)."""
+        self.config = config = EngineConfig.from_kwargs(model, **kwargs)
+        cache_config, sched_config = config.cache, config.scheduler
+        self.max_beam_width = sched_config.max_beam_width
+        self.device = torch.device(config.model.device) if config.model.device else default_device()
+        self.dtype = config.model.dtype
         self.source = resolve_model(model)
-        self.model = load_model(self.source, dtype, self.device)
+        self.model = load_model(self.source, self.dtype, self.device)
         self.tokenizer = load_tokenizer(self.source)
         self.arch = self.model.arch
+        self.workers = [Worker("target", self.model, self.dtype)]
+        t, chunk = cache_config.tokens_per_block, sched_config.max_num_batched_tokens
 
-        if kv_cache_memory is None:
+        if cache_config.kv_cache_memory is None:
             # the pools take what is left, so measure what the largest steps really need
-            self.activation_peak_bytes = measure_activation_peak_bytes(
-                self.model, self.device, self.model.lm_head.weight.dtype, tokens_per_block, max_num_batched_tokens,
-                max_beam_width)
+            self.activation_peak_bytes = sum(
+                measure_activation_peak_bytes(w.model, self.device, w.model.lm_head.weight.dtype, t, chunk,
+                                              self.max_beam_width) for w in self.workers)
         else:
             # the user sized the cache: a shape-based bound is enough to check it leaves room
             # (a measured warm-up costs seconds per engine on a CPU)
-            self.activation_peak_bytes = estimate_activation_peak_bytes(self.arch, max_num_batched_tokens,
-                                                                        max_beam_width)
+            self.activation_peak_bytes = sum(
+                estimate_activation_peak_bytes(w.arch, chunk, self.max_beam_width, self.dtype) for w in self.workers)
         free_bytes = max(available_memory_bytes(self.device) - self.activation_peak_bytes, 0)
-        kv_cache_bytes = int(free_bytes * kv_cache_fraction)
-        if kv_cache_memory is not None:
-            kv_cache_bytes = min(kv_cache_bytes, parse_bytes(kv_cache_memory))
+        kv_cache_bytes = int(free_bytes * cache_config.kv_cache_fraction)
+        if cache_config.kv_cache_memory is not None:
+            kv_cache_bytes = min(kv_cache_bytes, parse_bytes(cache_config.kv_cache_memory))
         elif self.device.type == "cpu":
             kv_cache_bytes = min(kv_cache_bytes, DEFAULT_CPU_KV_CACHE_BYTES)
-        specs = self.arch.kv_pool_specs(dtype)
+        specs = [spec for worker in self.workers for spec in worker.specs]
         # Encoder-decoder: the source is bounded by the model's positions, as the decoder's length is.
         self.max_encoder_tokens = self.arch.max_position_embeddings if self.arch.is_encoder_decoder else 0
-        needs = [PoolNeed(s, tokens_per_sequence(s, self.arch.max_position_embeddings, self.max_encoder_tokens,
-                                                 prefill_chunk_tokens=max_num_batched_tokens)) for s in specs]
-        pool_blocks = split_by_need(kv_cache_bytes, needs, tokens_per_block)
-        self.cache = KVCache(list(zip(specs, pool_blocks)), tokens_per_block, max_num_batched_tokens)
-        bound_tokens = capacity_tokens(specs, pool_blocks, tokens_per_block)
-        self.max_seq_len = resolve_max_seq_len(
-            self.arch.max_position_embeddings,
-            self.arch.max_position_embeddings if bound_tokens is None else bound_tokens, max_seq_len)
+        sizing = size_pools(specs, kv_cache_bytes, t, self.arch.max_position_embeddings, self.max_encoder_tokens,
+                            prefill_chunk_tokens=chunk)
+        self.cache = KVCache([(s, sizing.blocks_per_pool[s.name]) for s in specs], t, chunk)
+        self.max_seq_len = sizing.max_seq_len(sched_config.max_seq_len)
         log.info(
             "KV cache %s: %s; max_seq_len %d; activation peak %s; device %s",
             format_bytes(kv_cache_bytes),
-            ", ".join(f"{s.name} {n} blocks x {tokens_per_block} = {n * tokens_per_block} tokens"
-                      for s, n in zip(specs, pool_blocks)),
+            ", ".join(f"{s.name} {n} blocks x {t} = {n * t} tokens"
+                      for s, n in ((s, sizing.blocks_per_pool[s.name]) for s in specs)),
             self.max_seq_len, format_bytes(self.activation_peak_bytes), self.device,
         )
-        self.runner = ModelRunner(self.model, {s.name: n for s, n in zip(specs, pool_blocks)},
-                                  tokens_per_block, self.device, self.model.lm_head.weight.dtype)
+        for worker in self.workers:
+            worker.start(sizing.blocks_per_pool, t, self.device)
         self.eos_token_ids = frozenset(self._eos_token_ids())
         self.decoder_start_token_id, self.suppress_token_ids, self.forced_eos_token_id = \
             self._encoder_decoder_settings()
-        self.scheduler = Scheduler(self.cache, max_num_batched_tokens)
-        self.last_schedule: SchedulerOutput | None = None  # what the latest step ran (for tests and metrics)
-        self._requests: dict[str, RequestState] = {}
+        self.scheduler = Scheduler(self.cache, chunk)
+        self.last_schedule: SchedulerOutput | None = None  # what the latest step ran (tests and benchmarks)
+        self._requests: dict[str, Request] = {}
         self._num_rejected = 0
+
+    @property
+    def runner(self):
+        """The target model's runner."""
+        return self.workers[0].runner
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | dict | list[int],
-                    params: SamplingParams | BeamSearchParams | None = None) -> None:
-        """Validate and queue a request; raise at once if it can never run (nothing is queued then)."""
+                    params: SamplingParams | BeamSearchParams | None = None) -> list[int]:
+        """Validate and queue a request; raise at once if it can never run (nothing is queued then).
+        Returns the prompt token ids as the engine counts them (an encoder-decoder's source)."""
         params = params or SamplingParams()
         if request_id in self._requests:
             raise InvalidParameterError("request_id", f"request_id {request_id!r} is already in use")
@@ -148,13 +145,25 @@ class LLMEngine:
         except ValueError:
             self._num_rejected += 1
             raise
-        request = RequestState(request_id, text, token_ids, params, admission,
-                               holdings={name: Holding() for name in self.cache.managers},
-                               eos_token_ids=self.eos_token_ids, tokenizer=self.tokenizer,
-                               encoder_token_ids=encoder_token_ids, suppress_token_ids=self.suppress_token_ids,
-                               forced_eos_token_id=self.forced_eos_token_id)
+        request = Request(request_id, text, token_ids, admission, self.cache.new_request(),
+                          self._decoder(params, admission.max_new_tokens), self.tokenizer, encoder_token_ids)
         self._requests[request_id] = request
         self.scheduler.add(request)
+        return list(request.source_token_ids)
+
+    def _decoder(self, params: SamplingParams | BeamSearchParams, max_new_tokens: int) -> SamplingDecoder | BeamDecoder:
+        """The request's decoder and its logits processors, in HF's order."""
+        processors = []
+        if isinstance(params, SamplingParams) and params.min_new_tokens:
+            # beam search bans EOS before min_new_tokens itself, on its candidates
+            banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+            processors.append(BanUntilMinTokens(params.min_new_tokens, banned))
+        if self.suppress_token_ids:
+            processors.append(SuppressTokens(self.suppress_token_ids))
+        if self.forced_eos_token_id is not None:
+            processors.append(ForceEOSAtEnd(self.forced_eos_token_id, max_new_tokens))
+        decoder_class = BeamDecoder if isinstance(params, BeamSearchParams) else SamplingDecoder
+        return decoder_class(params, max_new_tokens, self.eos_token_ids, processors)
 
     def abort(self, request_id: str) -> None:
         """Stop a request wherever it is and free all its blocks."""
@@ -162,15 +171,7 @@ class LLMEngine:
         if request is None:
             return
         self.scheduler.remove(request)
-        request.release(self.cache)
-
-    def poll(self, request_id: str) -> RequestOutput | None:
-        """The current state of an unfinished request (partial text and tokens, for streaming);
-        None once it has finished or if it is unknown."""
-        request = self._requests.get(request_id)
-        if request is None:
-            return None
-        return request.partial_output()
+        request.free()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -185,40 +186,43 @@ class LLMEngine:
         }
 
     # -- the loop ---------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward pass, advance every scheduled request; return those that finished."""
+    def step(self) -> list[RequestDelta]:
+        """Schedule, run one forward pass, advance every scheduled request; one delta per request
+        that chose a token this step (finished ones carry their `output`)."""
         schedule = self.scheduler.schedule()
         self.last_schedule = schedule
         if not schedule.scheduled:
             return []
         inputs: list[SequenceInput] = []
-        rows: list[tuple[RequestState, int, int]] = []
+        rows: list[tuple[Request, int, int]] = []
         sources, cross_slots = [], []
         for item in schedule.scheduled:
             request = item.request
-            encoder_input = request.encoder_input(self.cache)
+            encoder_input = request.encoder_input()
             if encoder_input is not None:
                 sources.append(encoder_input[0])
                 cross_slots.append(encoder_input[1])
             if item.num_prompt_tokens:
-                request_inputs = [request.prefill_input(self.cache, item.num_prompt_tokens)]
+                request_inputs = [request.prefill_input(item.num_prompt_tokens)]
             else:
-                request_inputs = request.decode_inputs(self.cache)
+                request_inputs = request.decode_inputs()
             rows.append((request, len(inputs), len(inputs) + len(request_inputs)))
             inputs.extend(request_inputs)
+        worker = self.workers[0]
         # Copy-on-write copies queued while building the inputs must land before the forward writes.
-        for name, manager in self.cache.managers.items():
-            self.runner.copy_blocks(name, manager.take_copies())
-        self.runner.encode(sources, cross_slots)  # cross K/V in place before the decoder reads them
-        logits = self.runner.execute(inputs)
-        finished = []
+        worker.copy_blocks(self.cache.take_copies())
+        worker.encode(sources, cross_slots)  # cross K/V in place before the decoder reads them
+        logits = worker.execute(inputs)
+        deltas = []
         for request, start, end in rows:
-            request.advance(logits[start:end], self.cache)
-            if request.finished:
+            delta = request.advance(logits[start:end])
+            if delta is None:
+                continue
+            if delta.finished:
                 self.scheduler.remove(request)
                 del self._requests[request.request_id]
-                finished.append(request.output())
-        return finished
+            deltas.append(delta)
+        return deltas
 
     # -- text -------------------------------------------------------------------------------------
     def _tokenize(self, prompt: str | dict | list[int]) -> tuple[str | None, list[int]]:
@@ -275,8 +279,6 @@ class LLMEngine:
     def _eos_token_ids(self) -> set[int]:
         ids: set[int] = set()
         candidates = [self._generation_config().get("eos_token_id")]
-        from widebeam.model.loader import load_config
-
         candidates.append(load_config(self.source).get("eos_token_id"))
         if self.tokenizer is not None:
             candidates.append(self.tokenizer.eos_token_id)
@@ -334,10 +336,11 @@ class LLM:
             progress = tqdm(total=len(prompts), desc="requests", unit="req")
         try:
             while self.engine.has_unfinished():
-                for output in self.engine.step():
-                    results[output.request_id] = output
-                    if progress:
-                        progress.update(1)
+                for delta in self.engine.step():
+                    if delta.finished:
+                        results[delta.request_id] = delta.output
+                        if progress:
+                            progress.update(1)
         finally:
             if progress:
                 progress.close()

@@ -8,6 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from widebeam.activation import estimate_activation_peak_bytes
+from widebeam.defaults import (
+    DEFAULT_KV_CACHE_FRACTION,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_TOKENS_PER_BLOCK,
+)
+from widebeam.errors import CacheTooSmallError
 from widebeam.kv.budget import (
     KVRequest,
     cross_attention_blocks,
@@ -15,18 +22,8 @@ from widebeam.kv.budget import (
     naive_max_seq_len,
 )
 from widebeam.kv.cache import KVCache
-from widebeam.kv.sizing import (
-    PoolNeed,
-    capacity_tokens,
-    resolve_max_seq_len,
-    split_by_need,
-    tokens_per_sequence,
-)
-from widebeam.kv.spec import dtype_bytes
+from widebeam.kv.sizing import size_pools
 from widebeam.model.arch import CROSS_POOL, ModelArch
-
-# Activations are computed in float32 or the weights' dtype; logits and log-probs always in float32.
-_LOGITS_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -35,10 +32,10 @@ class PlanInputs:
     beam_width: int
     prompt_len: int
     max_new_tokens: int
-    tokens_per_block: int = 16
-    kv_cache_fraction: float = 0.9
+    tokens_per_block: int = DEFAULT_TOKENS_PER_BLOCK
+    kv_cache_fraction: float = DEFAULT_KV_CACHE_FRACTION
     dtype: str = "bfloat16"
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     # Encoder-decoder models: E, the source tokens (default: prompt_len). The decoder's own prompt
     # is then its start token alone.
     encoder_len: int | None = None
@@ -52,23 +49,6 @@ class PlanInputs:
         return KVRequest(1, self.max_new_tokens, self.beam_width, encoder_tokens=encoder_len)
 
 
-def activation_reserve_bytes(arch: ModelArch, inputs: PlanInputs) -> int:
-    """Peak activations of one step, estimated for widebeam's reference path.
-
-    A prefill chunk of C tokens holds its hidden states and MLP intermediates, and the attention
-    scores of C queries over the whole sequence (the plain-PyTorch path materialises them); a decode
-    step of W beams holds W rows of logits and log-probs over the vocabulary. The engine measures
-    the real peak at warm-up; this estimate is for planning.
-    """
-    act_bytes = dtype_bytes(inputs.dtype)
-    chunk_tokens = min(inputs.max_num_batched_tokens, inputs.prompt_len)
-    seq_tokens = inputs.prompt_len + inputs.max_new_tokens
-    hidden = chunk_tokens * (4 * arch.hidden_size + 3 * arch.intermediate_size) * act_bytes
-    scores = arch.num_heads * chunk_tokens * seq_tokens * _LOGITS_BYTES
-    logits = 2 * inputs.beam_width * arch.vocab_size * _LOGITS_BYTES
-    return hidden + scores + logits
-
-
 class PlanError(ValueError):
     """The inputs leave nothing for the KV cache."""
 
@@ -76,7 +56,9 @@ class PlanError(ValueError):
 def plan(arch: ModelArch, inputs: PlanInputs) -> dict:
     """The capacity plan as a JSON-ready dict (see `widebeam plan --json`)."""
     weight_bytes = arch.weight_bytes(inputs.dtype)
-    reserve_bytes = activation_reserve_bytes(arch, inputs)
+    # the engine's own estimate, for an engine whose widest request is this one
+    reserve_bytes = estimate_activation_peak_bytes(arch, inputs.max_num_batched_tokens, inputs.beam_width,
+                                                   inputs.dtype)
     left_bytes = inputs.memory_bytes - weight_bytes - reserve_bytes
     if left_bytes <= 0:
         raise PlanError(
@@ -92,18 +74,16 @@ def plan(arch: ModelArch, inputs: PlanInputs) -> dict:
     request = inputs.request(arch)
     # cross pools are sized for the longest source the model takes (its position limit)
     max_encoder_tokens = arch.max_position_embeddings if arch.is_encoder_decoder else 0
-    needs = [PoolNeed(s, tokens_per_sequence(s, arch.max_position_embeddings, max_encoder_tokens,
-                                             prefill_chunk_tokens=chunk))
-             for s in specs]
-    blocks_per_pool = split_by_need(kv_cache_bytes, needs, t)
+    sizing = size_pools(specs, kv_cache_bytes, t, arch.max_position_embeddings, max_encoder_tokens, chunk)
+    blocks_per_pool = [sizing.blocks_per_pool[s.name] for s in specs]
     cache = KVCache(list(zip(specs, blocks_per_pool)), t, chunk)
     # The start-up bound is the token capacity of the full-attention pool, never divided by W.
-    bound_tokens = capacity_tokens(specs, blocks_per_pool, t)
+    bound_tokens = sizing.capacity_tokens
     capacity_blocks = blocks_per_pool[0] if bound_tokens is None else bound_tokens // t
-    max_seq_len = arch.max_position_embeddings if bound_tokens is None else min(arch.max_position_embeddings,
-                                                                                 bound_tokens)
-    if max_seq_len > 0:
-        max_seq_len = resolve_max_seq_len(arch.max_position_embeddings, max_seq_len)
+    try:
+        max_seq_len = sizing.max_seq_len()
+    except CacheTooSmallError:  # the plan reports it rather than failing
+        max_seq_len = 0
 
     budgets = cache.budgets(request)
     pools = [

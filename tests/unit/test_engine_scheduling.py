@@ -29,8 +29,9 @@ def ids(tokens):
 def run_all(engine, max_steps=10_000):
     outputs, steps = {}, 0
     while engine.has_unfinished():
-        for out in engine.step():
-            outputs[out.request_id] = out
+        for delta in engine.step():
+            if delta.finished:
+                outputs[delta.request_id] = delta.output
         steps += 1
         assert steps < max_steps, "the engine did not finish"
     return outputs, steps
@@ -62,8 +63,9 @@ def test_request_waits_for_blocks_then_runs_and_no_step_is_empty(tiny_llama_dir)
     engine.add_request("second", ids([6] * 20), params)
     outputs, steps = {}, 0
     while engine.has_unfinished():
-        for out in engine.step():
-            outputs[out.request_id] = out
+        for delta in engine.step():
+            if delta.finished:
+                outputs[delta.request_id] = delta.output
         schedule = engine.last_schedule
         assert schedule.scheduled, "a step ran with nothing scheduled while work was waiting"
         if "first" not in outputs:
@@ -88,8 +90,9 @@ def test_beam_and_greedy_requests_share_steps_and_match_running_alone(tiny_llama
     mixed_steps = 0
     together = {}
     while engine.has_unfinished():
-        for out in engine.step():
-            together[out.request_id] = out
+        for delta in engine.step():
+            if delta.finished:
+                together[delta.request_id] = delta.output
         decoding = set(engine.last_schedule.decode_request_ids)
         mixed_steps += {"greedy", "beam4", "beam16"} <= decoding
     assert mixed_steps >= 5
@@ -109,8 +112,9 @@ def test_long_prompts_are_prefilled_in_chunks(tiny_llama_dir):
     chunks = []
     outputs = {}
     while engine.has_unfinished():
-        for out in engine.step():
-            outputs[out.request_id] = out
+        for delta in engine.step():
+            if delta.finished:
+                outputs[delta.request_id] = delta.output
         chunks += [s.num_prompt_tokens for s in engine.last_schedule.scheduled if s.num_prompt_tokens]
     assert chunks == [16, 16, 16, 2]
     unchunked = make_llm(tiny_llama_dir, 100)
@@ -176,8 +180,9 @@ def test_randomized_soak_returns_every_block(tiny_llama_dir):
                 engine.abort(request_id)
                 aborted.add(request_id)
                 del abort_at[request_id]
-        for out in engine.step():
-            outputs[out.request_id] = out
+        for delta in engine.step():
+            if delta.finished:
+                outputs[delta.request_id] = delta.output
         steps += 1
         assert steps <= step_bound
         for out in outputs.values():

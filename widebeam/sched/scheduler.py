@@ -14,14 +14,33 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from widebeam.kv.cache import KVCache
-from widebeam.request import RequestState
+from widebeam.sched.admission import Admission
+
+
+class SchedulableRequest(Protocol):
+    """What the scheduler reads of a request (widebeam/request.py's `Request` is one)."""
+
+    request_id: str
+    admission: Admission
+
+    @property
+    def prompt_done(self) -> bool: ...
+
+    @property
+    def num_prompt_tokens_left(self) -> int: ...
+
+    @property
+    def num_live_sequences(self) -> int: ...
+
+    def remaining_blocks(self) -> dict[str, int]: ...
 
 
 @dataclass
 class ScheduledRequest:
-    request: RequestState
+    request: SchedulableRequest
     num_prompt_tokens: int  # > 0: a prefill chunk of that many prompt tokens; 0: decode
 
 
@@ -45,13 +64,13 @@ class Scheduler:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         self.cache = cache
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[RequestState] = deque()
-        self.running: list[RequestState] = []
+        self.waiting: deque[SchedulableRequest] = deque()
+        self.running: list[SchedulableRequest] = []
 
-    def add(self, request: RequestState) -> None:
+    def add(self, request: SchedulableRequest) -> None:
         self.waiting.append(request)
 
-    def remove(self, request: RequestState) -> None:
+    def remove(self, request: SchedulableRequest) -> None:
         if request in self.waiting:
             self.waiting.remove(request)
         if request in self.running:

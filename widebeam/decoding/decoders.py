@@ -1,0 +1,108 @@
+"""The two decoders behind one interface: `advance(logits) -> Advance(parents, tokens)`.
+
+A decoder owns a request's token choice and nothing else: it sees its rows of a step's float32
+logits (one row per live sequence), runs its logits processors, and says which live sequence each
+next sequence continues and with which token. The request applies that to its KV (`reorder`) and
+its output; a finished decoder says so with `done`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from widebeam.beam.search import BeamSearchState, Hypothesis
+from widebeam.decoding.processors import LogitsProcessor, apply_processors, forcing_eos
+from widebeam.params import BeamSearchParams, SamplingParams
+from widebeam.sampling import sample_token
+
+
+@dataclass(frozen=True)
+class Advance:
+    """Sequence i of the next step continues live sequence `parent_indices[i]` with `token_ids[i]`."""
+
+    parent_indices: list[int]
+    token_ids: list[int]
+
+
+class SamplingDecoder:
+    """Greedy or sampled decoding of one sequence."""
+
+    def __init__(self, params: SamplingParams, max_new_tokens: int, eos_token_ids: frozenset[int],
+                 processors: Sequence[LogitsProcessor]):
+        self.params = params
+        self.max_new_tokens = max_new_tokens
+        self.eos_token_ids = eos_token_ids
+        self.processors = list(processors)
+        self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        self.token_ids: list[int] = []
+        self.cumulative_logprob = 0.0
+        self.finish_reason: str | None = None
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def advance(self, logits: torch.Tensor) -> Advance:
+        """logits [1, vocab] -> the next token; sets `finish_reason` on a stop token or the length limit."""
+        if self.processors:  # as HF's processors: on the logits, before sampling
+            logits = apply_processors(self.processors, logits.clone(), self.num_generated_tokens)
+        token, logprob = sample_token(logits[0], self.params, self.generator)
+        self.token_ids.append(token)
+        self.cumulative_logprob += logprob
+        params = self.params
+        if self.num_generated_tokens > params.min_new_tokens and (
+            token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos)
+        ):
+            self.finish_reason = "stop"
+        elif self.num_generated_tokens >= self.max_new_tokens:
+            self.finish_reason = "length"
+        return Advance([0], [token])
+
+    def stop(self) -> None:
+        """The text hit a stop string."""
+        self.finish_reason = "stop"
+
+
+class BeamDecoder:
+    """Beam search (transformers-exact, see beam/search.py) over the request's live beams."""
+
+    def __init__(self, params: BeamSearchParams, max_new_tokens: int, eos_token_ids: frozenset[int],
+                 processors: Sequence[LogitsProcessor]):
+        self.params = params
+        self.processors = list(processors)
+        self.search = BeamSearchState(params, max_new_tokens, eos_token_ids)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return self.search.num_generated_tokens
+
+    @property
+    def done(self) -> bool:
+        return self.search.done
+
+    @property
+    def live_token_ids(self) -> list[list[int]]:
+        return self.search.live_token_ids
+
+    def advance(self, logits: torch.Tensor) -> Advance:
+        """logits [num_live, vocab] -> the next live beams (none when the search ended)."""
+        num_generated = self.num_generated_tokens
+        # HF's processors run after the log-softmax in beam search: no renormalisation. A forced EOS
+        # (the last allowed token) overrides min_new_tokens' EOS ban, as in HF.
+        scores = apply_processors(self.processors, torch.log_softmax(logits.float(), dim=-1), num_generated)
+        result = self.search.step(scores, mask_min_length_eos=not forcing_eos(self.processors, num_generated))
+        return Advance(list(result.parent_indices), list(result.token_ids))
+
+    def stop(self, seq_indices: Sequence[int]) -> None:
+        """These live beams' text hit a stop string: they finish now, the others renumber in order."""
+        self.search.finish_live_beams(seq_indices)
+
+    def finalize(self) -> list[Hypothesis]:
+        return self.search.finalize()
