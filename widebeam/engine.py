@@ -10,8 +10,10 @@ fit right now waits instead of spinning. The path of one request: docs/architect
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
+from dataclasses import replace
 
 import torch
 
@@ -23,6 +25,7 @@ from widebeam.defaults import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_MODEL
 from widebeam.errors import InvalidParameterError
 from widebeam.kv.cache import KVCache
 from widebeam.kv.sizing import size_pools
+from widebeam.model.families import GenerationSettings, generation_settings
 from widebeam.model.loader import load_config, resolve_model
 from widebeam.model.registry import load_model, load_tokenizer
 from widebeam.model.runner import SequenceInput
@@ -104,9 +107,11 @@ class LLMEngine:
         )
         for worker in self.workers:
             worker.start(sizing.blocks_per_pool, t, self.device)
-        self.eos_token_ids = frozenset(self._eos_token_ids())
-        self.decoder_start_token_id, self.suppress_token_ids, self.forced_eos_token_id = \
-            self._encoder_decoder_settings()
+        generation = self._generation_settings()
+        self.eos_token_ids = generation.eos_token_ids
+        self.decoder_start_token_id = generation.decoder_start_token_id
+        self.suppress_token_ids = generation.suppress_token_ids
+        self.forced_eos_token_id = generation.forced_eos_token_id
         self.scheduler = Scheduler(self.cache, chunk)
         self.last_schedule: SchedulerOutput | None = None  # what the latest step ran (tests and benchmarks)
         self._requests: dict[str, Request] = {}
@@ -248,46 +253,15 @@ class LLMEngine:
         return self.tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
                                                   add_generation_prompt=True)
 
-    def _generation_config(self) -> dict:
+    def _generation_settings(self) -> GenerationSettings:
+        """EOS ids (the tokenizer's added), and an encoder-decoder's start token, suppressed tokens
+        and forced EOS, as the model family reads them."""
         path = self.source.path / "generation_config.json"
-        if not path.exists():
-            return {}
-        import json
-
-        return json.loads(path.read_text())
-
-    def _encoder_decoder_settings(self) -> tuple[int | None, tuple[int, ...], int | None]:
-        """(decoder_start_token_id, token ids never generated, forced_eos_token_id) of an
-        encoder-decoder model; (None, (), None) for a decoder-only one. Single-token `bad_words_ids`
-        (Marian bans its pad token) are suppressed the way HF's processor does; longer banned
-        sequences are not supported. The forced EOS is HF's: the last allowed token (number
-        max_new_tokens) is EOS."""
-        if not self.arch.is_encoder_decoder:
-            return None, (), None
-        generation_config = self._generation_config()
-        start = generation_config.get("decoder_start_token_id")
-        if start is None:
-            start = self.model.decoder_start_token_id
-        bad_words = generation_config.get("bad_words_ids") or []
-        suppress = tuple(sorted({ids[0] for ids in bad_words if len(ids) == 1}))
-        # As transformers: a saved generation config is the whole story (a setting it leaves out is
-        # off); only a model without one falls back to config.json.
-        settings = generation_config if generation_config else load_config(self.source)
-        forced_eos = settings.get("forced_eos_token_id")
-        return int(start), suppress, forced_eos if isinstance(forced_eos, int) else None
-
-    def _eos_token_ids(self) -> set[int]:
-        ids: set[int] = set()
-        candidates = [self._generation_config().get("eos_token_id")]
-        candidates.append(load_config(self.source).get("eos_token_id"))
-        if self.tokenizer is not None:
-            candidates.append(self.tokenizer.eos_token_id)
-        for value in candidates:
-            if isinstance(value, int):
-                ids.add(value)
-            elif isinstance(value, list):
-                ids.update(v for v in value if isinstance(v, int))
-        return ids
+        generation_config = json.loads(path.read_text()) if path.exists() else {}
+        settings = generation_settings(load_config(self.source), generation_config)
+        if self.tokenizer is not None and isinstance(self.tokenizer.eos_token_id, int):
+            settings = replace(settings, eos_token_ids=settings.eos_token_ids | {self.tokenizer.eos_token_id})
+        return settings
 
 
 class LLM:
