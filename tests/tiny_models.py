@@ -100,3 +100,28 @@ def save_tiny_marian_tokenizer(path):
     tokenizer = MarianTokenizer(str(path / "source.spm"), str(path / "target.spm"), str(path / "vocab.json"))
     tokenizer.save_pretrained(str(path))
     return tokenizer
+
+
+def save_tiny_model_with_norms(path, model_type: str, **overrides):
+    """`save_tiny_model`, but the RMSNorm weights (q_norm and k_norm included) are random around 1
+    too, so a model that skips or misplaces a norm, or loads it into the wrong slot, gets different
+    logits. Returns the transformers model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    base = {
+        "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "tie_word_embeddings": False,
+    }
+    base.update(overrides)
+    config = AutoConfig.for_model(model_type, **base)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+            else:
+                param.normal_(0, 0.2)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return model
