@@ -1,10 +1,20 @@
-"""argparse value types shared by the command line's subcommands: each error names the allowed range."""
+"""argparse pieces shared by the command line's subcommands (`cli.py`, `server/serve_cli.py`): the
+one-line parser and value types whose errors name the allowed range."""
 
 from __future__ import annotations
 
 import argparse
 
 from widebeam.units import parse_bytes
+
+EXIT_USAGE = 2
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse prints the whole usage on error; users asked for one line they can read (exit code 2)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
 def int_at_least(minimum: int):

@@ -7,49 +7,49 @@ import json
 import sys
 from collections.abc import Sequence
 
+from widebeam.argtypes import OneLineParser
 from widebeam.argtypes import byte_size as _byte_size
 from widebeam.argtypes import fraction as _fraction
 from widebeam.argtypes import int_at_least as _int_at_least
+from widebeam.defaults import (
+    DEFAULT_KV_CACHE_FRACTION,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MODEL,
+    DEFAULT_TOKENS_PER_BLOCK,
+)
 from widebeam.units import format_bytes
 
-EXIT_USAGE = 2
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse prints the whole usage on error; users asked for one line they can read."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _OneLineParser(prog="widebeam", description="Beam search at any width, with exact KV accounting.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
+    parser = OneLineParser(prog="widebeam", description="Beam search at any width, with exact KV accounting.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
 
     p = sub.add_parser("plan", help="KV capacity plan for a model, a memory size and a request shape")
-    p.add_argument("--model", default="smollm2-135m-instruct",
+    p.add_argument("--model", default=DEFAULT_MODEL,
                    help="built-in name (see --list-models), a Hugging Face model dir, or a config.json")
     p.add_argument("--memory", type=_byte_size, default=_byte_size("16GiB"),
                    help="device memory for weights + activations + KV, e.g. 141GiB (default 16GiB)")
-    p.add_argument("--kv-cache-fraction", type=_fraction, default=0.9,
-                   help="share of the memory left after weights and activations given to KV (default 0.9)")
+    p.add_argument("--kv-cache-fraction", type=_fraction, default=DEFAULT_KV_CACHE_FRACTION,
+                   help=f"share of the memory left after weights and activations given to KV "
+                        f"(default {DEFAULT_KV_CACHE_FRACTION})")
     p.add_argument("--beam-width", type=_int_at_least(1), default=1)
     p.add_argument("--prompt-len", type=_int_at_least(1), default=512)
     p.add_argument("--encoder-len", type=_int_at_least(1), default=None,
                    help="encoder-decoder models: source tokens E, held once in the cross pool (default: --prompt-len)")
     p.add_argument("--max-new-tokens", type=_int_at_least(1), default=128)
-    p.add_argument("--tokens-per-block", type=_int_at_least(1), default=16)
-    p.add_argument("--max-num-batched-tokens", type=_int_at_least(1), default=2048,
-                   help="prefill chunk size, for the activation reserve (default 2048)")
+    p.add_argument("--tokens-per-block", type=_int_at_least(1), default=DEFAULT_TOKENS_PER_BLOCK)
+    p.add_argument("--max-num-batched-tokens", type=_int_at_least(1), default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                   help=f"prefill chunk size, for the activation reserve (default {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="weights and KV dtype")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--list-models", action="store_true", help="list the built-in model names and exit")
     p.set_defaults(func=_cmd_plan)
     g = sub.add_parser("generate", help="generate a completion for one prompt")
     g.add_argument("prompt", help="the prompt text (with --chat: the user message)")
-    g.add_argument("--model", default="smollm2-135m-instruct",
-                   help="alias (smollm2-135m-instruct, gemma3-270m), a Hugging Face model dir (Llama-family, Gemma 3, "
+    g.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"alias ({DEFAULT_MODEL}, gemma3-270m), a Hugging Face model dir (Llama-family, Gemma 3, "
                         "Marian translation), or a .gguf file")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     g.add_argument("--max-new-tokens", type=_int_at_least(1), default=32)
@@ -67,13 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=DTYPES, default="float32")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--kv-cache-memory", type=_byte_size, default=_byte_size("1GiB"))
-    g.add_argument("--tokens-per-block", type=_int_at_least(1), default=16)
+    g.add_argument("--tokens-per-block", type=_int_at_least(1), default=DEFAULT_TOKENS_PER_BLOCK)
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(func=_cmd_generate)
 
     from widebeam.server.serve_cli import add_serve_parser
 
-    add_serve_parser(sub, _OneLineParser)
+    add_serve_parser(sub)
 
     from widebeam import bench
 

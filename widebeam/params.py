@@ -10,9 +10,12 @@ from widebeam.errors import InvalidParameterError
 GREEDY_TEMPERATURE = 1e-5  # below this, sampling is argmax
 
 
-def _require(condition: bool, param: str, message: str) -> None:
+def _require(condition: bool, param: str, message: str, **values) -> None:
+    """Raise `InvalidParameterError` for `param` unless `condition`. `message` follows the parameter's
+    name and is a template (see `widebeam.errors`): other parameters in braces, the offending value as
+    `{value!r}` from `values`, so a caller can render the message with its own parameter names."""
     if not condition:
-        raise InvalidParameterError(param, f"{param} {message}")
+        raise InvalidParameterError(param, "{" + param + "} " + message, **values)
 
 
 def _as_tuple(params, name: str, kind: type) -> None:
@@ -24,7 +27,7 @@ def _as_tuple(params, name: str, kind: type) -> None:
     value = tuple(value)
     for item in value:
         _require(isinstance(item, kind) and not isinstance(item, bool), name,
-                 f"must hold only {kind.__name__} values, got {item!r}")
+                 f"must hold only {kind.__name__} values, got {{value!r}}", value=item)
     object.__setattr__(params, name, value)
 
 
@@ -49,15 +52,16 @@ class SamplingParams:
         _as_tuple(self, "stop", str)
         _as_tuple(self, "stop_token_ids", int)
         _require(self.max_new_tokens is None or (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1),
-                 "max_new_tokens", f"must be an integer >= 1 or None, got {self.max_new_tokens!r}")
-        _require(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
+                 "max_new_tokens", "must be an integer >= 1 or None, got {value!r}", value=self.max_new_tokens)
+        _require(self.temperature >= 0, "temperature", "must be >= 0, got {value}", value=self.temperature)
         _require(isinstance(self.top_k, int) and self.top_k >= -1, "top_k",
-                 f"must be -1 or 0 (off) or a positive integer, got {self.top_k!r}")
-        _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+                 "must be -1 or 0 (off) or a positive integer, got {value!r}", value=self.top_k)
+        _require(0 < self.top_p <= 1, "top_p", "must be in (0, 1], got {value}", value=self.top_p)
         _require(isinstance(self.min_new_tokens, int) and self.min_new_tokens >= 0, "min_new_tokens",
-                 f"must be an integer >= 0, got {self.min_new_tokens!r}")
+                 "must be an integer >= 0, got {value!r}", value=self.min_new_tokens)
         _require(self.max_new_tokens is None or self.min_new_tokens <= self.max_new_tokens, "min_new_tokens",
-                 f"must be <= max_new_tokens ({self.max_new_tokens}), got {self.min_new_tokens}")
+                 "must be <= {max_new_tokens} ({limit}), got {value}", limit=self.max_new_tokens,
+                 value=self.min_new_tokens)
         _require(all(s for s in self.stop), "stop", "must not contain empty strings")
 
     @property
@@ -103,32 +107,34 @@ class BeamSearchParams:
         _as_tuple(self, "stop", str)
         _as_tuple(self, "stop_token_ids", int)
         _require(isinstance(self.beam_width, int) and not isinstance(self.beam_width, bool)
-                 and self.beam_width >= 1, "beam_width", f"must be an integer >= 1, got {self.beam_width!r}")
+                 and self.beam_width >= 1, "beam_width", "must be an integer >= 1, got {value!r}",
+                 value=self.beam_width)
         _require(self.max_new_tokens is None or (isinstance(self.max_new_tokens, int)
                                                  and not isinstance(self.max_new_tokens, bool)
                                                  and self.max_new_tokens >= 1),
-                 "max_new_tokens", f"must be an integer >= 1 or None, got {self.max_new_tokens!r}")
+                 "max_new_tokens", "must be an integer >= 1 or None, got {value!r}", value=self.max_new_tokens)
         _require(isinstance(self.length_penalty, (int, float)) and not isinstance(self.length_penalty, bool)
                  and math.isfinite(self.length_penalty), "length_penalty",
-                 f"must be a finite number (any sign; > 0 favours longer hypotheses), "
-                 f"got {self.length_penalty!r}")
+                 "must be a finite number (any sign; > 0 favours longer hypotheses), got {value!r}",
+                 value=self.length_penalty)
         _require(self.early_stopping is True or self.early_stopping is False
                  or (isinstance(self.early_stopping, str) and self.early_stopping == "never"),
-                 "early_stopping", f"must be True, False or \"never\", got {self.early_stopping!r}")
+                 "early_stopping", "must be True, False or \"never\", got {value!r}", value=self.early_stopping)
         if self.num_return_sequences is None:
             object.__setattr__(self, "num_return_sequences", self.beam_width)
         num_return = self.num_return_sequences
         _require(isinstance(num_return, int) and not isinstance(num_return, bool)
                  and 1 <= num_return <= self.beam_width, "num_return_sequences",
-                 f"must be an integer in [1, beam_width={self.beam_width}] or None, "
-                 f"got {self.num_return_sequences!r}")
+                 "must be an integer in [1, {beam_width}={width}] or None, got {value!r}",
+                 width=self.beam_width, value=self.num_return_sequences)
         _require(isinstance(self.min_new_tokens, int) and not isinstance(self.min_new_tokens, bool)
                  and self.min_new_tokens >= 0, "min_new_tokens",
-                 f"must be an integer >= 0, got {self.min_new_tokens!r}")
+                 "must be an integer >= 0, got {value!r}", value=self.min_new_tokens)
         _require(self.max_new_tokens is None or self.min_new_tokens <= self.max_new_tokens, "min_new_tokens",
-                 f"must be <= max_new_tokens ({self.max_new_tokens}), got {self.min_new_tokens}")
+                 "must be <= {max_new_tokens} ({limit}), got {value}", limit=self.max_new_tokens,
+                 value=self.min_new_tokens)
         _require(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-                 f"must hold only token ids >= 0, got {self.stop_token_ids!r}")
+                 "must hold only token ids >= 0, got {value!r}", value=self.stop_token_ids)
         _require(all(s for s in self.stop), "stop", "must not contain empty strings")
 
     def replace(self, **changes) -> BeamSearchParams:

@@ -48,8 +48,8 @@ def admit_check(cache: KVCache, max_seq_len: int, prompt_len: int, max_new_token
     elif prompt_len + max_new_tokens > max_seq_len:
         raise InvalidParameterError(
             "max_new_tokens",
-            f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds max_seq_len "
-            f"({max_seq_len}); use max_new_tokens <= {max_seq_len - prompt_len}",
+            f"prompt ({prompt_len} tokens) + {{max_new_tokens}} ({max_new_tokens}) exceeds max_seq_len "
+            f"({max_seq_len}); use {{max_new_tokens}} <= {max_seq_len - prompt_len}",
         )
     kv_request = KVRequest(prompt_len, max_new_tokens, beam_width, encoder_tokens=encoder_tokens)
     return Admission(max_new_tokens, kv_request, cache.check_fits(kv_request))

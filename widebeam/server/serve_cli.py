@@ -1,8 +1,9 @@
 """`widebeam serve`: the OpenAI-compatible server on one engine.
 
-Wiring into `widebeam/cli.py`: `add_serve_parser(sub, _OneLineParser)`; the subcommand's `func`
-default calls `run_serve`. Until then: `python -m widebeam.server.serve_cli [options]`.
-Bad input gets one line naming the argument, and exit code 2, like the rest of the command line.
+`widebeam/cli.py` adds the subcommand with `add_serve_parser(sub)`; its `func` default calls
+`run_serve`. `python -m widebeam.server.serve_cli [options]` runs it alone. Bad input gets one line
+naming the argument, and exit code 2, like the rest of the command line. This module imports nothing
+from `cli.py` (which imports it): both take the parser and value types from `argtypes.py`.
 """
 
 from __future__ import annotations
@@ -13,11 +14,18 @@ import os
 import sys
 from collections.abc import Sequence
 
+from widebeam.argtypes import EXIT_USAGE, OneLineParser
 from widebeam.argtypes import byte_size as _byte_size
 from widebeam.argtypes import fraction as _fraction
 from widebeam.argtypes import int_at_least as _int_at_least
+from widebeam.defaults import (
+    DEFAULT_KV_CACHE_FRACTION,
+    DEFAULT_MAX_BEAM_WIDTH,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MODEL,
+    DEFAULT_TOKENS_PER_BLOCK,
+)
 
-EXIT_USAGE = 2
 DTYPES = ("float32", "bfloat16", "float16")
 API_KEY_ENV = "WIDEBEAM_API_KEY"
 
@@ -32,23 +40,24 @@ def _port(text: str) -> int:
 def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
     p.add_argument("--port", type=_port, default=8000, help="port to bind (default 8000)")
-    p.add_argument("--model", default="smollm2-135m-instruct",
-                   help="alias (smollm2-135m-instruct, gemma3-270m), a Hugging Face model dir, or a .gguf file")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"alias ({DEFAULT_MODEL}, gemma3-270m), a Hugging Face model dir, or a .gguf file")
     p.add_argument("--served-model-name", default=None,
                    help="the name clients send as `model` and /v1/models lists (default: --model as given)")
     p.add_argument("--kv-cache-memory", type=_byte_size, default=None,
                    help="bytes for the KV cache, e.g. 2GiB (default: a fraction of free memory, "
                         "at most 2GiB on a CPU host)")
-    p.add_argument("--kv-cache-fraction", type=_fraction, default=0.9,
-                   help="share of the memory left after the warm-up given to KV (default 0.9)")
-    p.add_argument("--max-beam-width", type=_int_at_least(1), default=256, help="widest beam search (default 256)")
+    p.add_argument("--kv-cache-fraction", type=_fraction, default=DEFAULT_KV_CACHE_FRACTION,
+                   help=f"share of the memory left after the warm-up given to KV (default {DEFAULT_KV_CACHE_FRACTION})")
+    p.add_argument("--max-beam-width", type=_int_at_least(1), default=DEFAULT_MAX_BEAM_WIDTH,
+                   help=f"widest beam search (default {DEFAULT_MAX_BEAM_WIDTH})")
     p.add_argument("--max-seq-len", type=_int_at_least(2), default=None,
                    help="prompt + generated tokens (default: the model's limit, bounded by the KV capacity)")
-    p.add_argument("--tokens-per-block", type=_int_at_least(1), default=16)
+    p.add_argument("--tokens-per-block", type=_int_at_least(1), default=DEFAULT_TOKENS_PER_BLOCK)
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and KV dtype (default float32)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--max-num-batched-tokens", type=_int_at_least(1), default=2048,
-                   help="tokens per step: the prefill chunk size (default 2048)")
+    p.add_argument("--max-num-batched-tokens", type=_int_at_least(1), default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                   help=f"tokens per step: the prefill chunk size (default {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on every endpoint but /health "
                         f"(default: ${API_KEY_ENV}, which keeps the key out of the process list)")
@@ -58,9 +67,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
-def add_serve_parser(subparsers, parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser):
-    """Add `serve` to `subparsers`; `parser_class` is the class they build (argparse's `add_parser` takes it
-    from the subparsers action, so it is only documentation here: build them with the one-line parser).
+def add_serve_parser(subparsers):
+    """Add `serve` to `subparsers` (built with `parser_class=OneLineParser`, as `cli.py` does).
 
     The subcommand's defaults set `func(args, parser)` to run the server, like the other subcommands.
     """
@@ -111,11 +119,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        from widebeam.cli import _OneLineParser as parser_class
-    except ImportError:
-        parser_class = argparse.ArgumentParser
-    parser = add_serve_arguments(parser_class(prog="widebeam serve", description="OpenAI-compatible HTTP server"))
+    parser = add_serve_arguments(OneLineParser(prog="widebeam serve", description="OpenAI-compatible HTTP server"))
     return run_serve(parser.parse_args(argv))
 
 
