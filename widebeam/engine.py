@@ -19,7 +19,7 @@ import torch
 
 from widebeam.activation import estimate_activation_peak_bytes
 from widebeam.config import EngineConfig
-from widebeam.decoding.decoders import BeamDecoder, SamplingDecoder
+from widebeam.decoding.decoders import BeamDecoder, SamplingDecoder, StepScores
 from widebeam.decoding.processors import BanUntilMinTokens, ForceEOSAtEnd, SuppressTokens
 from widebeam.defaults import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_MODEL
 from widebeam.errors import InvalidParameterError
@@ -217,10 +217,13 @@ class LLMEngine:
         # Copy-on-write copies queued while building the inputs must land before the forward writes.
         worker.copy_blocks(self.cache.take_copies())
         worker.encode(sources, cross_slots)  # cross K/V in place before the decoder reads them
-        logits = worker.execute(inputs)
+        greedy_rows = [start for request, start, _ in rows
+                       if request.prompt_done and isinstance(request.decoder, SamplingDecoder)
+                       and request.decoder.batched_greedy]
+        scores = StepScores(worker.execute(inputs), greedy_rows)
         deltas = []
         for request, start, end in rows:
-            delta = request.advance(logits[start:end])
+            delta = request.advance(scores.rows(start, end))
             if delta is None:
                 continue
             if delta.finished:

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import time
 
-import torch
-
-from widebeam.decoding.decoders import BeamDecoder, SamplingDecoder
+from widebeam.decoding.decoders import BeamDecoder, RowScores, SamplingDecoder
 from widebeam.decoding.stop import held_back_chars, stop_string_cut
 from widebeam.detokenizer import IncrementalDetokenizer
 from widebeam.kv.request_kv import RequestKV
@@ -99,13 +97,13 @@ class Request:
         return SequenceInput(token_ids, position, tables, slots, group=self.request_id, **cross)
 
     # -- consuming a step --------------------------------------------------------------------------
-    def advance(self, logits: torch.Tensor) -> RequestDelta | None:
-        """Consume this request's rows of the step's logits ([num_live, vocab], float32); None
-        while a chunked prompt is still being prefilled (no token to choose yet)."""
+    def advance(self, scores: RowScores) -> RequestDelta | None:
+        """Consume this request's rows of the step (one per live sequence); None while a chunked
+        prompt is still being prefilled (no token to choose yet)."""
         if not self.prompt_done:
             return None
         first = self.decoder.num_generated_tokens == 0
-        step = self.decoder.advance(logits)
+        step = self.decoder.advance(scores)
         delta = RequestDelta(self.request_id, first_token=first)
         if self.is_sampling:
             self.next_token_ids = step.token_ids

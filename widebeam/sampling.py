@@ -24,9 +24,12 @@ def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return logits
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[int, float]:
-    """The next token of one sequence and its log-probability under the model's distribution."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
+def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+                 logprobs: torch.Tensor | None = None) -> tuple[int, float]:
+    """The next token of one sequence and its log-probability under the model's distribution
+    (`logprobs`, the log-softmax of `logits`, when the caller has it already)."""
+    if logprobs is None:
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
     if params.greedy:
         token = int(torch.argmax(logits))
     else:

@@ -20,6 +20,36 @@ from widebeam.sampling import sample_token
 
 
 @dataclass(frozen=True)
+class RowScores:
+    """One request's rows of a step: logits and log-probs [rows, vocab] (float32), and for a
+    batched greedy request its argmax token and that token's log-prob, read once for the batch."""
+
+    logits: torch.Tensor
+    logprobs: torch.Tensor
+    greedy: tuple[int, float] | None = None
+
+
+class StepScores:
+    """A step's float32 logits for every request, with what several decoders need computed once
+    over all rows: the log-softmax, and the argmax of every greedy request without logits
+    processors (one host read for all of them instead of one per request). Beam top-k stays per
+    request: widths and candidate counts differ, and one request's top-k already spans its beams."""
+
+    def __init__(self, logits: torch.Tensor, greedy_rows: Sequence[int] = ()):
+        self.logits = logits
+        self.logprobs = torch.log_softmax(logits, dim=-1)
+        self.greedy: dict[int, tuple[int, float]] = {}
+        if greedy_rows:
+            rows = torch.tensor(list(greedy_rows), device=logits.device)
+            tokens = logits.index_select(0, rows).argmax(dim=-1)  # [num_greedy]
+            logprobs = self.logprobs.index_select(0, rows).gather(1, tokens[:, None])[:, 0]
+            self.greedy = dict(zip(greedy_rows, zip(tokens.tolist(), logprobs.tolist())))
+
+    def rows(self, start: int, end: int) -> RowScores:
+        return RowScores(self.logits[start:end], self.logprobs[start:end], self.greedy.get(start))
+
+
+@dataclass(frozen=True)
 class Advance:
     """Sequence i of the next step continues live sequence `parent_indices[i]` with `token_ids[i]`."""
 
@@ -49,11 +79,20 @@ class SamplingDecoder:
     def done(self) -> bool:
         return self.finish_reason is not None
 
-    def advance(self, logits: torch.Tensor) -> Advance:
-        """logits [1, vocab] -> the next token; sets `finish_reason` on a stop token or the length limit."""
-        if self.processors:  # as HF's processors: on the logits, before sampling
-            logits = apply_processors(self.processors, logits.clone(), self.num_generated_tokens)
-        token, logprob = sample_token(logits[0], self.params, self.generator)
+    @property
+    def batched_greedy(self) -> bool:
+        """Whether the step may choose this request's token in the batch (greedy, nothing to edit)."""
+        return self.params.greedy and not self.processors
+
+    def advance(self, scores: RowScores) -> Advance:
+        """One row -> the next token; sets `finish_reason` on a stop token or the length limit."""
+        if scores.greedy is not None:
+            token, logprob = scores.greedy
+        elif self.processors:  # as HF's processors: on the logits, before sampling
+            logits = apply_processors(self.processors, scores.logits.clone(), self.num_generated_tokens)
+            token, logprob = sample_token(logits[0], self.params, self.generator)
+        else:
+            token, logprob = sample_token(scores.logits[0], self.params, self.generator, scores.logprobs[0])
         self.token_ids.append(token)
         self.cumulative_logprob += logprob
         params = self.params
@@ -91,12 +130,13 @@ class BeamDecoder:
     def live_token_ids(self) -> list[list[int]]:
         return self.search.live_token_ids
 
-    def advance(self, logits: torch.Tensor) -> Advance:
-        """logits [num_live, vocab] -> the next live beams (none when the search ended)."""
+    def advance(self, scores: RowScores) -> Advance:
+        """One row per live beam -> the next live beams (none when the search ended)."""
         num_generated = self.num_generated_tokens
         # HF's processors run after the log-softmax in beam search: no renormalisation. A forced EOS
         # (the last allowed token) overrides min_new_tokens' EOS ban, as in HF.
-        scores = apply_processors(self.processors, torch.log_softmax(logits.float(), dim=-1), num_generated)
+        logprobs = scores.logprobs.clone() if self.processors else scores.logprobs
+        scores = apply_processors(self.processors, logprobs, num_generated)
         result = self.search.step(scores, mask_min_length_eos=not forcing_eos(self.processors, num_generated))
         return Advance(list(result.parent_indices), list(result.token_ids))
 
