@@ -1,6 +1,6 @@
 """Pure block math: the most blocks a request can ever hold in a pool, and its inverses.
 
-Notation (see DESIGN.md): P prompt tokens, N max_new_tokens, W beam width, T tokens per block,
+Notation (see docs/architecture.md for where each bound is used): P prompt tokens, N max_new_tokens, W beam width, T tokens per block,
 D extra (draft) tokens reserved per sequence, E encoder output tokens. All results are in blocks of
 the pool in question.
 """
