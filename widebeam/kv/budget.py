@@ -1,8 +1,8 @@
 """Pure block math: the most blocks a request can ever hold in a pool, and its inverses.
 
-Notation (see docs/architecture.md for where each bound is used): P prompt tokens, N max_new_tokens, W beam width, T tokens per block,
-D extra (draft) tokens reserved per sequence, E encoder output tokens. All results are in blocks of
-the pool in question.
+Notation (docs/architecture.md shows where each bound is used): P prompt tokens, N max_new_tokens,
+W beam width, T tokens per block, D extra (draft) tokens reserved per sequence, E encoder output
+tokens. All results are in blocks of the pool in question.
 """
 
 from __future__ import annotations
