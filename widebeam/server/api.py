@@ -196,10 +196,9 @@ def create_app(engine, *, model_name: str, api_key: str | None = None,
         except ValueError as exc:
             raise p.engine_error(exc, width_field=plan.width_field, prompt_field=prompt_field,
                                  max_tokens_name=p.max_tokens_field(req)[0]) from None
-        stops = plan.params[0].stop
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_stream(loop, group, plan, chat, call_id, len(prompts), stops, include_usage),
+            return StreamingResponse(_stream(loop, group, plan, chat, call_id, len(prompts), include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         outputs = await _collect(loop, group, request)
         if outputs is None:  # the client went away; its requests are aborted
@@ -218,7 +217,10 @@ def create_app(engine, *, model_name: str, api_key: str | None = None,
                              "usage": p.usage(prompt_tokens, completion_tokens)})
 
     def _stream(loop: EngineLoop, group: Group, plan: p.Plan, chat: bool, call_id: str, num_prompts: int,
-                stops: tuple[str, ...], include_usage: bool) -> AsyncIterator[str]:
+                include_usage: bool) -> AsyncIterator[str]:
+        """Server-sent events: each step's new text of a sampled choice as it comes (the engine's deltas,
+        already held back against stop strings), then a closing chunk per request with its finish reason;
+        beam choices arrive whole in their closing chunks (their beams are reordered until the end)."""
         object_name = "chat.completion.chunk" if chat else "text_completion"
         created = p.now()
 
@@ -232,7 +234,6 @@ def create_app(engine, *, model_name: str, api_key: str | None = None,
 
         async def generate():
             done = False
-            sent = [""] * len(group.request_ids)
             remaining = len(group.request_ids)
             prompt_tokens = completion_tokens = 0
             try:
@@ -244,10 +245,7 @@ def create_app(engine, *, model_name: str, api_key: str | None = None,
                         yield f"data: {json.dumps(payload.body())}\n\n"
                         break
                     if kind == "text":
-                        safe = p.stream_safe_prefix(payload, stops)
-                        if len(safe) > len(sent[k]) and safe.startswith(sent[k]):
-                            yield event([p.chunk_choice(chat, choice_index(k), safe[len(sent[k]):], None)])
-                            sent[k] = safe
+                        yield event([p.chunk_choice(chat, choice_index(k), payload, None)])
                         continue
                     remaining -= 1
                     output: RequestOutput = payload
@@ -257,9 +255,7 @@ def create_app(engine, *, model_name: str, api_key: str | None = None,
                     chunks = []
                     for j, completion in enumerate(completions):
                         completion_tokens += len(completion.token_ids)
-                        text = completion.text
-                        if not plan.beam:
-                            text = text[len(sent[k]):] if text.startswith(sent[k]) else ""
+                        text = completion.text if plan.beam else ""  # a sample's text went out as it came
                         chunks.append(p.chunk_choice(chat, choice_index(k, j), text, completion.finish_reason,
                                                      completion.score if plan.beam else None))
                     yield event(chunks)

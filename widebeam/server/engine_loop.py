@@ -1,10 +1,14 @@
 """The engine loop: one asyncio task owns the engine.
 
-The engine is not thread-safe, so only `EngineLoop.run` calls `add_request`, `step`, `poll` and
-`abort`, one at a time, and the heavy calls (`step`, tokenizing in `add_request`) run in a worker
-thread so the event loop keeps serving. Handlers hand it commands and wait on a future (admission:
-accepted, or the engine's error, before any 200 is sent) and then on their group's queue of events
-(streamed text, final outputs).
+The engine is not thread-safe, so only `EngineLoop.run` calls `add_request`, `step` and `abort`, one
+at a time, and the heavy calls (`step`, tokenizing in `add_request`) run in a worker thread so the
+event loop keeps serving. Handlers hand it commands and wait on a future (admission: accepted, or the
+engine's error, before any 200 is sent) and then on their group's queue of events (streamed text,
+final outputs).
+
+Only the engine's public API is used: each step's `RequestDelta`s say which requests produced their
+first token, what text they added and which finished, so a step costs the loop work in proportion to
+what changed, never a re-read of every request.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from widebeam.outputs import RequestOutput
+from widebeam.outputs import RequestDelta
 from widebeam.server import protocol as p
 from widebeam.server.metrics import ServerMetrics
 
@@ -23,7 +27,8 @@ log = logging.getLogger("widebeam.server")
 
 class Group:
     """The engine requests of one API call and the queue their events arrive on:
-    (index, "text", partial_text) for streams, (index, "final", RequestOutput), (index, "error", ApiError)."""
+    (index, "text", new_text) for streams (the text a step added, held back against stop strings by the
+    engine), (index, "final", RequestOutput) and (index, "error", ApiError)."""
 
     def __init__(self, request_ids: list[str], stream: bool):
         self.request_ids = request_ids
@@ -37,7 +42,6 @@ class _Tracked:
     index: int
     arrival: float
     first_token_at: float | None = None
-    last_text: str = ""
 
 
 @dataclass
@@ -88,12 +92,12 @@ class EngineLoop:
                     self.snapshot = self.engine.stats()
                 if self.engine.has_unfinished():
                     try:
-                        finished = await asyncio.to_thread(self.engine.step)
+                        deltas = await asyncio.to_thread(self.engine.step)
                     except Exception as exc:  # a bug: fail the requests in flight, keep serving
                         log.exception("engine step failed")
                         self._fail_all(exc)
                     else:
-                        self._after_step(finished, time.monotonic())
+                        self._after_step(deltas, time.monotonic())
                     self.snapshot = self.engine.stats()
         except asyncio.CancelledError:
             raise
@@ -119,11 +123,12 @@ class EngineLoop:
         return results
 
     def _add(self, command: _Add):
-        added = []
+        added, num_prompt_tokens = [], []
         try:
             for request_id, (prompt, params) in zip(command.group.request_ids, command.entries):
-                self.engine.add_request(request_id, prompt, params)
+                prompt_token_ids = self.engine.add_request(request_id, prompt, params)
                 added.append(request_id)
+                num_prompt_tokens.append(len(prompt_token_ids))
         except Exception as exc:
             for request_id in added:
                 self.engine.abort(request_id)
@@ -131,7 +136,7 @@ class EngineLoop:
                 return exc
             log.exception("add_request failed")
             return p.ApiError(500, f"internal error while admitting the request: {exc}", type="server_error")
-        return [len(self.engine.poll(request_id).prompt_token_ids) for request_id in added]
+        return num_prompt_tokens
 
     def _settle(self, commands: list, results: list) -> None:
         for command, result in zip(commands, results):
@@ -156,18 +161,21 @@ class EngineLoop:
                 self.metrics.prompt_tokens.inc(sum(result))
             command.future.set_result(None)
 
-    def _after_step(self, finished: list[RequestOutput], now: float) -> None:
-        schedule = self.engine.last_schedule
-        for item in schedule.scheduled if schedule else ():
-            tracked = self._tracked.get(item.request.request_id)
-            if tracked and tracked.first_token_at is None and item.request.prompt_done:
+    def _after_step(self, deltas: list[RequestDelta], now: float) -> None:
+        for delta in deltas:
+            tracked = self._tracked.get(delta.request_id)
+            if tracked is None:  # aborted, or its handler left before admission settled
+                continue
+            if delta.first_token and tracked.first_token_at is None:
                 tracked.first_token_at = now
                 if self.metrics:
                     self.metrics.time_to_first_token.observe(now - tracked.arrival)
-        for output in finished:
-            tracked = self._tracked.pop(output.request_id, None)
-            if tracked is None:
+            if tracked.group.stream and delta.new_text:
+                tracked.group.queue.put_nowait((tracked.index, "text", delta.new_text))
+            if not delta.finished:
                 continue
+            del self._tracked[delta.request_id]
+            output = delta.output
             if self.metrics and output.outputs:
                 self.metrics.finished.labels(output.outputs[0].finish_reason or "unknown").inc()
                 self.metrics.generated_tokens.inc(sum(len(c.token_ids) for c in output.outputs))
@@ -175,13 +183,6 @@ class EngineLoop:
                 if tracked.first_token_at is not None and num_tokens > 1:
                     self.metrics.time_per_output_token.observe((now - tracked.first_token_at) / (num_tokens - 1))
             tracked.group.queue.put_nowait((tracked.index, "final", output))
-        for request_id, tracked in self._tracked.items():
-            if not tracked.group.stream:
-                continue
-            partial = self.engine.poll(request_id)
-            if partial is not None and partial.outputs and partial.outputs[0].text != tracked.last_text:
-                tracked.last_text = partial.outputs[0].text
-                tracked.group.queue.put_nowait((tracked.index, "text", tracked.last_text))
 
     def _fail_all(self, exc: BaseException) -> None:
         error = p.ApiError(500, f"the engine failed while running this request: {exc}", type="server_error")

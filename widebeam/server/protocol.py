@@ -226,13 +226,13 @@ def max_tokens_field(req: _GenerationFields) -> tuple[str, int | None]:
 def plan_request(req: _GenerationFields) -> Plan:
     """Translate the request into engine parameters, or raise ApiError naming the bad field."""
     _check_unsupported(req)
-    _, max_tokens = max_tokens_field(req)
+    max_tokens_name, max_tokens = max_tokens_field(req)
     stop = tuple([req.stop] if isinstance(req.stop, str) else (req.stop or ()))
     stop_token_ids = tuple(req.stop_token_ids or ())
     if _given(req, "stream_options") and not req.stream:
         raise invalid("stream_options", "stream_options needs stream: true")
     if req.use_beam_search:
-        return _beam_plan(req, max_tokens, stop, stop_token_ids)
+        return _beam_plan(req, max_tokens, stop, stop_token_ids, max_tokens_name)
     for name in ("beam_width", "length_penalty", "early_stopping"):
         if _given(req, name):
             raise invalid(name, f"{name} applies only to beam search: add use_beam_search: true")
@@ -252,11 +252,11 @@ def plan_request(req: _GenerationFields) -> Plan:
             SamplingParams, max_new_tokens=max_tokens, temperature=temperature,
             top_k=0 if req.top_k is None else req.top_k, top_p=1.0 if req.top_p is None else req.top_p,
             seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=req.ignore_eos,
-            min_new_tokens=req.min_tokens))
+            min_new_tokens=req.min_tokens, _max_tokens_name=max_tokens_name))
     return Plan(params, beam=False, n=req.n, width_field="n")
 
 
-def _beam_plan(req, max_tokens, stop, stop_token_ids) -> Plan:
+def _beam_plan(req, max_tokens, stop, stop_token_ids, max_tokens_name: str = "max_tokens") -> Plan:
     if req.temperature is not None and req.temperature > 0:
         raise invalid("temperature", f"beam search is deterministic: temperature must be 0 or absent, "
                                      f"got {req.temperature}")
@@ -275,31 +275,36 @@ def _beam_plan(req, max_tokens, stop, stop_token_ids) -> Plan:
         length_penalty=1.0 if req.length_penalty is None else req.length_penalty,
         early_stopping=False if req.early_stopping is None else req.early_stopping,
         num_return_sequences=req.n, min_new_tokens=req.min_tokens, stop_token_ids=stop_token_ids, stop=stop,
-        ignore_eos=req.ignore_eos, _width_field=width_field)
+        ignore_eos=req.ignore_eos, _width_field=width_field, _max_tokens_name=max_tokens_name)
     return Plan([params], beam=True, n=req.n, width_field=width_field)
 
 
-# Engine field names -> the API's.
-_API_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "num_return_sequences": "n"}
+def api_names(*, width_field: str = "n", prompt_field: str = "prompt",
+              max_tokens_name: str = "max_tokens") -> dict[str, str]:
+    """Engine parameter names -> the request's: `beam_width` is whichever of n, best_of and beam_width
+    set it, `max_new_tokens` whichever of max_tokens and max_completion_tokens was given."""
+    return {"max_new_tokens": max_tokens_name, "min_new_tokens": "min_tokens", "num_return_sequences": "n",
+            "beam_width": width_field, "prompt": prompt_field}
 
 
-def _engine_params(cls, _width_field: str = "n", **kwargs):
+def _engine_params(cls, _width_field: str = "n", _max_tokens_name: str = "max_tokens", **kwargs):
     try:
         return cls(**kwargs)
     except InvalidParameterError as exc:
-        raise engine_error(exc, width_field=_width_field) from None
+        raise engine_error(exc, width_field=_width_field, max_tokens_name=_max_tokens_name) from None
 
 
 def engine_error(exc: ValueError, *, width_field: str = "n", prompt_field: str = "prompt",
                  max_tokens_name: str = "max_tokens") -> ApiError:
-    """An engine admission error as the API answers it."""
+    """An engine admission error as the API answers it: an `InvalidParameterError`'s message rendered
+    with the request's own field names, and its `param` renamed the same way. A request that can never
+    fit the KV cache keeps the engine's message word for word (`code: kv_cache_capacity_exceeded`), the
+    same text the Python API raises."""
     if isinstance(exc, RequestTooLargeError):
         return ApiError(400, str(exc), code=KV_CAPACITY_CODE)
+    names = api_names(width_field=width_field, prompt_field=prompt_field, max_tokens_name=max_tokens_name)
     param = getattr(exc, "param", None)
-    message = str(exc)
-    for engine_name, api_name in _API_NAMES.items():
-        message = message.replace(engine_name, api_name)
-    names = dict(_API_NAMES, beam_width=width_field, prompt=prompt_field, max_new_tokens=max_tokens_name)
+    message = exc.render(names) if isinstance(exc, InvalidParameterError) else str(exc)
     return ApiError(400, message, param=names.get(param, param))
 
 
@@ -376,19 +381,3 @@ def _choice(index: int, message: dict, finish_reason: str | None, beam_score: fl
     if beam_score is not None:
         out["beam_score"] = beam_score
     return out
-
-
-def stream_safe_prefix(text: str, stop: tuple[str, ...]) -> str:
-    """The part of a running request's text that can be streamed: it holds back an incomplete
-    character and any tail that may yet become a stop string (which the engine would cut)."""
-    end = len(text)
-    while end and text[end - 1] == "\ufffd":
-        end -= 1
-    text = text[:end]
-    hold = 0
-    for s in stop:
-        for k in range(min(len(s) - 1, len(text)), hold, -1):
-            if text.endswith(s[:k]):
-                hold = k
-                break
-    return text[:len(text) - hold]
