@@ -8,7 +8,8 @@ beams share. Decoder queries attend all E positions: no causal mask, no window.
 is the path the model runs: the sequences that share one cross block table (the beams of a request,
 with their prefill or decode queries) form a group, their K/V are gathered once and every query of
 the group is scored against them in one matrix-matrix product, instead of one read and one
-matrix-vector product per beam.
+matrix-vector product per beam. The runner builds the groups (`groups(device)`) once per step,
+before the forward; every layer then reads the same index tensors, with no host reads.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ class CrossAttentionMetadata:
         return (table[positions // t] * t + positions % t).to(device)
 
     def groups(self, device: torch.device) -> list[CrossGroup]:
-        """Sequences grouped by their cross block table; built once per forward, shared by all layers."""
+        """Sequences grouped by their cross block table; built on the first call (the runner's, once
+        per step), shared by all layers."""
         key = ("groups", device)
         if key not in self._cache:
             by_table: dict[tuple[int, ...], list[int]] = {}
@@ -94,6 +96,7 @@ def cross_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Same contract as `cross_attention_reference`; each request's K/V are read once for all its beams."""
     out = torch.empty_like(q)
     for group in meta.groups(q.device):
-        out[group.token_index] = _attend_all(q[group.token_index], k_cache[group.key_slots],
-                                             v_cache[group.key_slots], scale)
+        rows = q.index_select(0, group.token_index)
+        k, v = k_cache.index_select(0, group.key_slots), v_cache.index_select(0, group.key_slots)
+        out.index_copy_(0, group.token_index, _attend_all(rows, k, v, scale))
     return out

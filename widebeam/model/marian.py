@@ -24,9 +24,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from widebeam.model.arch import CROSS_POOL, ModelArch
-from widebeam.model.attention import AttentionMetadata, paged_attention, write_kv
+from widebeam.model.attention import AttentionMetadata, write_kv
 from widebeam.model.cross_attention import CrossAttentionMetadata, cross_attention
 from widebeam.model.layers import UnsupportedModelError
+from widebeam.model.paged_attention import PagedAttention
 from widebeam.model.weights import copy_checkpoint
 
 SUPPORTED_MODEL_TYPES = ("marian",)
@@ -107,6 +108,7 @@ class MarianAttention(nn.Module):
         self.q_proj = nn.Linear(hidden_size, hidden_size)
         self.out_proj = nn.Linear(hidden_size, hidden_size)
         self.scale = self.head_dim**-0.5
+        self.attn = PagedAttention(num_heads, num_heads, self.head_dim, self.scale)  # decoder self-attention
 
     def heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.view(x.shape[0], self.num_heads, self.head_dim)
@@ -129,8 +131,7 @@ class MarianAttention(nn.Module):
     def self_forward(self, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                      meta: AttentionMetadata) -> torch.Tensor:
         q, (k, v) = self.heads(self.q_proj(x)), self.project_kv(x)
-        write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
-        return self.output(paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale))
+        return self.output(self.attn(q, k, v, kv_cache, meta))
 
     def cross_forward(self, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                       meta: CrossAttentionMetadata) -> torch.Tensor:

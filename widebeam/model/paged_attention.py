@@ -1,8 +1,9 @@
 """The attention layer every decoder uses: write this step's K/V, then attend through the backend.
 
 Models own the projections, norms and rotary embedding; this module owns the KV write and the
-attention read, so a model never names a backend. The window comes from the pool's metadata (one
-source: the pool the layer's K/V live in), not from the model.
+attention read, so a model never names a backend: the metadata carries the one the runner chose
+(and which built it). The window comes from the pool's metadata (one source: the pool the layer's
+K/V live in), not from the model.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from widebeam.model.attention import AttentionMetadata, paged_attention, write_kv
+from widebeam.model.attention import AttentionMetadata, write_kv
 
 
 class PagedAttention(nn.Module):
@@ -24,4 +25,7 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
-        return paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, meta.sliding_window)
+        return meta.backend.forward(q, kv_cache[0], kv_cache[1], meta, self.scale)
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"

@@ -3,6 +3,11 @@
 Callers (the engine) decide which tokens run and where their K/V go (slots from `widebeam.kv`); the
 runner turns that into tensors, executes queued copy-on-write block copies, runs the model and
 returns float32 logits.
+
+The attention backend is chosen once, here (`attention_backend`, else $WIDEBEAM_ATTENTION_BACKEND,
+else "sdpa"). Each step, before the forward, the backend builds every pool's metadata: all the
+index tensors and masks the layers read, on the device, with the pool's window. The layers then
+run without reading anything back to the host.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from widebeam.model.arch import CROSS_POOL
-from widebeam.model.attention import AttentionMetadata
+from widebeam.model.attention import AttentionMetadata, get_attention_backend
 from widebeam.model.cross_attention import CrossAttentionMetadata
 
 
@@ -33,8 +38,9 @@ class SequenceInput:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, pool_num_blocks: dict[str, int], tokens_per_block: int,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, attention_backend: str | None = None):
         self.model = model
+        self.attention_backend = get_attention_backend(attention_backend)
         self.tokens_per_block = tokens_per_block
         self.device = device
         self.dtype = dtype
@@ -81,15 +87,16 @@ class ModelRunner:
             positions.extend(range(seq.num_computed_tokens, seq.num_computed_tokens + len(seq.token_ids)))
             query_start_loc.append(len(input_ids))
         seq_lens = [seq.num_computed_tokens + len(seq.token_ids) for seq in seqs]
-        metadata = {
-            pool_name: AttentionMetadata(
+        groups = [seq.group for seq in seqs]
+        metadata: dict[str, AttentionMetadata | CrossAttentionMetadata] = {
+            pool_name: self.attention_backend.build_metadata(
                 query_start_loc=query_start_loc,
                 seq_lens=seq_lens,
                 block_tables=[seq.block_tables[pool_name] for seq in seqs],
-                slot_mapping=torch.tensor([s for seq in seqs for s in seq.slots[pool_name]],
-                                          dtype=torch.long, device=self.device),
+                slot_mapping=[s for seq in seqs for s in seq.slots[pool_name]],
                 tokens_per_block=self.tokens_per_block,
-                groups=[seq.group for seq in seqs],
+                device=self.device,
+                groups=groups,
                 sliding_window=self.pool_windows.get(pool_name),
             )
             for pool_name in self.kv_tensors if pool_name != CROSS_POOL
@@ -111,10 +118,12 @@ class ModelRunner:
         missing = [i for i, seq in enumerate(seqs) if seq.cross_block_table is None or seq.num_encoder_tokens < 1]
         if missing:
             raise ValueError(f"sequences {missing[:5]} of an encoder-decoder model have no encoder output")
-        return CrossAttentionMetadata(query_start_loc=query_start_loc,
+        meta = CrossAttentionMetadata(query_start_loc=query_start_loc,
                                       block_tables=[seq.cross_block_table for seq in seqs],
                                       encoder_lens=[seq.num_encoder_tokens for seq in seqs],
                                       tokens_per_block=self.tokens_per_block)
+        meta.groups(self.device)  # built here, once per step, not in the first layer
+        return meta
 
     @torch.inference_mode()
     def encode(self, sources: list[list[int]], cross_slots: list[list[int]]) -> None:

@@ -1,0 +1,186 @@
+"""Attention backends: how a pool's layers read K/V back through its block tables.
+
+A backend is chosen once (by the runner, at construction) and does two things: `build_metadata`
+turns one step's host-side layout into the device tensors its layers need (once per step and
+pool), and `forward` attends q against the cache through them (once per layer, with no host
+reads). The metadata carries the backend that built it, so a layer never names one.
+
+- "reference": one sequence at a time, plain float32 matmuls. The definition of correct.
+- "sdpa" (the default, CPU and CUDA): decoding sequences in groups. The beams of one request share
+  their prompt's blocks, so a group's keys split into a shared prefix, read once for every beam's
+  queries as one matrix-matrix product, and each beam's own suffix; the two partial attentions are
+  merged exactly by log-sum-exp. Decoding sequences that share nothing go in one padded batch, and
+  prefill chunks one by one, through PyTorch's fused scaled-dot-product attention.
+
+Another backend (a CUDA kernel library, say) is a subclass registered under a name with
+`register_attention_backend`; the runner takes the name, or WIDEBEAM_ATTENTION_BACKEND.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch.nn import functional as F
+
+from widebeam.model.attention_metadata import (
+    AttentionMetadata,
+    DecodeGroup,
+    build_decode_groups,
+    sequence_keys,
+)
+
+DEFAULT_ATTENTION_BACKEND = "sdpa"
+ATTENTION_BACKEND_ENV = "WIDEBEAM_ATTENTION_BACKEND"
+
+
+class AttentionBackend:
+    """q [num_tokens, heads, head_dim] -> [num_tokens, heads, head_dim]; the step's K/V already in the cache."""
+
+    name: str = ""
+
+    def build_metadata(self, *, query_start_loc: list[int], seq_lens: list[int], block_tables: list[list[int]],
+                       slot_mapping: list[int] | torch.Tensor, tokens_per_block: int, device: torch.device,
+                       groups: list[str | None] | None = None, sliding_window: int | None = None) -> AttentionMetadata:
+        """One pool's metadata for one step, every tensor on `device`; run once per step, not per layer."""
+        meta = AttentionMetadata(
+            query_start_loc=list(query_start_loc), seq_lens=list(seq_lens), block_tables=block_tables,
+            slot_mapping=torch.as_tensor(slot_mapping, dtype=torch.long).to(device), tokens_per_block=tokens_per_block,
+            backend=self, sliding_window=sliding_window, groups=groups,
+        )
+        self.plan(meta, device)
+        return meta
+
+    def plan(self, meta: AttentionMetadata, device: torch.device) -> None:
+        """Fill `meta.sequences` / `meta.decode_groups` with what `forward` reads."""
+        raise NotImplementedError
+
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
+
+
+_BACKENDS: dict[str, type[AttentionBackend]] = {}
+
+
+def register_attention_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+    _BACKENDS[cls.name] = cls
+    return cls
+
+
+def attention_backend_names() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+def get_attention_backend(name: str | None = None) -> AttentionBackend:
+    """The backend called `name`; without one, $WIDEBEAM_ATTENTION_BACKEND, else the default ("sdpa")."""
+    name = name or os.environ.get(ATTENTION_BACKEND_ENV) or DEFAULT_ATTENTION_BACKEND
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(attention_backend_names())}")
+    return _BACKENDS[name]()
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache[slots] for any shape of `slots`; index_select is about twice as fast on CPU."""
+    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
+
+
+@register_attention_backend
+class ReferenceBackend(AttentionBackend):
+    """One sequence at a time, plain float32 matmuls, every head of a KV group spelled out."""
+
+    name = "reference"
+
+    def plan(self, meta: AttentionMetadata, device: torch.device) -> None:
+        meta.sequences = [sequence_keys(meta, i, device) for i in range(meta.num_seqs)]
+
+    def forward(self, q, k_cache, v_cache, meta, scale):
+        out = torch.empty_like(q)
+        group = q.shape[1] // k_cache.shape[1]
+        for seq in meta.sequences:
+            k = _gather(k_cache, seq.key_slots).repeat_interleave(group, dim=1).float()  # [S, H, d]
+            v = _gather(v_cache, seq.key_slots).repeat_interleave(group, dim=1).float()
+            scores = torch.einsum("qhd,shd->hqs", q[seq.start:seq.end].float(), k) * scale
+            scores = scores.masked_fill(~seq.mask[None], float("-inf"))
+            out[seq.start:seq.end] = torch.einsum("hqs,shd->qhd", torch.softmax(scores, dim=-1), v).to(q.dtype)
+        return out
+
+
+@register_attention_backend
+class SdpaBackend(AttentionBackend):
+    """Shared-prefix decode groups merged by log-sum-exp; fused SDPA for loose decodes and prefill chunks."""
+
+    name = "sdpa"
+
+    def plan(self, meta: AttentionMetadata, device: torch.device) -> None:
+        meta.decode_groups = build_decode_groups(meta, device)
+        lens = meta.query_lens()
+        meta.sequences = [sequence_keys(meta, i, device) for i in range(meta.num_seqs) if lens[i] > 1]
+
+    def forward(self, q, k_cache, v_cache, meta, scale):
+        out = torch.empty_like(q)
+        for group in meta.decode_groups:
+            rows = q.index_select(0, group.token_index)
+            out.index_copy_(0, group.token_index, _attend_group(rows, k_cache, v_cache, group, scale))
+        for seq in meta.sequences:
+            k = _gather(k_cache, seq.key_slots).transpose(0, 1)[None]  # [1, KV, S, d]
+            v = _gather(v_cache, seq.key_slots).transpose(0, 1)[None]
+            mask = None if seq.causal else seq.mask[None, None]
+            # PyTorch's fused kernel (flash attention on CPU): no [H, Q, S] score tensor in memory.
+            out[seq.start:seq.end] = F.scaled_dot_product_attention(
+                q[seq.start:seq.end].transpose(0, 1)[None], k, v, attn_mask=mask, is_causal=seq.causal,
+                scale=scale, enable_gqa=True,
+            )[0].transpose(0, 1)
+        return out
+
+
+def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup,
+                  scale: float) -> torch.Tensor:
+    """One decode group: q [B, H, d] -> [B, H, d]; the prefix is read once for all B queries.
+
+    The prefix's scores for every beam and grouped head are one [KV, B*G, d] x [KV, d, P] product.
+    The two parts are merged by log-sum-exp (shared running max, summed exponentials), so no
+    [B, P + S] score tensor is concatenated. Products run in the cache dtype; the exponentials and
+    the merge in float32.
+    """
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group_size = num_heads // num_kv_heads
+    rows = batch * group_size
+    if not group.prefix_tokens:
+        # Nothing shared: each row attends its own keys, which PyTorch's fused kernel does best.
+        k = _gather(k_cache, group.suffix_slots).transpose(1, 2)  # [B, KV, S, d]
+        v = _gather(v_cache, group.suffix_slots).transpose(1, 2)
+        return F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=group.suffix_mask[:, None, None, :],
+                                              scale=scale, enable_gqa=True)[:, :, 0, :]
+    # [KV, B*G, d]: the heads of one KV head, for every beam, as the rows of one matrix. The scale
+    # goes on q (B x H x d numbers), not on the scores (B x H x (P + S)).
+    q_rows = (q * scale).to(k_cache.dtype).view(batch, num_kv_heads, group_size, head_dim).transpose(0, 1)
+    q_rows = q_rows.reshape(num_kv_heads, rows, head_dim)
+
+    k_suffix = _kv_major(_gather(k_cache, group.suffix_slots))  # [KV, B, S, d]
+    # [KV, B, G, d] x [KV, B, d, S] -> [KV, B, G, S]; padding keys at -inf
+    suffix_scores = torch.matmul(q_rows.view(num_kv_heads, batch, group_size, head_dim), k_suffix.transpose(-1, -2))
+    suffix_scores = suffix_scores.float().masked_fill_(group.suffix_hidden, float("-inf")).view(num_kv_heads, rows, -1)
+    k_prefix = _gather(k_cache, group.prefix_slots)  # [P, KV, d]
+    prefix_scores = torch.bmm(q_rows, k_prefix.permute(1, 2, 0)).float()  # [KV, B*G, P]
+    row_max = torch.maximum(prefix_scores.amax(dim=-1, keepdim=True), suffix_scores.amax(dim=-1, keepdim=True))
+    prefix_weights = (prefix_scores - row_max).exp_()  # float32
+    suffix_weights = (suffix_scores - row_max).exp_()
+    denominator = prefix_weights.sum(dim=-1, keepdim=True) + suffix_weights.sum(dim=-1, keepdim=True)
+    v_prefix = _gather(v_cache, group.prefix_slots)  # [P, KV, d]
+    v_suffix = _kv_major(_gather(v_cache, group.suffix_slots))  # [KV, B, S, d]
+    # the shared prefix: [KV, B*G, P] x [KV, P, d]; each beam's own keys: [KV, B, G, S] x [KV, B, S, d]
+    out = torch.bmm(prefix_weights.to(v_prefix.dtype), v_prefix.transpose(0, 1)).float()
+    suffix_weights = suffix_weights.to(v_suffix.dtype).view(num_kv_heads, batch, group_size, -1)
+    out += torch.matmul(suffix_weights, v_suffix).view(num_kv_heads, rows, head_dim)
+    out /= denominator  # [KV, B*G, d]
+    return out.view(num_kv_heads, batch, group_size, head_dim).transpose(0, 1).reshape(batch, num_heads, head_dim).to(q.dtype)
+
+
+def _kv_major(x: torch.Tensor) -> torch.Tensor:
+    """[B, S, KV, d] -> contiguous [KV, B, S, d]: one copy here makes both products copy-free."""
+    return x.permute(2, 0, 1, 3).contiguous()
