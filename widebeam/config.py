@@ -32,11 +32,11 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if not 0 < self.kv_cache_fraction <= 1:
-            raise InvalidParameterError("kv_cache_fraction",
-                                        f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
+            raise InvalidParameterError("kv_cache_fraction", "{kv_cache_fraction} must be in (0, 1], got {value}",
+                                        value=self.kv_cache_fraction)
         if self.tokens_per_block < 1:
-            raise InvalidParameterError("tokens_per_block",
-                                        f"tokens_per_block must be >= 1, got {self.tokens_per_block}")
+            raise InvalidParameterError("tokens_per_block", "{tokens_per_block} must be >= 1, got {value}",
+                                        value=self.tokens_per_block)
 
 
 @dataclass(frozen=True)
@@ -47,10 +47,11 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         if self.max_beam_width < 1:
-            raise InvalidParameterError("max_beam_width", f"max_beam_width must be >= 1, got {self.max_beam_width}")
+            raise InvalidParameterError("max_beam_width", "{max_beam_width} must be >= 1, got {value}",
+                                        value=self.max_beam_width)
         if self.max_num_batched_tokens < 1:
-            raise InvalidParameterError("max_num_batched_tokens",
-                                        f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+            raise InvalidParameterError("max_num_batched_tokens", "{max_num_batched_tokens} must be >= 1, got {value}",
+                                        value=self.max_num_batched_tokens)
 
 
 @dataclass(frozen=True)

@@ -129,14 +129,15 @@ class LLMEngine:
         Returns the prompt token ids as the engine counts them (an encoder-decoder's source)."""
         params = params or SamplingParams()
         if request_id in self._requests:
-            raise InvalidParameterError("request_id", f"request_id {request_id!r} is already in use")
+            raise InvalidParameterError("request_id", "{request_id} {value!r} is already in use", value=request_id)
         try:
             if not isinstance(params, (SamplingParams, BeamSearchParams)):
-                raise InvalidParameterError("params", f"expected SamplingParams or BeamSearchParams, got {params!r}")
+                raise InvalidParameterError("params", "expected SamplingParams or BeamSearchParams, got {value!r}",
+                                            value=params)
             if params.beam_width > self.max_beam_width:
                 raise InvalidParameterError(
-                    "beam_width", f"beam_width must be in [1, {self.max_beam_width}] (the engine's max_beam_width), "
-                    f"got {params.beam_width}")
+                    "beam_width", "{beam_width} must be in [1, {limit}] (the engine's max_beam_width), got {value}",
+                    limit=self.max_beam_width, value=params.beam_width)
             text, token_ids = self._tokenize(prompt)
             encoder_token_ids = None
             if self.decoder_start_token_id is not None:
@@ -236,18 +237,20 @@ class LLMEngine:
     def _tokenize(self, prompt: str | dict | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" not in prompt:
-                raise InvalidParameterError("prompt", "a dict prompt needs 'prompt_token_ids'")
+                raise InvalidParameterError("prompt", "a dict {prompt} needs 'prompt_token_ids'")
             prompt = prompt["prompt_token_ids"]
         if isinstance(prompt, list):
             if not all(isinstance(t, int) and 0 <= t < self.arch.vocab_size for t in prompt):
-                raise InvalidParameterError("prompt", f"token ids must be integers in [0, {self.arch.vocab_size})")
+                raise InvalidParameterError("prompt", "{prompt} token ids must be integers in [0, {vocab_size})",
+                                            vocab_size=self.arch.vocab_size)
             return None, list(prompt)
         if not isinstance(prompt, str):
-            raise InvalidParameterError("prompt", f"prompt must be a string or token ids, got {type(prompt).__name__}")
+            raise InvalidParameterError("prompt", "{prompt} must be a string or token ids, got {kind}",
+                                        kind=type(prompt).__name__)
         if not prompt:
-            raise InvalidParameterError("prompt", "prompt is empty: give at least one token")
+            raise InvalidParameterError("prompt", "{prompt} is empty: give at least one token")
         if self.tokenizer is None:
-            raise InvalidParameterError("prompt", "this model directory has no tokenizer: pass prompt_token_ids")
+            raise InvalidParameterError("prompt", "this model directory has no tokenizer: pass token ids (prompt_token_ids) as the {prompt}")
         return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
 
     def apply_chat_template(self, message: str) -> str:

@@ -58,7 +58,7 @@ def test_plan_reads_a_config_json(tmp_path):
               "max_position_embeddings": 512}
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
-    proc = run_cli("plan", "--model", str(path), "--memory", "64MiB", "--prompt-len", "100",
+    proc = run_cli("plan", "--model", str(path), "--memory", "256MiB", "--prompt-len", "100",
                    "--max-new-tokens", "10", "--beam-width", "4", "--json")
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
