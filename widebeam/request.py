@@ -41,8 +41,8 @@ class Request:
         self.outputs: list[CompletionOutput] | None = None
         # Sampled requests stream text: decoded incrementally, sent once no stop string can start in it.
         self._detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None and self.is_sampling else None
-        self._text = ""
-        self._num_sent_chars = 0
+        self._sent: list[str] = []  # streamed pieces, joined once at the end
+        self._unsent = ""  # decoded, not yet streamed: it could still be the start of a stop string
 
     @property
     def is_sampling(self) -> bool:
@@ -102,9 +102,9 @@ class Request:
         prompt is still being prefilled (no token to choose yet)."""
         if not self.prompt_done:
             return None
-        first = self.decoder.num_generated_tokens == 0
+        num_generated = self.decoder.num_generated_tokens + 1  # every step generates one token per sequence
         step = self.decoder.advance(scores)
-        delta = RequestDelta(self.request_id, first_token=first)
+        delta = RequestDelta(self.request_id, num_generated_tokens=num_generated, first_token=num_generated == 1)
         if self.is_sampling:
             self.next_token_ids = step.token_ids
             delta.new_token_ids = step.token_ids
@@ -113,34 +113,34 @@ class Request:
             self.kv.reorder(step.parent_indices)  # free -> fork; copy-on-write when the next step appends
             self.next_token_ids = step.token_ids
             self._stop_beams()
-        delta.num_generated_tokens = self.decoder.num_generated_tokens
         if self.decoder.done:
             self.kv.free()
             self.outputs = self._completions()
-            if self.is_sampling:
-                delta.new_text += self._text[self._num_sent_chars:]
-                self._num_sent_chars = len(self._text)
             delta.finished = True
             delta.output = self.output()
         return delta
 
     def _stream_text(self, delta: RequestDelta) -> None:
+        """Append this step's text; send what no stop string can still claim.
+
+        A stop string can only start in the unsent text: what was sent never ended in the start of
+        one (`held_back_chars`), so each step searches the unsent text alone, whose length is
+        bounded by the longest stop string plus the step's new characters."""
         if self._detokenizer is None:
             return
-        start = len(self._text)
-        self._text += self._detokenizer.add(delta.new_token_ids)
+        self._unsent += self._detokenizer.add(delta.new_token_ids)
         if self.decoder.done:  # the last token: whatever the detokenizer still holds (a cut character)
-            self._text += self._detokenizer.flush()
+            self._unsent += self._detokenizer.flush()
         stops = self.params.stop
-        cut = stop_string_cut(self._text, stops, start)
+        cut = stop_string_cut(self._unsent, stops)
         if cut is not None:
-            self._text = self._text[:cut]
+            self._unsent = self._unsent[:cut]
             self.decoder.stop()
-        if not self.decoder.done:
-            safe_end = len(self._text) - held_back_chars(self._text, stops)
-            if safe_end > self._num_sent_chars:
-                delta.new_text = self._text[self._num_sent_chars:safe_end]
-                self._num_sent_chars = safe_end
+        safe_end = len(self._unsent) if self.decoder.done else len(self._unsent) - held_back_chars(self._unsent, stops)
+        if safe_end:
+            delta.new_text = self._unsent[:safe_end]
+            self._sent.append(delta.new_text)
+            self._unsent = self._unsent[safe_end:]
 
     def _stop_beams(self) -> None:
         """Finish the live beams whose text now holds a stop string, and release their blocks."""
@@ -165,7 +165,7 @@ class Request:
     def _completions(self) -> list[CompletionOutput]:
         decoder = self.decoder
         if isinstance(decoder, SamplingDecoder):
-            return [CompletionOutput(0, self._text, list(decoder.token_ids), decoder.cumulative_logprob,
+            return [CompletionOutput(0, "".join(self._sent), list(decoder.token_ids), decoder.cumulative_logprob,
                                      decoder.finish_reason)]
         completions = []
         for index, hyp in enumerate(decoder.finalize()):
