@@ -150,7 +150,8 @@ def _print_beams(output, beam_width: int) -> None:
 
 
 def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from widebeam.model.arch import BUILTIN_CONFIGS, ConfigError, load_arch
+    from widebeam.model.arch import BUILTIN_CONFIGS, ConfigError
+    from widebeam.model.families import load_arch
     from widebeam.plan import PlanError, PlanInputs, plan
 
     if args.list_models:

@@ -14,8 +14,8 @@ import torch
 
 from widebeam.errors import InvalidParameterError, RequestTooLargeError
 from widebeam.kv.spec import CrossAttentionSpec, FullAttentionSpec
-from widebeam.model.arch import load_arch
 from widebeam.model.cross_attention import CrossAttentionMetadata, cross_attention, cross_attention_reference
+from widebeam.model.families import load_arch
 from widebeam.params import BeamSearchParams, SamplingParams
 from widebeam.plan import PlanInputs, plan
 

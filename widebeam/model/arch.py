@@ -6,9 +6,7 @@ large models, so `widebeam plan` works without downloading anything.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from widebeam.kv.spec import CrossAttentionSpec, FullAttentionSpec, PoolSpec, SlidingWindowSpec, dtype_bytes
 
@@ -120,14 +118,6 @@ class ModelArch:
     def is_encoder_decoder(self) -> bool:
         return self.num_encoder_layers > 0
 
-    @classmethod
-    def from_hf_config(cls, config: dict, name: str = "model") -> ModelArch:
-        """The architecture of a Hugging Face config, through its family's parse (kept for callers
-        that need only the architecture)."""
-        from widebeam.model.families import parse_config
-
-        return parse_config(config, name=name).arch
-
     @property
     def num_params(self) -> int:
         """Parameter count of a gated-MLP decoder with this shape (norm weights included)."""
@@ -188,36 +178,3 @@ class ModelArch:
             # every decoder layer attends the encoder output through its own K/V projections
             specs.append(CrossAttentionSpec(name=CROSS_POOL, num_layers=self.num_layers, **common))
         return specs
-
-
-def load_arch(model: str) -> ModelArch:
-    """A built-in name, a `config.json` path, or a directory holding one."""
-    from widebeam.model.families import parse_config
-
-    if model in BUILTIN_CONFIGS:
-        config = BUILTIN_CONFIGS[model]
-    else:
-        config = _read_config(model)
-    try:
-        return parse_config(config, name=str(model)).arch
-    except UnsupportedModelError as exc:
-        # a plan for a model the engine cannot run is refused the same way a bad config is
-        raise ConfigError(str(exc)) from None
-
-
-def _read_config(model: str) -> dict:
-    path = Path(model)
-    if path.is_dir():
-        path = path / "config.json"
-    if path.suffix != ".json" or not path.exists():
-        raise ConfigError(
-            f"unknown model {model!r}: use one of {', '.join(BUILTIN_CONFIGS)}, "
-            "a Hugging Face model directory, or a config.json path"
-        )
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"cannot read model config {str(path)!r}: {exc}") from None
-    if not isinstance(config, dict):
-        raise ConfigError(f"model config {str(path)!r} is not a JSON object")
-    return config

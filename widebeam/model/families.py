@@ -13,12 +13,14 @@ decoder in decoder.py covers pre-norm RoPE decoders), and add a row here.
 from __future__ import annotations
 
 import importlib
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from widebeam.model import family_configs as fc
-from widebeam.model.arch import ConfigError, ModelArch, UnsupportedModelError
+from widebeam.model.arch import BUILTIN_CONFIGS, ConfigError, ModelArch, UnsupportedModelError
 
 
 @dataclass(frozen=True)
@@ -172,3 +174,34 @@ def generation_settings(config: dict, generation_config: dict) -> GenerationSett
     forced_eos = (generation_config if generation_config else config).get("forced_eos_token_id")
     return GenerationSettings(int(start), suppress, forced_eos if isinstance(forced_eos, int) else None,
                               frozenset(eos))
+
+
+def load_arch(model: str) -> ModelArch:
+    """A built-in name, a `config.json` path, or a directory holding one."""
+    if model in BUILTIN_CONFIGS:
+        config = BUILTIN_CONFIGS[model]
+    else:
+        config = _read_config(model)
+    try:
+        return parse_config(config, name=str(model)).arch
+    except UnsupportedModelError as exc:
+        # a plan for a model the engine cannot run is refused the same way a bad config is
+        raise ConfigError(str(exc)) from None
+
+
+def _read_config(model: str) -> dict:
+    path = Path(model)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.suffix != ".json" or not path.exists():
+        raise ConfigError(
+            f"unknown model {model!r}: use one of {', '.join(BUILTIN_CONFIGS)}, "
+            "a Hugging Face model directory, or a config.json path"
+        )
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"cannot read model config {str(path)!r}: {exc}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"model config {str(path)!r} is not a JSON object")
+    return config

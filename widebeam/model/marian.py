@@ -26,6 +26,7 @@ from torch.nn import functional as F
 from widebeam.model.arch import CROSS_POOL, ModelArch
 from widebeam.model.attention import AttentionMetadata, write_kv
 from widebeam.model.cross_attention import CrossAttentionMetadata, cross_attention
+from widebeam.model.families import parse_config
 from widebeam.model.layers import UnsupportedModelError
 from widebeam.model.paged_attention import PagedAttention
 from widebeam.model.weights import copy_checkpoint
@@ -60,7 +61,7 @@ class MarianConfig:
         activation = str(config.get("activation_function", "gelu"))
         if activation not in ACTIVATIONS:
             raise UnsupportedModelError(f"activation {activation!r} is not supported; supported: {sorted(ACTIVATIONS)}")
-        arch = ModelArch.from_hf_config(config, name=str(config.get("_name_or_path") or "marian"))
+        arch = parse_config(config, name=str(config.get("_name_or_path") or "marian")).arch
         start = config.get("decoder_start_token_id")
         return cls(
             arch=arch,

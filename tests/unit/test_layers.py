@@ -1,0 +1,103 @@
+"""The layering of docs/architecture.md, checked on the source: no import cycles between widebeam's
+modules (imports inside functions count; `if TYPE_CHECKING:` blocks do not), and each layer imports
+only the layers below it."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import widebeam
+
+ROOT = Path(widebeam.__file__).parent
+
+# A module's layer is the first prefix that matches; lower numbers are lower layers.
+LAYERS = [
+    ("widebeam.errors", 0), ("widebeam.units", 0), ("widebeam.defaults", 0), ("widebeam.params", 0),
+    ("widebeam.outputs", 0), ("widebeam.argtypes", 0), ("widebeam.memstats", 0),
+    ("widebeam.kv", 1),
+    ("widebeam.model", 2), ("widebeam.decoding", 2), ("widebeam.beam", 2), ("widebeam.sampling", 2),
+    ("widebeam.detokenizer", 2),
+    ("widebeam.sched", 3),
+    ("widebeam.activation", 4), ("widebeam.config", 4), ("widebeam.worker", 4), ("widebeam.request", 4),
+    ("widebeam.engine", 4), ("widebeam.plan", 4),
+    ("widebeam.cli", 5), ("widebeam.__main__", 5), ("widebeam.bench", 5), ("widebeam.server", 5),
+]
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer(module: str) -> int:
+    for prefix, number in LAYERS:
+        if module == prefix or module.startswith(prefix + "."):
+            return number
+    raise AssertionError(f"{module} is in no layer of docs/architecture.md")
+
+
+def imports(path: Path) -> set[str]:
+    """widebeam modules imported anywhere in the file but under `if TYPE_CHECKING:` or in a module's
+    lazy `__getattr__` (a package's front door, which imports on first attribute access only)."""
+    tree = ast.parse(path.read_text())
+    skipped = {id(node) for block in ast.walk(tree)
+               if (isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test))
+               or (isinstance(block, ast.FunctionDef) and block.name == "__getattr__")
+               for node in ast.walk(block)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return {name for name in found if name.startswith("widebeam")}
+
+
+def graph() -> dict[str, set[str]]:
+    modules = {module_name(path): path for path in ROOT.rglob("*.py")}
+    edges = {}
+    for name, path in modules.items():
+        # "from widebeam.kv import cache" names a module; "from widebeam.kv.cache import KVCache" a symbol
+        edges[name] = {target for target in imports(path) if target in modules and target != name}
+    return edges
+
+
+def test_no_import_cycles():
+    edges = graph()
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for target in sorted(edges[node]):
+            if state.get(target) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(target):] + [target]))
+            if target not in state:
+                visit(target)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node)
+
+
+def test_layers_import_downward_only():
+    wrong = []
+    for module, targets in graph().items():
+        if module == "widebeam":
+            continue
+        for target in targets:
+            if target != "widebeam" and layer(target) > layer(module):
+                wrong.append(f"{module} (layer {layer(module)}) imports {target} (layer {layer(target)})")
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_kv_knows_nothing_of_torch():
+    for path in (ROOT / "kv").glob("*.py"):
+        assert not any(name in path.read_text() for name in ("import torch", "from torch")), path
