@@ -6,7 +6,8 @@ A real step of a tiny model through `ModelRunner`: beams of one request sharing 
 blocks, a loose decoding sequence and a prefill chunk in one batch, over a full-attention pool and
 a sliding-window pool whose released blocks are -1 in the tables (Gemma 3), and over a self pool
 and a cross pool (Marian). A `TorchFunctionMode` counts every call that reads a tensor's value back
-to the host while the model's `forward` runs (after the runner built the metadata).
+to the host while the model's `forward` runs (after the runner built the metadata), and every
+tensor built from host values inside a `PagedAttention` layer (an index rebuilt per layer).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from tiny_models import save_tiny_marian, save_tiny_model
 from torch.overrides import TorchFunctionMode
 
 from widebeam.model.loader import resolve_model
+from widebeam.model.paged_attention import PagedAttention
 from widebeam.model.registry import load_model
 from widebeam.model.runner import ModelRunner, SequenceInput
 
@@ -27,6 +29,8 @@ WINDOW = 8
 # Calls that copy a tensor's value to the host (or need it there to know an output's shape).
 HOST_READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "__complex__", "nonzero",
               "argwhere", "masked_select", "unique", "unique_consecutive", "numpy", "cpu", "equal", "allclose"}
+# Tensors made from host values: an index tensor built inside a layer (the runner builds them).
+FACTORIES = {"tensor", "as_tensor", "asarray", "from_numpy", "arange", "range", "linspace", "full", "ones", "zeros"}
 
 
 class HostReadCounter(TorchFunctionMode):
@@ -35,15 +39,22 @@ class HostReadCounter(TorchFunctionMode):
     def __init__(self):
         super().__init__()
         self.reads: list[str] = []
+        self.built_in_attention: list[str] = []
+        self.attention_depth = 0  # > 0 inside a PagedAttention layer
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", str(func))
         if name in HOST_READS or self._needs_host_value(name, args, kwargs):
-            frames = [f for f in traceback.extract_stack()[:-1] if "widebeam" in f.filename]
-            where = f"{frames[-1].filename.split('widebeam/')[-1]}:{frames[-1].lineno}" if frames else "?"
-            self.reads.append(f"{name} at {where}")
+            self.reads.append(f"{name} at {self._where()}")
+        if self.attention_depth and name in FACTORIES:
+            self.built_in_attention.append(f"{name} at {self._where()}")
         return func(*args, **kwargs)
+
+    @staticmethod
+    def _where() -> str:
+        frames = [f for f in traceback.extract_stack()[:-2] if "widebeam" in f.filename]
+        return f"{frames[-1].filename.split('widebeam/')[-1]}:{frames[-1].lineno}" if frames else "?"
 
     @staticmethod
     def _needs_host_value(name: str, args, kwargs) -> bool:
@@ -55,8 +66,8 @@ class HostReadCounter(TorchFunctionMode):
         return False
 
 
-def count_forward_host_reads(runner: ModelRunner, seqs: list[SequenceInput]) -> tuple[list[str], torch.Tensor]:
-    """Run one step; the host reads made inside `model.forward` only."""
+def count_forward_host_reads(runner: ModelRunner, seqs: list[SequenceInput]) -> tuple[HostReadCounter, torch.Tensor]:
+    """Run one step; count what happens inside `model.forward` only."""
     model = runner.model
     counter = HostReadCounter()
     inner = type(model).forward
@@ -65,12 +76,23 @@ def count_forward_host_reads(runner: ModelRunner, seqs: list[SequenceInput]) -> 
         with counter:
             return inner(model, *args, **kwargs)
 
+    def enter(*_):
+        counter.attention_depth += 1
+
+    def leave(*_):
+        counter.attention_depth -= 1
+
+    layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
+    assert layers, "the model's attention does not go through PagedAttention"
+    hooks = [h for m in layers for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
     model.forward = counted_forward
     try:
         logits = runner.execute(seqs)
     finally:
         del model.forward
-    return counter.reads, logits
+        for hook in hooks:
+            hook.remove()
+    return counter, logits
 
 
 class Tables:
@@ -161,8 +183,9 @@ def test_decode_step_makes_no_host_reads_in_the_forward(tiny_gemma3, backend):
     runner = runner_for(tiny_gemma3, backend)
     assert set(runner.kv_tensors) == {"self", f"sliding_{WINDOW}"}
     step = mixed_step(runner, list(runner.kv_tensors))
-    reads, logits = count_forward_host_reads(runner, step)
-    assert reads == [], f"{len(reads)} host reads in the forward: {reads[:6]}"
+    counter, logits = count_forward_host_reads(runner, step)
+    assert counter.reads == [], f"{len(counter.reads)} host reads in the forward: {counter.reads[:6]}"
+    assert counter.built_in_attention == [], f"tensors built in attention layers: {counter.built_in_attention[:6]}"
     assert logits.shape == (len(step), tiny_gemma3.arch.vocab_size) and torch.isfinite(logits).all()
 
 
@@ -173,13 +196,14 @@ def test_encoder_decoder_step_makes_no_host_reads_in_the_forward(tiny_marian, ba
     runner.encode([source], [list(range(len(source)))])  # cross blocks 0..2
     cross = {"cross_block_table": [0, 1, 2], "num_encoder_tokens": len(source)}
     step = mixed_step(runner, ["self"], cross)
-    reads, logits = count_forward_host_reads(runner, step)
-    assert reads == [], f"{len(reads)} host reads in the forward: {reads[:6]}"
+    counter, logits = count_forward_host_reads(runner, step)
+    assert counter.reads == [], f"{len(counter.reads)} host reads in the forward: {counter.reads[:6]}"
+    assert counter.built_in_attention == [], f"tensors built in attention layers: {counter.built_in_attention[:6]}"
     assert torch.isfinite(logits).all()
 
 
 def test_the_counter_sees_a_per_layer_read(tiny_gemma3):
-    """The counter itself: a `.tolist()` slipped into every attention layer is seen, once per layer."""
+    """The counter itself: a host read and an index built in every attention layer are both seen."""
     runner = runner_for(tiny_gemma3, None)
     step = mixed_step(runner, list(runner.kv_tensors))
     original = torch.nn.functional.scaled_dot_product_attention
@@ -187,9 +211,11 @@ def test_the_counter_sees_a_per_layer_read(tiny_gemma3):
     def syncing_sdpa(*args, **kwargs):
         out = original(*args, **kwargs)
         out.sum().item()
+        torch.arange(3)
         return out
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch.nn.functional, "scaled_dot_product_attention", syncing_sdpa)
-        reads, _ = count_forward_host_reads(runner, step)
-    assert reads and all(r.startswith("item") for r in reads)
+        counter, _ = count_forward_host_reads(runner, step)
+    assert counter.reads and all(r.startswith("item") for r in counter.reads)
+    assert counter.built_in_attention and all(r.startswith("arange") for r in counter.built_in_attention)
