@@ -22,6 +22,8 @@ class ModelConfig:
     model: str = DEFAULT_MODEL  # alias, Hugging Face directory or .gguf file
     dtype: str = "float32"
     device: str | None = None  # None: cuda when available, else cpu
+    # None: $WIDEBEAM_ATTENTION_BACKEND, else "sdpa" (model/attention_backends.py); chosen once
+    attention_backend: str | None = None
 
 
 @dataclass(frozen=True)
@@ -62,11 +64,12 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, model: str = DEFAULT_MODEL, *, dtype: str = "float32", device: str | None = None,
+                    attention_backend: str | None = None,
                     kv_cache_memory: int | str | None = None, kv_cache_fraction: float = DEFAULT_KV_CACHE_FRACTION,
                     tokens_per_block: int = DEFAULT_TOKENS_PER_BLOCK, max_seq_len: int | None = None,
                     max_beam_width: int = DEFAULT_MAX_BEAM_WIDTH,
                     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS) -> EngineConfig:
         """The flat keyword arguments `LLMEngine` and `LLM` take, grouped."""
-        return cls(ModelConfig(model, dtype, device),
+        return cls(ModelConfig(model, dtype, device, attention_backend),
                    CacheConfig(kv_cache_memory, kv_cache_fraction, tokens_per_block),
                    SchedulerConfig(max_num_batched_tokens, max_beam_width, max_seq_len))

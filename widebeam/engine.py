@@ -61,8 +61,9 @@ def available_memory_bytes(device: torch.device) -> int:
 
 class LLMEngine:
     def __init__(self, model: str = DEFAULT_MODEL, **kwargs):
-        """`kwargs`: the settings of `EngineConfig.from_kwargs` (dtype, device, kv_cache_memory,
-        kv_cache_fraction, tokens_per_block, max_seq_len, max_beam_width, max_num_batched_tokens)."""
+        """`kwargs`: the settings of `EngineConfig.from_kwargs` (dtype, device, attention_backend,
+        kv_cache_memory, kv_cache_fraction, tokens_per_block, max_seq_len, max_beam_width,
+        max_num_batched_tokens)."""
         self.config = config = EngineConfig.from_kwargs(model, **kwargs)
         cache_config, sched_config = config.cache, config.scheduler
         self.max_beam_width = sched_config.max_beam_width
@@ -106,7 +107,7 @@ class LLMEngine:
             self.max_seq_len, format_bytes(self.activation_peak_bytes), self.device,
         )
         for worker in self.workers:
-            worker.start(sizing.blocks_per_pool, t, self.device)
+            worker.start(sizing.blocks_per_pool, t, self.device, config.model.attention_backend)
         generation = self._generation_settings()
         self.eos_token_ids = generation.eos_token_ids
         self.decoder_start_token_id = generation.decoder_start_token_id

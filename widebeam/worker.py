@@ -31,10 +31,12 @@ class Worker:
             self.specs.append(_renamed(spec, scoped))
         self.runner: ModelRunner | None = None
 
-    def start(self, blocks_per_pool: dict[str, int], tokens_per_block: int, device: torch.device) -> None:
+    def start(self, blocks_per_pool: dict[str, int], tokens_per_block: int, device: torch.device,
+              attention_backend: str | None = None) -> None:
         """Allocate the K/V tensors for the blocks sizing gave this worker's pools."""
         local_blocks = {local: blocks_per_pool[scoped] for local, scoped in self.pool_names.items()}
-        self.runner = ModelRunner(self.model, local_blocks, tokens_per_block, device, self.model.lm_head.weight.dtype)
+        self.runner = ModelRunner(self.model, local_blocks, tokens_per_block, device, self.model.lm_head.weight.dtype,
+                                  attention_backend)
 
     def copy_blocks(self, copies_by_pool: dict[str, list[tuple[int, int]]]) -> None:
         for local, scoped in self.pool_names.items():

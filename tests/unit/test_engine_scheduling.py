@@ -201,3 +201,16 @@ def test_default_sizing_runs_the_warm_up_and_stays_modest_on_cpu(tiny_llama_dir)
     assert 0 < pool["total_blocks"] * BYTES_PER_BLOCK <= DEFAULT_CPU_KV_CACHE_BYTES
     assert llm.engine.activation_peak_bytes >= 0
     assert llm.max_seq_len == 512  # the model's limit: the pool holds far more tokens
+
+
+def test_attention_backend_is_chosen_once_for_the_engine(tiny_llama_dir):
+    """The plain-PyTorch reference and the fast default give the same beams through the engine; an
+    unknown name is refused at start-up, naming the ones there are."""
+    params = BeamSearchParams(beam_width=6, max_new_tokens=10, ignore_eos=True)
+    outs = {name: make_llm(tiny_llama_dir, 200, attention_backend=name).generate(ids(list(range(3, 40))), params)[0]
+            for name in ("reference", "sdpa")}
+    for ref, fast in zip(outs["reference"].outputs, outs["sdpa"].outputs, strict=True):
+        assert ref.token_ids == fast.token_ids
+        assert ref.score == pytest.approx(fast.score, abs=1e-4)
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'.*reference"):
+        make_llm(tiny_llama_dir, 200, attention_backend="flash")
