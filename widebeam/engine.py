@@ -17,7 +17,6 @@ from dataclasses import replace
 
 import torch
 
-from widebeam.activation import estimate_activation_peak_bytes
 from widebeam.config import EngineConfig
 from widebeam.decoding.decoders import BeamDecoder, SamplingDecoder, StepScores
 from widebeam.decoding.processors import BanUntilMinTokens, ForceEOSAtEnd, SuppressTokens
@@ -25,6 +24,7 @@ from widebeam.defaults import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_MODEL
 from widebeam.errors import InvalidParameterError
 from widebeam.kv.cache import KVCache
 from widebeam.kv.sizing import size_pools
+from widebeam.model.activation import estimate_activation_peak_bytes
 from widebeam.model.families import GenerationSettings, generation_settings
 from widebeam.model.loader import load_config, resolve_model
 from widebeam.model.registry import load_model, load_tokenizer

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from widebeam.activation import estimate_activation_peak_bytes
 from widebeam.defaults import (
     DEFAULT_KV_CACHE_FRACTION,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -23,6 +22,7 @@ from widebeam.kv.budget import (
 )
 from widebeam.kv.cache import KVCache
 from widebeam.kv.sizing import size_pools
+from widebeam.model.activation import estimate_activation_peak_bytes
 from widebeam.model.arch import CROSS_POOL, ModelArch
 
 

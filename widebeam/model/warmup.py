@@ -9,17 +9,9 @@ import gc
 import torch
 
 from widebeam.memstats import reset_peak_rss, rss_bytes
+from widebeam.model.activation import estimate_activation_peak_bytes
 from widebeam.model.arch import CROSS_POOL
 from widebeam.model.runner import ModelRunner, SequenceInput
-
-
-def estimate_activation_peak_bytes(arch, max_num_batched_tokens: int, max_beam_width: int) -> int:
-    """The largest tensors of the same two steps, from the shapes alone (float32 upper bound):
-    hidden states and MLP intermediates of the chunk, its attention scores, and the decode step's
-    logits and log-probs."""
-    hidden = max_num_batched_tokens * (4 * arch.hidden_size + 3 * arch.intermediate_size) * 4
-    scores = arch.num_heads * max_num_batched_tokens**2 * 4
-    return hidden + scores + 2 * max_beam_width * arch.vocab_size * 4
 
 
 def measure_activation_peak_bytes(model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
@@ -70,7 +62,7 @@ def measure_activation_peak_bytes(model: torch.nn.Module, device: torch.device, 
         if high is not None and base is not None:
             peak = max(high - base, 0)
         else:
-            peak = estimate_activation_peak_bytes(model.arch, max_num_batched_tokens, max_beam_width)
+            peak = estimate_activation_peak_bytes(model.arch, max_num_batched_tokens, max_beam_width)  # float32 bound
     del runner
     gc.collect()
     if device.type == "cuda":

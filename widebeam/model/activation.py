@@ -1,7 +1,8 @@
 """The one activation estimate: memory the largest steps need beside the weights and the KV cache.
 
 Used by `widebeam plan` and by the engine when the user sizes the cache (`kv_cache_memory`); without
-that setting the engine measures the same two steps at warm-up instead (model/warmup.py). Torch-free.
+that setting the engine measures the same two steps at warm-up instead (warmup.py), and falls back
+to this where the host cannot reset its peak-memory counter. Torch-free.
 """
 
 from __future__ import annotations
