@@ -23,6 +23,7 @@ from pathlib import Path
 
 from widebeam import memstats
 from widebeam.argtypes import byte_size, int_at_least
+from widebeam.defaults import DEFAULT_MODEL, DEFAULT_TOKENS_PER_BLOCK
 from widebeam.memstats import rss_bytes
 from widebeam.units import format_bytes
 
@@ -32,7 +33,7 @@ DEFAULT_OUT = "benchmarks/results/beam_vs_hf.json"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2-135m-instruct",
+    parser.add_argument("--model", default=DEFAULT_MODEL,
                         help="alias or Hugging Face directory of a decoder-only model (default SmolLM2-135M)")
     parser.add_argument("--widths", type=int_at_least(1), nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--prompt-lens", type=int_at_least(1), nargs="+", default=[512])
@@ -45,8 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "transformers also copies it every step, so its peak is about twice that)")
     parser.add_argument("--kv-cache-memory", type=byte_size, default=byte_size("2GiB"),
                         help="widebeam's KV budget (default 2GiB)")
-    parser.add_argument("--tokens-per-block", type=int_at_least(1), default=16,
-                        help="KV block size T: smaller blocks share more of the beams' common tokens (default 16)")
+    parser.add_argument("--tokens-per-block", type=int_at_least(1), default=DEFAULT_TOKENS_PER_BLOCK,
+                        help="KV block size T: smaller blocks share more of the beams' common tokens "
+                             f"(default {DEFAULT_TOKENS_PER_BLOCK})")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int_at_least(1), default=2)
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"JSON path; the plot goes next to it (default {DEFAULT_OUT})")
