@@ -93,36 +93,27 @@ def tiny_marian_dir(tmp_path_factory):
     return path
 
 
+# Families added through the model-family table, each on tiny models with random norm weights (so a
+# skipped or misplaced norm changes the logits).
 # Qwen3: q/k RMS-normed per head. "bias": head_dim 32 (not hidden / heads), q/k/v/o biases, tied
 # embeddings. "sliding": layer 0 full, layers 1-2 in a window of 8 (use_sliding_window from
 # max_window_layers on), so the model has two pools.
-TINY_QWEN3 = {
-    "bias": {"head_dim": 32, "attention_bias": True, "tie_word_embeddings": True},
-    "sliding": {"num_hidden_layers": 3, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
-}
-
-
-@pytest.fixture(scope="session", params=sorted(TINY_QWEN3))
-def tiny_qwen3_dir(request, tmp_path_factory):
-    from tiny_models import save_tiny_model_with_norms
-
-    path = tmp_path_factory.mktemp(f"tiny-qwen3-{request.param}")
-    save_tiny_model_with_norms(path, "qwen3", **TINY_QWEN3[request.param])
-    return path
-
-
 # Phi-3: fused qkv_proj / gate_up_proj checkpoints. "w8-partial": every layer in a window of 8
 # (shorter than most prompts) and half of each head rotated; "full": no window, one KV head per query head.
-TINY_PHI3 = {
-    "w8-partial": {"sliding_window": 8, "partial_rotary_factor": 0.5},
-    "full": {"sliding_window": None, "num_key_value_heads": 4, "rope_theta": 500.0},
+TINY_FAMILIES = {
+    "qwen3-bias": ("qwen3", {"head_dim": 32, "attention_bias": True, "tie_word_embeddings": True}),
+    "qwen3-sliding": ("qwen3", {"num_hidden_layers": 3, "use_sliding_window": True, "sliding_window": 8,
+                                "max_window_layers": 1}),
+    "phi3-w8-partial": ("phi3", {"sliding_window": 8, "partial_rotary_factor": 0.5}),
+    "phi3-full": ("phi3", {"sliding_window": None, "num_key_value_heads": 4, "rope_theta": 500.0}),
 }
 
 
-@pytest.fixture(scope="session", params=sorted(TINY_PHI3))
-def tiny_phi3_dir(request, tmp_path_factory):
+@pytest.fixture(scope="session", params=sorted(TINY_FAMILIES))
+def tiny_family_dir(request, tmp_path_factory):
     from tiny_models import save_tiny_model_with_norms
 
-    path = tmp_path_factory.mktemp(f"tiny-phi3-{request.param}")
-    save_tiny_model_with_norms(path, "phi3", **TINY_PHI3[request.param])
+    model_type, overrides = TINY_FAMILIES[request.param]
+    path = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    save_tiny_model_with_norms(path, model_type, **overrides)
     return path

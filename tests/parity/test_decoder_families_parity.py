@@ -1,10 +1,9 @@
-"""widebeam's Phi-3 (the unified decoder, its fused qkv_proj / gate_up_proj checkpoint tensors split
-at load time) against transformers on tiny random models (float32): logits of prefill and decode,
-greedy tokens, beam sequences and scores.
+"""The families added through the model-family table against transformers on tiny random models
+(float32): logits of prefill and decode, greedy tokens, beam sequences and scores.
 
-Two models (`tiny_phi3_dir`): "w8-partial" (every layer in a window of 8, shorter than the prompts,
-so the only pool is sliding_8; half of each head rotated) and "full" (no window, as many KV heads as
-query heads, another RoPE base).
+Qwen3 (the unified decoder with per-head q/k RMSNorm before RoPE) and Phi-3 (its fused qkv_proj /
+gate_up_proj checkpoint tensors split at load time, partial rotary, a window on every layer), two
+tiny models each (`tiny_family_dir`, tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -35,12 +34,12 @@ BEAM_CASES = [
 
 
 @pytest.fixture(scope="module")
-def hf(tiny_phi3_dir):
-    return AutoModelForCausalLM.from_pretrained(str(tiny_phi3_dir), dtype=torch.float32).eval()
+def hf(tiny_family_dir):
+    return AutoModelForCausalLM.from_pretrained(str(tiny_family_dir), dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
-def llms(tiny_phi3_dir):
+def llms(tiny_family_dir):
     """Engines by tokens_per_block, shared by the generate tests; each test checks every block came back."""
     return {}
 
@@ -66,21 +65,31 @@ def assert_all_blocks_free(llm):
         assert stats["free_blocks"] == stats["total_blocks"], name
 
 
-def test_pools_follow_the_config(tiny_phi3_dir, llms):
-    config = json.loads((tiny_phi3_dir / "config.json").read_text())
-    engine = get_llm(llms, tiny_phi3_dir, 4).engine
-    window = config["sliding_window"]
-    expected = [f"sliding_{window}" if window else "self"] * config["num_hidden_layers"]
+def expected_pools(config: dict) -> list[str]:
+    """The pool of each layer, as transformers' modeling code applies windows."""
+    window = config.get("sliding_window")
+    if config["model_type"] == "phi3":  # a window, when set, on every layer
+        return [f"sliding_{window}" if window else "self"] * config["num_hidden_layers"]
+    return [f"sliding_{window}" if t == "sliding_attention" and config.get("use_sliding_window") else "self"
+            for t in config["layer_types"]]
+
+
+def test_pools_follow_the_config(tiny_family_dir, llms):
+    config = json.loads((tiny_family_dir / "config.json").read_text())
+    engine = get_llm(llms, tiny_family_dir, 4).engine
+    expected = expected_pools(config)
     assert engine.model.layer_pool_names == expected
     assert sorted(engine.cache.managers) == sorted(set(expected))
 
 
 @pytest.mark.parametrize("tokens_per_block", [1, 3])
-def test_prefill_and_decode_logits_match(tiny_phi3_dir, hf, tokens_per_block):
-    engine = LLM(str(tiny_phi3_dir), dtype="float32", device="cpu", tokens_per_block=tokens_per_block,
+def test_prefill_and_decode_logits_match(tiny_family_dir, hf, tokens_per_block):
+    engine = LLM(str(tiny_family_dir), dtype="float32", device="cpu", tokens_per_block=tokens_per_block,
                  kv_cache_memory="8MiB", max_num_batched_tokens=128).engine
     num_decode = 10  # the shortest prompt passes the window while decoding
-    assert engine.model.model.layers[0].self_attn.q_proj.weight.shape[0] == 64  # split from qkv_proj
+    # Phi-3's qkv_proj was split into q_proj / k_proj / v_proj at load time
+    assert engine.model.model.layers[0].self_attn.q_proj.weight.shape[0] == hf.config.num_attention_heads * (
+        getattr(hf.config, "head_dim", None) or hf.config.hidden_size // hf.config.num_attention_heads)
     decoded = [[(7 * step + 3 * i) % 120 + 3 for step in range(num_decode)] for i in range(len(PROMPTS))]
     with torch.no_grad():
         expected = [hf(torch.tensor([p + d])).logits[0] for p, d in zip(PROMPTS, decoded)]
@@ -97,8 +106,8 @@ def test_prefill_and_decode_logits_match(tiny_phi3_dir, hf, tokens_per_block):
             torch.testing.assert_close(row, exp[len(prompt) + step], atol=1e-4, rtol=1e-4)
 
 
-def test_greedy_generation_matches_transformers(tiny_phi3_dir, hf, llms):
-    llm = get_llm(llms, tiny_phi3_dir, 4)
+def test_greedy_generation_matches_transformers(tiny_family_dir, hf, llms):
+    llm = get_llm(llms, tiny_family_dir, 4)
     params = SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     for prompt, output in zip(PROMPTS, outputs):
@@ -114,9 +123,9 @@ def test_greedy_generation_matches_transformers(tiny_phi3_dir, hf, llms):
 
 @pytest.mark.parametrize("beam_width, tokens_per_block, length_penalty, early_stopping, num_return, min_new",
                          BEAM_CASES)
-def test_beam_search_matches_transformers(tiny_phi3_dir, hf, llms, beam_width, tokens_per_block, length_penalty,
+def test_beam_search_matches_transformers(tiny_family_dir, hf, llms, beam_width, tokens_per_block, length_penalty,
                                           early_stopping, num_return, min_new):
-    llm = get_llm(llms, tiny_phi3_dir, tokens_per_block)
+    llm = get_llm(llms, tiny_family_dir, tokens_per_block)
     max_new_tokens = 12
     params = BeamSearchParams(beam_width=beam_width, max_new_tokens=max_new_tokens, length_penalty=length_penalty,
                               early_stopping=early_stopping, num_return_sequences=num_return,
