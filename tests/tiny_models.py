@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 
-def save_tiny_model(path, model_type: str = "llama", **overrides):
+def save_tiny_model(path, model_type: str = "llama", random_norms: bool = False, **overrides):
     """Build a tiny random model of a family transformers ships, save it as safetensors, return it."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -27,6 +27,8 @@ def save_tiny_model(path, model_type: str = "llama", **overrides):
         for name, param in model.named_parameters():
             if "norm" not in name:
                 param.normal_(0, 0.2)
+            elif random_norms:
+                param.uniform_(0.5, 1.5)
     model.save_pretrained(str(path), safe_serialization=True)
     return model
 
@@ -106,22 +108,4 @@ def save_tiny_model_with_norms(path, model_type: str, **overrides):
     """`save_tiny_model`, but the RMSNorm weights (q_norm and k_norm included) are random around 1
     too, so a model that skips or misplaces a norm, or loads it into the wrong slot, gets different
     logits. Returns the transformers model."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    base = {
-        "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
-        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "tie_word_embeddings": False,
-    }
-    base.update(overrides)
-    config = AutoConfig.for_model(model_type, **base)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)
-            else:
-                param.normal_(0, 0.2)
-    model.save_pretrained(str(path), safe_serialization=True)
-    return model
+    return save_tiny_model(path, model_type, random_norms=True, **overrides)

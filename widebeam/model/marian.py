@@ -15,7 +15,6 @@ Module and parameter names follow the Hugging Face checkpoint, so its safetensor
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,8 +25,6 @@ from torch.nn import functional as F
 from widebeam.model.arch import CROSS_POOL, ModelArch
 from widebeam.model.attention import AttentionMetadata, write_kv
 from widebeam.model.cross_attention import CrossAttentionMetadata, cross_attention
-from widebeam.model.families import parse_config
-from widebeam.model.layers import UnsupportedModelError
 from widebeam.model.paged_attention import PagedAttention
 from widebeam.model.weights import copy_checkpoint
 
@@ -49,27 +46,6 @@ class MarianConfig:
     activation: str
     embed_scale: float
     decoder_start_token_id: int
-
-    @classmethod
-    def from_hf_config(cls, config: dict) -> MarianConfig:
-        if config.get("model_type") not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedModelError(f"model type {config.get('model_type')!r} is not Marian")
-        if not config.get("share_encoder_decoder_embeddings", True):
-            raise UnsupportedModelError("Marian with separate encoder and decoder embeddings is not supported")
-        if not config.get("static_position_embeddings", True) or config.get("normalize_before", False):
-            raise UnsupportedModelError("only the opus-mt Marian layout (static positions, post-norm) is supported")
-        activation = str(config.get("activation_function", "gelu"))
-        if activation not in ACTIVATIONS:
-            raise UnsupportedModelError(f"activation {activation!r} is not supported; supported: {sorted(ACTIVATIONS)}")
-        arch = parse_config(config, name=str(config.get("_name_or_path") or "marian")).arch
-        start = config.get("decoder_start_token_id")
-        return cls(
-            arch=arch,
-            encoder_heads=int(config.get("encoder_attention_heads", arch.num_heads)),
-            activation=activation,
-            embed_scale=math.sqrt(arch.hidden_size) if config.get("scale_embedding", False) else 1.0,
-            decoder_start_token_id=int(start if start is not None else config["pad_token_id"]),
-        )
 
 
 def sinusoidal_table(num_positions: int, dim: int) -> torch.Tensor:
