@@ -28,8 +28,6 @@ from widebeam.model.cross_attention import CrossAttentionMetadata, cross_attenti
 from widebeam.model.paged_attention import PagedAttention
 from widebeam.model.weights import copy_checkpoint
 
-SUPPORTED_MODEL_TYPES = ("marian",)
-
 ACTIVATIONS = {"swish": F.silu, "silu": F.silu, "gelu": F.gelu, "relu": F.relu,
                "gelu_new": lambda x: F.gelu(x, approximate="tanh")}
 
