@@ -37,6 +37,10 @@ class RequestDelta:
     `new_text` is the final text). Beam requests report `num_generated_tokens` only: their beams are
     reordered every step, so their text is final only at the end. `first_token` is True on the step
     that produced the request's first generated token; `output` is set on the step it finished.
+
+    A request whose own processing failed in the step (a logits processor, sampling, the beam step,
+    stop handling, detokenization) is aborted alone, its blocks freed: its delta has `finished` set,
+    `error` saying what failed, and no `output`. The other requests of the step go on.
     """
 
     request_id: str
@@ -46,3 +50,4 @@ class RequestDelta:
     first_token: bool = False
     finished: bool = False
     output: RequestOutput | None = None
+    error: str | None = None
