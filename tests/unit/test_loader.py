@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -245,3 +246,100 @@ def test_smollm2_conversion_is_numerically_right(smollm2):
     with torch.no_grad():
         loss_nats_per_token = model(ids, labels=ids).loss.item()
     assert loss_nats_per_token < 2.3
+
+
+# -- checkpoints that are not safetensors, or cannot be read: one clear error, never a pickle load ------
+def _never_unpickle(monkeypatch):
+    import pickle
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the loader must never unpickle")
+
+    monkeypatch.setattr(torch, "load", refuse)
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "loads", refuse)
+
+
+def _index(model_dir: Path, files: list[str]) -> None:
+    weight_map = {f"tensor.{i}": name for i, name in enumerate(files)}
+    (model_dir / loader._SHARD_INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+@pytest.mark.parametrize("keep_safetensors", [True, False], ids=["beside-safetensors", "index-only"])
+def test_shard_index_naming_a_pickle_is_refused_by_name(tmp_path, monkeypatch, tiny_llama, keep_safetensors):
+    model_dir = tmp_path / "indexed-pickle"
+    tiny_llama.save_pretrained(model_dir, safe_serialization=True)
+    if not keep_safetensors:
+        (model_dir / "model.safetensors").unlink()
+    torch.save({"w": torch.zeros(2)}, model_dir / "pytorch_model.bin")
+    _index(model_dir, ["pytorch_model.bin"])
+    _never_unpickle(monkeypatch)
+
+    with pytest.raises(loader.ModelFormatError) as excinfo:
+        loader.resolve_model(str(model_dir))
+    message = str(excinfo.value)
+    assert "pytorch_model.bin" in message and "pickle" in message and "\n" not in message
+    with pytest.raises(loader.ModelFormatError):  # the loader refuses too, given the directory some other way
+        loader.load_state_dict(loader.ModelSource("x", model_dir, has_tokenizer=False))
+
+
+@pytest.mark.parametrize("case", ["not-json", "no-weight-map", "missing-shard", "outside-dir", "not-safetensors",
+                                  "corrupt-shard", "corrupt-single", "config-not-json"])
+def test_unreadable_checkpoints_give_one_line_errors(tmp_path, monkeypatch, tiny_llama, case):
+    model_dir = tmp_path / case
+    tiny_llama.save_pretrained(model_dir, safe_serialization=True)
+    index = model_dir / loader._SHARD_INDEX
+    if case == "not-json":
+        index.write_text("{ not json")
+    elif case == "no-weight-map":
+        index.write_text(json.dumps({"metadata": {}}))
+    elif case == "missing-shard":
+        _index(model_dir, ["model-00001-of-00002.safetensors"])
+    elif case == "outside-dir":
+        _index(model_dir, ["../elsewhere.safetensors"])
+    elif case == "not-safetensors":
+        (model_dir / "weights.npz").write_bytes(b"PK")
+        _index(model_dir, ["weights.npz"])
+    elif case == "corrupt-shard":
+        (model_dir / "model-1.safetensors").write_bytes(b"\x80\x04garbage that is no safetensors header")
+        _index(model_dir, ["model-1.safetensors"])
+    elif case == "corrupt-single":
+        (model_dir / "model.safetensors").write_bytes(b"\xff" * 64)
+    elif case == "config-not-json":
+        (model_dir / "config.json").write_text("model_type: llama")
+    _never_unpickle(monkeypatch)
+
+    with pytest.raises(WidebeamError) as excinfo:
+        source = loader.resolve_model(str(model_dir))
+        loader.load_config(source)
+        loader.load_state_dict(source)
+    assert isinstance(excinfo.value, (loader.ModelFormatError, loader.ModelNotFoundError))
+    message = str(excinfo.value)
+    assert "\n" not in message and str(model_dir) in message
+
+
+def test_gguf_the_reader_cannot_parse_is_a_format_error(tmp_path):
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(b"GGUF\x03\x00\x00\x00" + bytes(10))
+    with pytest.raises(loader.ModelFormatError) as excinfo:
+        loader.resolve_model(str(truncated))
+    assert "cannot be converted from GGUF" in str(excinfo.value) and "\n" not in str(excinfo.value)
+    assert list((tmp_path / "cache" / "gguf").iterdir()) == []
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_cli_prints_one_line_for_a_pickle_index(tmp_path, tiny_llama, command):
+    import subprocess
+
+    model_dir = tmp_path / "indexed-pickle"
+    tiny_llama.save_pretrained(model_dir, safe_serialization=True)
+    torch.save({"w": torch.zeros(2)}, model_dir / "pytorch_model.bin")
+    _index(model_dir, ["pytorch_model.bin"])
+    args = ["hi"] if command == "generate" else ["--port", "0"]
+    result = subprocess.run([sys.executable, "-m", "widebeam", command, "--model", str(model_dir), *args],
+                            check=False, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "pytorch_model.bin" in lines[0] and "pickle" in lines[0]

@@ -105,7 +105,11 @@ def resolve_model(model: str, cache_dir: str | os.PathLike | None = None) -> Mod
 
 def load_config(source: ModelSource | str | os.PathLike) -> dict:
     """config.json of a model, as a dict. `source` is a ModelSource or anything resolve_model takes."""
-    return json.loads((_directory_of(source) / "config.json").read_text(encoding="utf-8"))
+    path = _directory_of(source) / "config.json"
+    config = _read_json(path)
+    if not isinstance(config, dict):
+        raise ModelFormatError(f"{path} holds a JSON {type(config).__name__}, not an object")
+    return config
 
 
 def load_state_dict(
@@ -119,21 +123,65 @@ def load_state_dict(
     """
     from safetensors.torch import load_file
 
-    directory = _directory_of(source)
-    index = directory / _SHARD_INDEX
-    if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        files = [directory / name for name in sorted(set(weight_map.values()))]
-    else:
-        files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise ModelNotFoundError(f"no *.safetensors files in {directory}")
     state: dict[str, torch.Tensor] = {}
-    for file in files:
-        state.update(load_file(file, device=str(device)))
+    for file in _safetensors_files(_directory_of(source)):
+        try:
+            state.update(load_file(file, device=str(device)))
+        except Exception as exc:  # noqa: BLE001  (safetensors' own error type, OSError, a bad header...)
+            raise ModelFormatError(
+                f"{file} cannot be read as safetensors ({_one_line(exc)}); widebeam loads only safetensors and "
+                "GGUF weights: re-save the checkpoint with save_pretrained(dir) or pass a .gguf file"
+            ) from None
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     return state
+
+
+def _safetensors_files(directory: Path) -> list[Path]:
+    """The weight files of a directory: those its shard index names, else every *.safetensors.
+
+    An index naming anything but a present *.safetensors file inside the directory is refused by
+    name (a pickle above all: it is never opened)."""
+    index = directory / _SHARD_INDEX
+    if not index.is_file():
+        files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            raise ModelNotFoundError(f"no *.safetensors files in {directory}")
+        return files
+    content = _read_json(index)
+    weight_map = content.get("weight_map") if isinstance(content, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map or not all(
+            isinstance(name, str) for name in weight_map.values()):
+        raise ModelFormatError(f"{index} has no weight_map of tensor names to file names")
+    files = []
+    for name in sorted(set(weight_map.values())):
+        file = directory / name
+        if Path(name).suffix.lower() in _PICKLE_SUFFIXES:
+            raise ModelFormatError(
+                f"{index} maps weights to {name}, a pickle checkpoint; widebeam loads only safetensors and GGUF "
+                "weights, because unpickling can run arbitrary code. Convert once with transformers: "
+                "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(new_dir) writes safetensors."
+            )
+        if not name.endswith(".safetensors") or Path(name).is_absolute() or ".." in Path(name).parts:
+            raise ModelFormatError(f"{index} maps weights to {name!r}, which is not a *.safetensors file "
+                                   "of this directory")
+        if not file.is_file():
+            raise ModelNotFoundError(f"{index} maps weights to {name}, which is missing from {directory}")
+        files.append(file)
+    return files
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ModelFormatError(f"cannot read {path}: {exc.strerror or _one_line(exc)}") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise ModelFormatError(f"{path} is not valid JSON: {_one_line(exc)}") from None
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def _directory_of(source: ModelSource | str | os.PathLike) -> Path:
@@ -156,11 +204,16 @@ def _package_dir(package: str, alias: str, pip_command: str) -> Path:
 
 
 def _from_directory(name: str, path: Path) -> ModelSource:
+    try:
+        names = [p.name for p in path.iterdir()]
+    except OSError as exc:
+        raise ModelFormatError(f"cannot read directory {path}: {exc.strerror or _one_line(exc)}") from None
     has_config = (path / "config.json").is_file()
-    has_safetensors = any(path.glob("*.safetensors"))
+    has_safetensors = any(n.endswith(".safetensors") for n in names) or (path / _SHARD_INDEX).is_file()
+    pickles = sorted(n for n in names if Path(n).suffix.lower() in _PICKLE_SUFFIXES)
     if has_config and has_safetensors:
+        _safetensors_files(path)  # a shard index naming pickles or missing files fails here, by name
         return ModelSource(name=name, path=path.resolve(), has_tokenizer=_has_tokenizer(path))
-    pickles = sorted(p.name for p in path.iterdir() if p.suffix.lower() in _PICKLE_SUFFIXES)
     if pickles and not has_safetensors:
         raise ModelFormatError(
             f"{path} holds only pickle checkpoints ({', '.join(pickles)}); widebeam loads only safetensors "
@@ -173,9 +226,13 @@ def _from_directory(name: str, path: Path) -> ModelSource:
 
 def _from_gguf(name: str, gguf: Path, cache: Path) -> ModelSource:
     gguf = gguf.resolve()
-    with gguf.open("rb") as f:
-        if f.read(len(_GGUF_MAGIC)) != _GGUF_MAGIC:
-            raise ModelFormatError(f"{gguf} does not start with the GGUF magic bytes; is it really a GGUF file?")
+    try:
+        with gguf.open("rb") as f:
+            magic = f.read(len(_GGUF_MAGIC))
+    except OSError as exc:
+        raise ModelFormatError(f"cannot read {gguf}: {exc.strerror or _one_line(exc)}") from None
+    if magic != _GGUF_MAGIC:
+        raise ModelFormatError(f"{gguf} does not start with the GGUF magic bytes; is it really a GGUF file?")
     stat = gguf.stat()
     # path+size+mtime rather than a content hash: hashing hundreds of MB on every start would
     # make the cached path slow, and a replaced file changes size or mtime anyway.
@@ -195,7 +252,15 @@ def _convert_into_cache(gguf: Path, out: Path) -> None:
     try:
         log.info("converting %s into %s (one-off)", gguf, out)
         started_s = time.perf_counter()
-        _convert_gguf(gguf, tmp)
+        try:
+            _convert_gguf(gguf, tmp)
+        except (WidebeamError, ImportError):
+            raise
+        except Exception as exc:  # the GGUF reader fails on a bad file in many ways
+            raise ModelFormatError(
+                f"{gguf} cannot be converted from GGUF ({type(exc).__name__}: {_one_line(exc)}); "
+                "is the file complete, and of a supported architecture?"
+            ) from exc
         try:
             os.rename(tmp, out)
         except OSError:
