@@ -13,13 +13,14 @@ import itertools
 import json
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
 
 from widebeam.config import EngineConfig
 from widebeam.decoding.decoders import BeamDecoder, SamplingDecoder, StepScores
-from widebeam.decoding.processors import BanUntilMinTokens, ForceEOSAtEnd, SuppressTokens
+from widebeam.decoding.processors import BanUntilMinTokens, ForceEOSAtEnd, LogitsProcessor, SuppressTokens
 from widebeam.defaults import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_MODEL
 from widebeam.errors import InvalidParameterError
 from widebeam.kv.cache import KVCache
@@ -125,9 +126,14 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | dict | list[int],
-                    params: SamplingParams | BeamSearchParams | None = None) -> list[int]:
+                    params: SamplingParams | BeamSearchParams | None = None,
+                    logits_processors: Sequence[LogitsProcessor] = ()) -> list[int]:
         """Validate and queue a request; raise at once if it can never run (nothing is queued then).
-        Returns the prompt token ids as the engine counts them (an encoder-decoder's source)."""
+        Returns the prompt token ids as the engine counts them (an encoder-decoder's source).
+
+        `logits_processors` run after the engine's own on this request's scores every step
+        (`fn(scores [rows, vocab], num_generated_tokens)`, in place; see decoding/processors.py). One
+        that raises fails this request alone: the step reports it and goes on for the others."""
         params = params or SamplingParams()
         if request_id in self._requests:
             raise InvalidParameterError("request_id", "{request_id} {value!r} is already in use", value=request_id)
@@ -135,6 +141,11 @@ class LLMEngine:
             if not isinstance(params, (SamplingParams, BeamSearchParams)):
                 raise InvalidParameterError("params", "expected SamplingParams or BeamSearchParams, got {value!r}",
                                             value=params)
+            out_of_vocab = [t for t in params.stop_token_ids if t >= self.arch.vocab_size]
+            if out_of_vocab:
+                raise InvalidParameterError("stop_token_ids", "{stop_token_ids} must hold token ids in "
+                                            "[0, {vocab_size}), got {value!r}", vocab_size=self.arch.vocab_size,
+                                            value=out_of_vocab[0])
             if params.beam_width > self.max_beam_width:
                 raise InvalidParameterError(
                     "beam_width", "{beam_width} must be in [1, {limit}] (the engine's max_beam_width), got {value}",
@@ -152,14 +163,17 @@ class LLMEngine:
         except ValueError:
             self._num_rejected += 1
             raise
-        request = Request(request_id, text, token_ids, admission, self.cache.new_request(),
-                          self._decoder(params, admission.max_new_tokens), self.tokenizer, encoder_token_ids)
+        decoder = self._decoder(params, admission.max_new_tokens, logits_processors)
+        request = Request(request_id, text, token_ids, admission, self.cache.new_request(), decoder, self.tokenizer,
+                          encoder_token_ids)
         self._requests[request_id] = request
         self.scheduler.add(request)
         return list(request.source_token_ids)
 
-    def _decoder(self, params: SamplingParams | BeamSearchParams, max_new_tokens: int) -> SamplingDecoder | BeamDecoder:
-        """The request's decoder and its logits processors, in HF's order."""
+    def _decoder(self, params: SamplingParams | BeamSearchParams, max_new_tokens: int,
+                 extra_processors: Sequence[LogitsProcessor] = ()) -> SamplingDecoder | BeamDecoder:
+        """The request's decoder and its logits processors, in HF's order, the caller's after them
+        (a forced EOS still has the last word)."""
         processors = []
         if isinstance(params, SamplingParams) and params.min_new_tokens:
             # beam search bans EOS before min_new_tokens itself, on its candidates
@@ -167,6 +181,7 @@ class LLMEngine:
             processors.append(BanUntilMinTokens(params.min_new_tokens, banned))
         if self.suppress_token_ids:
             processors.append(SuppressTokens(self.suppress_token_ids))
+        processors.extend(extra_processors)
         if self.forced_eos_token_id is not None:
             processors.append(ForceEOSAtEnd(self.forced_eos_token_id, max_new_tokens))
         decoder_class = BeamDecoder if isinstance(params, BeamSearchParams) else SamplingDecoder
@@ -203,18 +218,25 @@ class LLMEngine:
         inputs: list[SequenceInput] = []
         rows: list[tuple[Request, int, int]] = []
         sources, cross_slots = [], []
+        deltas = []
         for item in schedule.scheduled:
             request = item.request
-            encoder_input = request.encoder_input()
+            try:  # one request's inputs whole, or none of them
+                encoder_input = request.encoder_input()
+                if item.num_prompt_tokens:
+                    request_inputs = [request.prefill_input(item.num_prompt_tokens)]
+                else:
+                    request_inputs = request.decode_inputs()
+            except Exception as exc:  # noqa: BLE001  (any failure of its own fails this request alone)
+                deltas.append(self._fail(request, exc))
+                continue
             if encoder_input is not None:
                 sources.append(encoder_input[0])
                 cross_slots.append(encoder_input[1])
-            if item.num_prompt_tokens:
-                request_inputs = [request.prefill_input(item.num_prompt_tokens)]
-            else:
-                request_inputs = request.decode_inputs()
             rows.append((request, len(inputs), len(inputs) + len(request_inputs)))
             inputs.extend(request_inputs)
+        if not inputs:
+            return deltas
         worker = self.workers[0]
         # Copy-on-write copies queued while building the inputs must land before the forward writes.
         worker.copy_blocks(self.cache.take_copies())
@@ -222,10 +244,13 @@ class LLMEngine:
         greedy_rows = [start for request, start, _ in rows
                        if request.prompt_done and isinstance(request.decoder, SamplingDecoder)
                        and request.decoder.batched_greedy]
-        scores = StepScores(worker.execute(inputs), greedy_rows)
-        deltas = []
+        scores = StepScores(worker.execute(inputs), greedy_rows)  # a failure here fails the whole batch
         for request, start, end in rows:
-            delta = request.advance(scores.rows(start, end))
+            try:
+                delta = request.advance(scores.rows(start, end))
+            except Exception as exc:  # noqa: BLE001  (this request's own work: it fails alone)
+                deltas.append(self._fail(request, exc))
+                continue
             if delta is None:
                 continue
             if delta.finished:
@@ -234,6 +259,12 @@ class LLMEngine:
             deltas.append(delta)
         return deltas
 
+    def _fail(self, request: Request, exc: Exception) -> RequestDelta:
+        """Abort one request whose own processing raised; the step goes on for the others."""
+        log.error("request %s failed and was aborted: %s", request.request_id, exc, exc_info=exc)
+        self.abort(request.request_id)
+        return RequestDelta(request.request_id, finished=True, error=f"{type(exc).__name__}: {exc}")
+
     # -- text -------------------------------------------------------------------------------------
     def _tokenize(self, prompt: str | dict | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -241,7 +272,8 @@ class LLMEngine:
                 raise InvalidParameterError("prompt", "a dict {prompt} needs 'prompt_token_ids'")
             prompt = prompt["prompt_token_ids"]
         if isinstance(prompt, list):
-            if not all(isinstance(t, int) and 0 <= t < self.arch.vocab_size for t in prompt):
+            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.arch.vocab_size
+                       for t in prompt):
                 raise InvalidParameterError("prompt", "{prompt} token ids must be integers in [0, {vocab_size})",
                                             vocab_size=self.arch.vocab_size)
             return None, list(prompt)
@@ -250,9 +282,20 @@ class LLMEngine:
                                         kind=type(prompt).__name__)
         if not prompt:
             raise InvalidParameterError("prompt", "{prompt} is empty: give at least one token")
+        if not prompt.isascii():
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as exc:  # a lone UTF-16 surrogate: valid JSON, not text
+                raise InvalidParameterError("prompt", "{prompt} is not valid Unicode text: it holds a lone "
+                                            "surrogate {char!r} at character {position}",
+                                            char=prompt[exc.start], position=exc.start) from None
         if self.tokenizer is None:
             raise InvalidParameterError("prompt", "this model directory has no tokenizer: pass token ids (prompt_token_ids) as the {prompt}")
-        return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        if any(t >= self.arch.vocab_size for t in token_ids):  # a tokenizer larger than the model's vocabulary
+            raise InvalidParameterError("prompt", "{prompt} encodes to token ids outside the model's vocabulary "
+                                        "[0, {vocab_size})", vocab_size=self.arch.vocab_size)
+        return prompt, token_ids
 
     def apply_chat_template(self, message: str) -> str:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):

@@ -8,6 +8,9 @@ from dataclasses import dataclass, fields
 from widebeam.errors import InvalidParameterError
 
 GREEDY_TEMPERATURE = 1e-5  # below this, sampling is argmax
+# Scores divide by generated_len ** length_penalty: within this range they stay finite for any length
+# an engine allows (float64 up to 2**1024 > (2**20) ** 10), where HF's own arithmetic overflows beyond it.
+MAX_ABS_LENGTH_PENALTY = 10.0
 
 
 def _require(condition: bool, param: str, message: str, **values) -> None:
@@ -24,11 +27,28 @@ def _as_tuple(params, name: str, kind: type) -> None:
         value = ()
     elif isinstance(value, (str, int)):
         value = (value,)
+    elif not isinstance(value, (list, tuple)):
+        raise InvalidParameterError(name, "{" + name + "} must be a list of " + kind.__name__ + " values, got {value!r}",
+                                    value=value)
     value = tuple(value)
     for item in value:
         _require(isinstance(item, kind) and not isinstance(item, bool), name,
                  f"must hold only {kind.__name__} values, got {{value!r}}", value=item)
     object.__setattr__(params, name, value)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+
+
+def _check_stop_token_ids(token_ids: tuple[int, ...]) -> None:
+    """Negative ids are wrong in every mode; the upper bound (the vocabulary) is the engine's check."""
+    _require(all(t >= 0 for t in token_ids), "stop_token_ids", "must hold only token ids >= 0, got {value!r}",
+             value=token_ids)
 
 
 @dataclass(frozen=True)
@@ -51,18 +71,25 @@ class SamplingParams:
     def __post_init__(self) -> None:
         _as_tuple(self, "stop", str)
         _as_tuple(self, "stop_token_ids", int)
-        _require(self.max_new_tokens is None or (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1),
+        _require(self.max_new_tokens is None or (_is_int(self.max_new_tokens) and self.max_new_tokens >= 1),
                  "max_new_tokens", "must be an integer >= 1 or None, got {value!r}", value=self.max_new_tokens)
-        _require(self.temperature >= 0, "temperature", "must be >= 0, got {value}", value=self.temperature)
-        _require(isinstance(self.top_k, int) and self.top_k >= -1, "top_k",
+        _require(_is_number(self.temperature) and 0 <= self.temperature < math.inf, "temperature",
+                 "must be a finite number >= 0, got {value!r}", value=self.temperature)
+        _require(_is_int(self.top_k) and self.top_k >= -1, "top_k",
                  "must be -1 or 0 (off) or a positive integer, got {value!r}", value=self.top_k)
-        _require(0 < self.top_p <= 1, "top_p", "must be in (0, 1], got {value}", value=self.top_p)
-        _require(isinstance(self.min_new_tokens, int) and self.min_new_tokens >= 0, "min_new_tokens",
+        _require(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1], got {value!r}",
+                 value=self.top_p)
+        _require(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**64), "seed",
+                 "must be an integer in [0, 2**64) or None, got {value!r}", value=self.seed)
+        _require(isinstance(self.ignore_eos, bool), "ignore_eos", "must be true or false, got {value!r}",
+                 value=self.ignore_eos)
+        _require(_is_int(self.min_new_tokens) and self.min_new_tokens >= 0, "min_new_tokens",
                  "must be an integer >= 0, got {value!r}", value=self.min_new_tokens)
         _require(self.max_new_tokens is None or self.min_new_tokens <= self.max_new_tokens, "min_new_tokens",
                  "must be <= {max_new_tokens} ({limit}), got {value}", limit=self.max_new_tokens,
                  value=self.min_new_tokens)
         _require(all(s for s in self.stop), "stop", "must not contain empty strings")
+        _check_stop_token_ids(self.stop_token_ids)
 
     @property
     def greedy(self) -> bool:
@@ -114,9 +141,9 @@ class BeamSearchParams:
                                                  and self.max_new_tokens >= 1),
                  "max_new_tokens", "must be an integer >= 1 or None, got {value!r}", value=self.max_new_tokens)
         _require(isinstance(self.length_penalty, (int, float)) and not isinstance(self.length_penalty, bool)
-                 and math.isfinite(self.length_penalty), "length_penalty",
-                 "must be a finite number (any sign; > 0 favours longer hypotheses), got {value!r}",
-                 value=self.length_penalty)
+                 and math.isfinite(self.length_penalty) and abs(self.length_penalty) <= MAX_ABS_LENGTH_PENALTY,
+                 "length_penalty", "must be a finite number in [-{limit}, {limit}] (> 0 favours longer hypotheses), "
+                 "got {value!r}", limit=MAX_ABS_LENGTH_PENALTY, value=self.length_penalty)
         _require(self.early_stopping is True or self.early_stopping is False
                  or (isinstance(self.early_stopping, str) and self.early_stopping == "never"),
                  "early_stopping", "must be True, False or \"never\", got {value!r}", value=self.early_stopping)
@@ -133,9 +160,10 @@ class BeamSearchParams:
         _require(self.max_new_tokens is None or self.min_new_tokens <= self.max_new_tokens, "min_new_tokens",
                  "must be <= {max_new_tokens} ({limit}), got {value}", limit=self.max_new_tokens,
                  value=self.min_new_tokens)
-        _require(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-                 "must hold only token ids >= 0, got {value!r}", value=self.stop_token_ids)
+        _check_stop_token_ids(self.stop_token_ids)
         _require(all(s for s in self.stop), "stop", "must not contain empty strings")
+        _require(isinstance(self.ignore_eos, bool), "ignore_eos", "must be true or false, got {value!r}",
+                 value=self.ignore_eos)
 
     def replace(self, **changes) -> BeamSearchParams:
         """A copy with `changes` applied. A `num_return_sequences` equal to `beam_width` (the default, all

@@ -39,16 +39,32 @@ import torch
 
 from widebeam.params import BeamSearchParams
 
-# HF's "impossible" score: the dummy prompt copies start with it, and an empty slot of finished hypotheses
-# holds it, so a finished hypothesis has to score above it to be kept.
+# HF's running score of its dummy prompt copies (all but copy 0), reproduced on the first step's candidates.
+# It is never compared with a finished score: a length penalty can take a real score below it (HF then
+# drops real hypotheses as empty slots). Candidates from dummy copies are told apart by their copy index.
 _NEG = -1.0e9
+
+# Below every real score (scores are finite: see `_scores`): an empty slot of finished hypotheses.
+_IMPOSSIBLE = float("-inf")
 
 _NO_NODE = -1  # parent of the first generated token: the prompt
 
 
 def length_normalizer(generated_len: int, length_penalty: float) -> float:
-    """The divisor of a hypothesis' cumulative log-prob: `generated_len ** length_penalty`, a Python float."""
+    """The divisor of a hypothesis' cumulative log-prob: `generated_len ** length_penalty`, a Python float.
+
+    Finite for the lengths and penalties `BeamSearchParams` admits (|length_penalty| <= 10)."""
     return generated_len ** length_penalty
+
+
+def _scores(values: torch.Tensor, normalizer: float) -> torch.Tensor:
+    """`values / normalizer` in float32 as HF divides; where float32 overflows (a strongly negative
+    length penalty on a long output), the float64 quotient, so no real score is infinite."""
+    scores = values / normalizer
+    if not bool(torch.isfinite(scores[torch.isfinite(values)]).all()):
+        scores = torch.where(torch.isfinite(scores) | ~torch.isfinite(values), scores.double(),
+                             values.double() / normalizer)
+    return scores
 
 
 def hypothesis_score(cumulative_logprob: float, generated_len: int, length_penalty: float) -> float:
@@ -61,8 +77,8 @@ def hypothesis_score(cumulative_logprob: float, generated_len: int, length_penal
     """
     if generated_len < 1:
         raise ValueError(f"generated_len must be >= 1, got {generated_len}")
-    value = torch.tensor(cumulative_logprob, dtype=torch.float32)
-    return float(value / length_normalizer(generated_len, length_penalty))
+    value = torch.tensor([cumulative_logprob], dtype=torch.float32)
+    return float(_scores(value, length_normalizer(generated_len, length_penalty))[0])
 
 
 @dataclass(frozen=True)
@@ -227,13 +243,13 @@ class BeamSearchState:
         generated = self._generated + 1
         last = generated >= self.max_new_tokens
         lp_exp = self._length_penalty
-        finished_scores = values / length_normalizer(generated, lp_exp)
+        finished_scores = _scores(values, length_normalizer(generated, lp_exp))
         if self._early_stopping == "never" and lp_exp > 0.0:
             hypothetical_len = self.max_new_tokens
         else:
             hypothetical_len = generated
-        best_possible = values / length_normalizer(hypothetical_len, lp_exp)
-        floats = torch.stack((values, finished_scores, best_possible)).cpu().tolist()
+        best_possible = _scores(values, length_normalizer(hypothetical_len, lp_exp))
+        floats = torch.stack((values.double(), finished_scores.double(), best_possible.double())).cpu().tolist()
         ints = torch.stack((parent_rows, tokens)).cpu().tolist()
         values_l, finished_l, best_possible_l = floats
         parents_l, tokens_l = ints
@@ -250,8 +266,10 @@ class BeamSearchState:
             parent = 0 if first else parents_l[rank]
             hits_eos = token in eos
             if last or hits_eos:
-                # Only the top-W ranks may finish; a score at or below HF's empty-slot value never survives.
-                if rank < width and finished_l[rank] > _NEG:
+                # Only the top-W ranks may finish; never a candidate of a dummy prompt copy, nor a
+                # masked (-inf) token.
+                dummy = first and width > 1 and parents_l[rank] != 0
+                if rank < width and not dummy and finished_l[rank] > _IMPOSSIBLE:
                     new_finished.append(_Finished(finished_l[rank], values_l[rank], self._live_nodes[parent],
                                                   token, "stop" if hits_eos else "length"))
                 continue
@@ -297,7 +315,7 @@ class BeamSearchState:
         new_finished = []
         for i in chosen:
             score = hypothesis_score(self._live_scores[i], self._generated, self._length_penalty)
-            if score > _NEG:
+            if score > _IMPOSSIBLE:
                 new_finished.append(_Finished(score, self._live_scores[i], self._live_nodes[i], None, "stop"))
         self._merge_finished(new_finished)
         chosen_set = set(chosen)
@@ -396,7 +414,7 @@ class BeamSearchState:
             return True
         if best_possible is None:
             return True
-        worst_kept = self._finished[-1].score if full else _NEG
+        worst_kept = self._finished[-1].score if full else _IMPOSSIBLE
         return not best_possible > worst_kept
 
     def _finish(self) -> StepResult:
