@@ -203,3 +203,19 @@ def real_server(smollm2, tiny_servers, tmp_path_factory):
                          log, env={"WIDEBEAM_CACHE": str(cache)}, engine_options=REAL_ENGINE_OPTIONS)
     yield proc.wait_ready()
     proc.stop()
+
+
+@pytest.fixture()
+def server_factory(tmp_path):
+    """Start `widebeam serve` processes of the test's own (stopped at its end, if still running):
+    `server_factory(args, env=None)` -> a ServerProcess, not yet waited for."""
+    started: list[ServerProcess] = []
+
+    def start(args: list[str], env: dict[str, str] | None = None) -> ServerProcess:
+        proc = ServerProcess(args, tmp_path / f"server-{len(started)}.log", env=env)
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        proc.stop()

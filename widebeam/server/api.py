@@ -120,12 +120,11 @@ def create_app(engine, *, model_name: str, api_key: str | None = None,
 
     @asynccontextmanager
     async def lifespan(app):
-        task = asyncio.create_task(loop.run(), name="widebeam-engine-loop")
+        loop.start()
         try:
             yield
-        finally:
-            task.cancel()
-            await asyncio.wait({task})  # never raises: a loop failure was logged when it happened
+        finally:  # after a drain (serve_cli's shutdown) this only stops the loop; else it fails what is left
+            await loop.close()
 
     app = FastAPI(title="widebeam", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible server with beam search at any width.")
@@ -157,6 +156,9 @@ def create_app(engine, *, model_name: str, api_key: str | None = None,
         if loop.failure is not None:
             return JSONResponse({"status": "error", "detail": str(loop.failure)}, status_code=503)
         stats = loop.snapshot
+        if loop.draining:
+            return JSONResponse({"status": "shutting_down", "model": model_name, "running": stats["running"],
+                                 "waiting": stats["waiting"], "kv_blocks": stats["pools"]}, status_code=503)
         return {"status": "ok", "model": model_name, "running": stats["running"], "waiting": stats["waiting"],
                 "kv_blocks": stats["pools"]}
 
@@ -233,7 +235,7 @@ def create_app(engine, *, model_name: str, api_key: str | None = None,
             return (k // plan.requests_per_prompt) * plan.n + (0 if plan.beam else k % plan.requests_per_prompt) + j
 
         async def generate():
-            done = False
+            complete = False
             remaining = len(group.request_ids)
             prompt_tokens = completion_tokens = 0
             try:
@@ -241,7 +243,7 @@ def create_app(engine, *, model_name: str, api_key: str | None = None,
                     yield event([p.chunk_choice(True, i, "", None, first=True) for i in range(num_prompts * plan.n)])
                 while remaining:
                     k, kind, payload = await group.queue.get()
-                    if kind == "error":
+                    if kind == "error":  # the error event, then [DONE]; the group's other requests are aborted
                         yield f"data: {json.dumps(payload.body())}\n\n"
                         break
                     if kind == "text":
@@ -260,12 +262,17 @@ def create_app(engine, *, model_name: str, api_key: str | None = None,
                                                      completion.score if plan.beam else None))
                     yield event(chunks)
                 else:
+                    complete = True
                     if include_usage:
                         yield event([], usage=p.usage(prompt_tokens, completion_tokens))
                 yield "data: [DONE]\n\n"
-                done = True
+            except Exception:  # a bug while building a chunk: still a well-formed end (error event, [DONE])
+                log.exception("stream %s failed", call_id)
+                error = p.ApiError(500, "internal server error while streaming this response", type="server_error")
+                yield f"data: {json.dumps(error.body())}\n\n"
+                yield "data: [DONE]\n\n"
             finally:
-                if not done:  # the client went away (the response was cancelled) or an error ended it
+                if not complete:  # the client went away (the response was cancelled) or an error ended it
                     loop.abort(group.request_ids)
 
         return generate()

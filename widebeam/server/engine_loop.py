@@ -8,7 +8,13 @@ final outputs).
 
 Only the engine's public API is used: each step's `RequestDelta`s say which requests produced their
 first token, what text they added and which finished, so a step costs the loop work in proportion to
-what changed, never a re-read of every request.
+what changed, never a re-read of every request. A delta with `error` set is one request that failed
+alone (the engine already aborted it): its call gets a 500 and the others go on. Only an exception
+from `step()` itself (the shared forward pass) fails every request in flight.
+
+Shutdown (`drain`, then `close`): new calls get 503 at once, the calls in flight get up to the
+shutdown timeout to finish, the rest are aborted with a 503 error (a stream: an error event, then
+`[DONE]`), and the owner task stops after its current step with every KV block free.
 """
 
 from __future__ import annotations
@@ -23,6 +29,13 @@ from widebeam.server import protocol as p
 from widebeam.server.metrics import ServerMetrics
 
 log = logging.getLogger("widebeam.server")
+
+SHUTTING_DOWN_CODE = "server_shutting_down"
+DRAIN_POLL_S = 0.05
+
+
+def shutting_down(message: str) -> p.ApiError:
+    return p.ApiError(503, message, type="server_error", code=SHUTTING_DOWN_CODE)
 
 
 class Group:
@@ -58,15 +71,78 @@ class EngineLoop:
         self.metrics = metrics
         self.snapshot: dict = engine.stats()
         self.failure: BaseException | None = None
+        self.draining = False  # set by drain() and close(): new calls are refused with 503
         self._commands: list = []
+        self._applying: list = []  # the commands the worker thread is applying now
         self._wake = asyncio.Event()
         self._tracked: dict[str, _Tracked] = {}
+        self._abort_all: p.ApiError | None = None  # set by drain(): the owner task fails everything in flight
+        self._abort_now = False  # a second signal: stop waiting for the calls in flight
+        self._closing = False
+        self._task: asyncio.Task | None = None
+
+    # lifecycle (event-loop thread) ---------------------------------------------------------------
+    def start(self) -> asyncio.Task:
+        self._task = asyncio.create_task(self.run(), name="widebeam-engine-loop")
+        return self._task
+
+    def abort_now(self) -> None:
+        """Cut a drain short (a second SIGTERM or SIGINT). Only sets a flag: safe in a signal handler."""
+        self._abort_now = True
+
+    @property
+    def busy(self) -> bool:
+        """Engine requests in flight, or calls waiting for admission."""
+        return bool(self._tracked or self._applying or any(isinstance(c, _Add) for c in self._commands))
+
+    async def drain(self, timeout_s: float) -> int:
+        """Stop admitting (new calls get 503), wait up to `timeout_s` for the calls in flight to finish,
+        then fail the rest with a 503. Returns how many engine requests were aborted."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        if self.busy:
+            log.warning("shutting down: new requests get 503; waiting up to %g s for %d request(s) in flight",
+                        timeout_s, len(self._tracked))
+        while self.busy and self._running and loop.time() < deadline and not self._abort_now:
+            await asyncio.sleep(DRAIN_POLL_S)
+        if not self.busy or not self._running:
+            return 0
+        num_aborted = len(self._tracked)
+        reason = "a second signal came" if self._abort_now else f"the shutdown timeout of {timeout_s:g} s ran out"
+        self._abort_all = shutting_down(f"the server shut down before this request finished: {reason}")
+        self._wake.set()
+        while self.busy and self._running:  # the owner task fails them after its current step
+            await asyncio.sleep(DRAIN_POLL_S)
+        log.warning("shutting down: %s; aborted %d request(s) still running", reason, num_aborted)
+        return num_aborted
+
+    async def close(self) -> None:
+        """Stop the owner task after its current step; fail whatever is left with a 503 and free its blocks."""
+        self.draining = True
+        self._closing = True
+        self._wake.set()
+        if self._task is not None:
+            await asyncio.wait({self._task})  # never raises: a loop failure was logged when it happened
+        self._fail_all(shutting_down("the server shut down before this request finished"), failed=False)
+        for command in self._commands:
+            if isinstance(command, _Add) and not command.future.done():
+                command.future.set_exception(shutting_down("the server is shutting down"))
+        self._commands = []
+        if self.failure is None:
+            self.snapshot = self.engine.stats()
+
+    @property
+    def _running(self) -> bool:
+        return self._task is None or not self._task.done()
 
     # handler side (event-loop thread) ------------------------------------------------------------
     async def submit(self, request_ids: list[str], entries: list, stream: bool) -> Group:
         """Admit all of `entries` or none; raises the engine's ValueError (or ApiError) if one is refused."""
         if self.failure is not None:
             raise p.ApiError(503, f"the engine loop has stopped: {self.failure}", type="server_error")
+        if self.draining:
+            raise shutting_down("the server is shutting down and admits no new requests")
         group = Group(request_ids, stream)
         future = asyncio.get_running_loop().create_future()
         self._commands.append(_Add(group, entries, future))
@@ -81,21 +157,31 @@ class EngineLoop:
     # the owner task ------------------------------------------------------------------------------
     async def run(self) -> None:
         try:
-            while True:
-                if not self._commands and not self.engine.has_unfinished():
+            while not self._closing:
+                if not self._commands and not self.engine.has_unfinished() and self._abort_all is None:
                     self._wake.clear()
                     await self._wake.wait()
+                    continue
                 commands, self._commands = self._commands, []
                 if commands:
-                    results = await asyncio.to_thread(self._apply, commands)
-                    self._settle(commands, results)
+                    self._applying = commands
+                    try:
+                        results = await asyncio.to_thread(self._apply, commands)
+                        self._settle(commands, results)
+                    finally:
+                        self._applying = []
                     self.snapshot = self.engine.stats()
-                if self.engine.has_unfinished():
+                if self._abort_all is not None:
+                    error, self._abort_all = self._abort_all, None
+                    self._fail_all(error, failed=False)
+                    self.snapshot = self.engine.stats()
+                if self.engine.has_unfinished() and not self._closing:
                     try:
                         deltas = await asyncio.to_thread(self.engine.step)
                     except Exception as exc:  # a bug: fail the requests in flight, keep serving
                         log.exception("engine step failed")
-                        self._fail_all(exc)
+                        self._fail_all(p.ApiError(500, f"the engine failed while running this request: {exc}",
+                                                  type="server_error"))
                     else:
                         self._after_step(deltas, time.monotonic())
                     self.snapshot = self.engine.stats()
@@ -104,7 +190,8 @@ class EngineLoop:
         except BaseException as exc:
             log.exception("engine loop stopped")
             self.failure = exc
-            self._fail_all(exc)
+            self._fail_all(p.ApiError(500, f"the engine failed while running this request: {exc}",
+                                      type="server_error"))
             for command in self._commands:
                 if isinstance(command, _Add) and not command.future.done():
                     command.future.set_exception(p.ApiError(503, "the engine loop has stopped", type="server_error"))
@@ -166,6 +253,15 @@ class EngineLoop:
             tracked = self._tracked.get(delta.request_id)
             if tracked is None:  # aborted, or its handler left before admission settled
                 continue
+            if delta.error is not None:  # this request failed alone; the engine has aborted it
+                del self._tracked[delta.request_id]
+                log.error("request %s failed in the engine: %s", delta.request_id, delta.error)
+                if self.metrics:
+                    self.metrics.failed.inc()
+                tracked.group.queue.put_nowait((tracked.index, "error", p.ApiError(
+                    500, f"the engine failed while running this request: {delta.error}", type="server_error",
+                    code="engine_error")))
+                continue
             if delta.first_token and tracked.first_token_at is None:
                 tracked.first_token_at = now
                 if self.metrics:
@@ -184,14 +280,15 @@ class EngineLoop:
                     self.metrics.time_per_output_token.observe((now - tracked.first_token_at) / (num_tokens - 1))
             tracked.group.queue.put_nowait((tracked.index, "final", output))
 
-    def _fail_all(self, exc: BaseException) -> None:
-        error = p.ApiError(500, f"the engine failed while running this request: {exc}", type="server_error")
+    def _fail_all(self, error: p.ApiError, failed: bool = True) -> None:
+        """Answer every tracked request with `error` and abort it in the engine (called between steps).
+        `failed`: count them as failed (an engine error), else as aborted (shutdown)."""
         for request_id, tracked in self._tracked.items():
             tracked.group.queue.put_nowait((tracked.index, "error", error))
             try:
                 self.engine.abort(request_id)
             except Exception:
-                log.exception("abort after a failed step")
+                log.exception("abort of %s failed", request_id)
         if self.metrics:
-            self.metrics.aborted.inc(len(self._tracked))
+            (self.metrics.failed if failed else self.metrics.aborted).inc(len(self._tracked))
         self._tracked.clear()

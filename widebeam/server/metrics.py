@@ -46,8 +46,10 @@ class ServerMetrics:
         r = self.registry
         self.finished = Counter("widebeam_requests_finished", "Engine requests finished, by finish reason "
                                 "(of the best choice)", ["finish_reason"], registry=r)
-        self.aborted = Counter("widebeam_requests_aborted", "Engine requests aborted (client gone or error)",
+        self.aborted = Counter("widebeam_requests_aborted", "Engine requests aborted (client gone, or shutdown)",
                                registry=r)
+        self.failed = Counter("widebeam_requests_failed", "Engine requests that failed with a server error (their "
+                              "own processing, or the shared step)", registry=r)
         self.prompt_tokens = Counter("widebeam_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generated_tokens = Counter("widebeam_generation_tokens",
                                         "Tokens generated (for beam search: of the returned beams)", registry=r)

@@ -9,7 +9,9 @@ from `cli.py` (which imports it): both take the parser and value types from `arg
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -28,6 +30,10 @@ from widebeam.defaults import (
 
 DTYPES = ("float32", "bfloat16", "float16")
 API_KEY_ENV = "WIDEBEAM_API_KEY"
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+EXIT_INTERRUPTED = 130
+
+log = logging.getLogger("widebeam.server")
 
 
 def _port(text: str) -> int:
@@ -35,6 +41,35 @@ def _port(text: str) -> int:
     if value > 65535:
         raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {value}")
     return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
+    return value
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` keeps the server on this machine (127.0.0.0/8, ::1, localhost)."""
+    if host.lower().rstrip(".") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """The start-up warning for a server reachable from other machines without an API key, else None."""
+    if api_key or is_loopback(host):
+        return None
+    return (f"--host {host} makes this server reachable from other machines, and it has no API key: anyone who "
+            f"can reach the port can use it. Set one with --api-key KEY or ${API_KEY_ENV} (clients send "
+            "'Authorization: Bearer KEY'), or bind 127.0.0.1")
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -63,6 +98,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         f"(default: ${API_KEY_ENV}, which keeps the key out of the process list)")
     p.add_argument("--max-request-bytes", type=_byte_size, default=2**20,
                    help="largest request body; larger ones get 413 (default 1MiB)")
+    p.add_argument("--shutdown-timeout", type=_seconds, default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="SECONDS",
+                   help="on SIGTERM or SIGINT, new requests get 503 and those in flight get this long to finish "
+                        "before they are aborted with an error; then the server exits 0 "
+                        f"(default {DEFAULT_SHUTDOWN_TIMEOUT_S:g})")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     return p
 
@@ -86,12 +125,14 @@ def _fail(message: str) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Build the engine (load, warm-up, KV sizing), then serve until interrupted."""
+    """Build the engine (load, warm-up, KV sizing), then serve until SIGTERM or SIGINT, then drain
+    (widebeam/server/shutdown.py) and exit 0."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         import uvicorn
 
         from widebeam.server.api import create_app
+        from widebeam.server.shutdown import CONNECTIONS_CLOSE_TIMEOUT_S, DrainingServer
     except ImportError as exc:
         return _fail(f"the server needs its extras ({exc.name} is missing): pip install 'widebeam[server]'")
     from widebeam.engine import LLMEngine
@@ -106,11 +147,17 @@ def run_serve(args: argparse.Namespace) -> int:
     except (WidebeamError, ValueError, FileNotFoundError) as exc:
         name = getattr(exc, "param", None) or ("model" if isinstance(exc, FileNotFoundError) else None)
         return _fail(f"{'argument --' + name.replace('_', '-') + ': ' if name else ''}{exc}")
+    except KeyboardInterrupt:  # Ctrl+C while loading: nothing is served yet
+        print("widebeam serve: interrupted while loading the model", file=sys.stderr)
+        return EXIT_INTERRUPTED
     app = create_app(engine, model_name=args.served_model_name or args.model, api_key=api_key,
                      max_request_bytes=args.max_request_bytes)
+    warning = exposure_warning(args.host, api_key)
+    if warning:
+        log.warning(warning)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+                            timeout_graceful_shutdown=CONNECTIONS_CLOSE_TIMEOUT_S)
+    server = DrainingServer(config, app.state.engine_loop, args.shutdown_timeout)
     try:
         server.run()
     except SystemExit as exc:  # uvicorn exits 1 when it cannot bind
