@@ -170,3 +170,22 @@ def wait_running(client, num_requests: int, timeout_s: float = 10.0) -> None:
     while client.get("/health").json()["running"] < num_requests:
         assert time.monotonic() < deadline, "the requests never started"
         time.sleep(0.01)
+
+
+def test_a_bug_while_streaming_still_ends_with_an_error_event_and_done(served, monkeypatch):
+    from widebeam.server import protocol
+
+    real_chunk_choice = protocol.chunk_choice
+
+    def breaks_on_the_second_piece(chat, index, text, *args, **kwargs):
+        if text == "t2 ":
+            raise KeyError("a bug")
+        return real_chunk_choice(chat, index, text, *args, **kwargs)
+
+    monkeypatch.setattr(protocol, "chunk_choice", breaks_on_the_second_piece)
+    with served.client() as client:
+        status, events, done_last = stream_post(client, "/v1/completions", {"prompt": "x", "max_tokens": 1000})
+        assert status == 200 and done_last, events
+        assert stream_text(events[:-1]) == expected_text(1)
+        assert events[-1]["error"]["type"] == "server_error"
+        assert_all_free(client)  # its engine request was aborted
