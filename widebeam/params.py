@@ -79,8 +79,8 @@ class SamplingParams:
                  "must be -1 or 0 (off) or a positive integer, got {value!r}", value=self.top_k)
         _require(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1], got {value!r}",
                  value=self.top_p)
-        _require(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**64), "seed",
-                 "must be an integer in [0, 2**64) or None, got {value!r}", value=self.seed)
+        _require(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**64), "seed",
+                 "must be an integer in [-2**63, 2**64) (torch's seeds) or None, got {value!r}", value=self.seed)
         _require(isinstance(self.ignore_eos, bool), "ignore_eos", "must be true or false, got {value!r}",
                  value=self.ignore_eos)
         _require(_is_int(self.min_new_tokens) and self.min_new_tokens >= 0, "min_new_tokens",
