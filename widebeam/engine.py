@@ -103,8 +103,7 @@ class LLMEngine:
         log.info(
             "KV cache %s: %s; max_seq_len %d; activation peak %s; device %s",
             format_bytes(kv_cache_bytes),
-            ", ".join(f"{s.name} {n} blocks x {t} = {n * t} tokens"
-                      for s, n in ((s, sizing.blocks_per_pool[s.name]) for s in specs)),
+            ", ".join(f"{name} {n} blocks x {t} = {n * t} tokens" for name, n in sizing.blocks_per_pool.items()),
             self.max_seq_len, format_bytes(self.activation_peak_bytes), self.device,
         )
         for worker in self.workers:
