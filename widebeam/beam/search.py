@@ -61,9 +61,9 @@ def _scores(values: torch.Tensor, normalizer: float) -> torch.Tensor:
     """`values / normalizer` in float32 as HF divides; where float32 overflows (a strongly negative
     length penalty on a long output), the float64 quotient, so no real score is infinite."""
     scores = values / normalizer
-    if not bool(torch.isfinite(scores[torch.isfinite(values)]).all()):
-        scores = torch.where(torch.isfinite(scores) | ~torch.isfinite(values), scores.double(),
-                             values.double() / normalizer)
+    overflow = torch.isinf(scores) & torch.isfinite(values)  # a masked (-inf) value stays -inf
+    if bool(overflow.any()):
+        scores = torch.where(overflow, values.double() / normalizer, scores.double())
     return scores
 
 
