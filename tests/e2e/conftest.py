@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -18,7 +17,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
+from e2e_helpers import free_port
+from tiny_models import save_tiny_model
 
 # How the server is started; the one place to change when `widebeam serve` is wired into the CLI.
 SERVE_COMMAND = [sys.executable, "-m", "widebeam", "serve"]
@@ -36,30 +36,16 @@ SMALL_POOL_ARGS = [arg for key, value in SMALL_POOL_OPTIONS.items()
 @pytest.fixture(scope="session")
 def tiny_chat_model_dir(tmp_path_factory, smollm2) -> Path:
     """A tiny random Llama with the SmolLM2 tokenizer (vocab 49152) and its chat template."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     _, source = smollm2
     path = tmp_path_factory.mktemp("tiny-chat-llama")
     tokenizer = AutoTokenizer.from_pretrained(str(source.path))
-    config = AutoConfig.for_model(
-        "llama", vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=2048, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():  # sharpen the near-uniform init so greedy choices are well separated
-        for name, param in model.named_parameters():
-            if "norm" not in name:
-                param.normal_(0, 0.2)
-    model.save_pretrained(str(path), safe_serialization=True)
+    save_tiny_model(path, "llama", vocab_size=49152, hidden_size=32, intermediate_size=64,
+                    max_position_embeddings=2048, bos_token_id=tokenizer.bos_token_id,
+                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     tokenizer.save_pretrained(str(path))
     return path
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class ServerProcess:

@@ -143,3 +143,29 @@ def stream_post(client: httpx.Client, path: str, body: dict) -> tuple[int, list[
 
 def stream_text(events: list[dict]) -> str:
     return "".join(c.get("text", "") for e in events for c in e.get("choices", ()))
+
+
+def wait_running(client: httpx.Client, num_requests: int, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while client.get("/health").json()["running"] < num_requests:
+        assert time.monotonic() < deadline, "the requests never started"
+        time.sleep(0.01)
+
+
+def start_calls(server: ThreadServer, calls: dict[str, dict]) -> tuple[dict, list[threading.Thread]]:
+    """POST each body to /v1/completions from its own thread; outcomes fill in as the calls end:
+    (status, json) for a plain call, `stream_post`'s tuple for a stream."""
+    outcomes: dict[str, tuple] = {}
+
+    def call(name: str, body: dict) -> None:
+        with server.client() as client:
+            if body.get("stream"):
+                outcomes[name] = stream_post(client, "/v1/completions", body)
+            else:
+                response = client.post("/v1/completions", json=body)
+                outcomes[name] = (response.status_code, response.json())
+
+    threads = [threading.Thread(target=call, args=item) for item in calls.items()]
+    for thread in threads:
+        thread.start()
+    return outcomes, threads

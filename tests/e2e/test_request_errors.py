@@ -12,7 +12,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from e2e_helpers import TOTAL_BLOCKS, ScriptedEngine, ThreadServer, stream_post, stream_text
+from e2e_helpers import (
+    TOTAL_BLOCKS,
+    ScriptedEngine,
+    ThreadServer,
+    start_calls,
+    stream_post,
+    stream_text,
+    wait_running,
+)
 
 from widebeam.server.api import create_app
 
@@ -136,25 +144,14 @@ def test_the_openai_client_raises_on_the_error_event(served):
 
 
 def test_a_failed_shared_step_fails_every_call_in_flight(served):
-    outcomes = {}
-
-    def call(name: str, body: dict):
-        with served.client() as client:
-            if body.get("stream"):
-                outcomes[name] = stream_post(client, "/v1/completions", body)
-            else:
-                response = client.post("/v1/completions", json=body)
-                outcomes[name] = (response.status_code, response.json())
-
-    bystanders = [threading.Thread(target=call, args=args) for args in (
-        ("bystander", {"prompt": "x", "max_tokens": 5000}), ("stream", {"prompt": "y", "max_tokens": 5000, "stream": True}))]
-    for thread in bystanders:
-        thread.start()
+    outcomes, threads = start_calls(served, {"bystander": {"prompt": "x", "max_tokens": 5000},
+                                             "stream": {"prompt": "y", "max_tokens": 5000, "stream": True}})
     with served.client() as client:
         wait_running(client, 2)
-    call("crasher", {"prompt": "crash@3", "max_tokens": 50})
-    for thread in bystanders:
+    crasher, crasher_threads = start_calls(served, {"crasher": {"prompt": "crash@3", "max_tokens": 50}})
+    for thread in threads + crasher_threads:
         thread.join(timeout=60)
+    outcomes.update(crasher)
     for name in ("crasher", "bystander"):
         status, body = outcomes[name]
         assert status == 500 and "scripted crash" in body["error"]["message"], (name, body)
@@ -163,13 +160,6 @@ def test_a_failed_shared_step_fails_every_call_in_flight(served):
     with served.client() as client:
         assert_all_free(client)
         run_good(client, *GOOD[2])  # the loop keeps serving
-
-
-def wait_running(client, num_requests: int, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while client.get("/health").json()["running"] < num_requests:
-        assert time.monotonic() < deadline, "the requests never started"
-        time.sleep(0.01)
 
 
 def test_a_bug_while_streaming_still_ends_with_an_error_event_and_done(served, monkeypatch):

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import threading
 import time
 
-import httpx
 import pytest
-from e2e_helpers import ScriptedEngine, ThreadServer, stream_post, stream_text
+from e2e_helpers import ScriptedEngine, ThreadServer, start_calls, stream_text, wait_running
 
 from widebeam.server.api import create_app
 from widebeam.server.engine_loop import EngineLoop
@@ -23,30 +21,6 @@ STEP_S = 0.01
 SHUTDOWN_TIMEOUT_S = 1.5
 SHORT_TOKENS = 40  # 0.4 s: finishes within the drain
 LONG_TOKENS = 100_000  # never finishes
-
-
-def wait_running(client: httpx.Client, num_requests: int, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while client.get("/health").json()["running"] < num_requests:
-        assert time.monotonic() < deadline, "the requests never started"
-        time.sleep(0.01)
-
-
-def start_calls(server: ThreadServer, calls: dict[str, dict]) -> tuple[dict, list[threading.Thread]]:
-    outcomes: dict[str, tuple] = {}
-
-    def call(name: str, body: dict) -> None:
-        with server.client() as client:
-            if body.get("stream"):
-                outcomes[name] = stream_post(client, "/v1/completions", body)
-            else:
-                response = client.post("/v1/completions", json=body)
-                outcomes[name] = (response.status_code, response.json())
-
-    threads = [threading.Thread(target=call, args=item) for item in calls.items()]
-    for thread in threads:
-        thread.start()
-    return outcomes, threads
 
 
 def assert_shutdown_error(body: dict) -> None:
