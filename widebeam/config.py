@@ -56,11 +56,42 @@ class SchedulerConfig:
                                         value=self.max_num_batched_tokens)
 
 
+SPECULATIVE_METHODS = ("draft", "ngram")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: a draft proposes up to `num_speculative_tokens` (D) tokens per sequence
+    each round, the target verifies them in one pass. "draft": a second model (`model`, same
+    tokenizer) in its own worker and KV pools; "ngram": prompt lookup, copied from the request's own
+    prompt and output, no draft model. D is also what every per-sequence pool reserves per sequence."""
+
+    method: str = "draft"
+    model: str | None = None
+    num_speculative_tokens: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise InvalidParameterError("speculative_method", "{speculative_method} must be one of "
+                                        f"{', '.join(SPECULATIVE_METHODS)}, got {{value!r}}", value=self.method)
+        if self.method == "draft" and not self.model:
+            raise InvalidParameterError("speculative_model", "{speculative_model} is required with "
+                                        "{speculative_method}='draft'")
+        if self.method == "ngram" and self.model:
+            raise InvalidParameterError("speculative_model", "{speculative_method}='ngram' takes no draft model, "
+                                        "got {value!r}", value=self.model)
+        if isinstance(self.num_speculative_tokens, bool) or not isinstance(self.num_speculative_tokens, int) \
+                or not 1 <= self.num_speculative_tokens <= 64:
+            raise InvalidParameterError("num_speculative_tokens", "{num_speculative_tokens} must be an integer in "
+                                        "[1, 64], got {value!r}", value=self.num_speculative_tokens)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = ModelConfig()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     @classmethod
     def from_kwargs(cls, model: str = DEFAULT_MODEL, *, dtype: str = "float32", device: str | None = None,
@@ -68,8 +99,19 @@ class EngineConfig:
                     kv_cache_memory: int | str | None = None, kv_cache_fraction: float = DEFAULT_KV_CACHE_FRACTION,
                     tokens_per_block: int = DEFAULT_TOKENS_PER_BLOCK, max_seq_len: int | None = None,
                     max_beam_width: int = DEFAULT_MAX_BEAM_WIDTH,
-                    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS) -> EngineConfig:
-        """The flat keyword arguments `LLMEngine` and `LLM` take, grouped."""
+                    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                    speculative_model: str | None = None, num_speculative_tokens: int | None = None,
+                    speculative_method: str | None = None) -> EngineConfig:
+        """The flat keyword arguments `LLMEngine` and `LLM` take, grouped. Speculation is on when
+        `speculative_model` or `speculative_method` is given (the method defaults to "draft" with a
+        model, and D to 4)."""
+        speculative = None
+        if speculative_model is not None or speculative_method is not None:
+            speculative = SpeculativeConfig(speculative_method or "draft", speculative_model,
+                                            4 if num_speculative_tokens is None else num_speculative_tokens)
+        elif num_speculative_tokens is not None:
+            raise InvalidParameterError("num_speculative_tokens", "{num_speculative_tokens} needs "
+                                        "{speculative_model} or {speculative_method}")
         return cls(ModelConfig(model, dtype, device, attention_backend),
                    CacheConfig(kv_cache_memory, kv_cache_fraction, tokens_per_block),
-                   SchedulerConfig(max_num_batched_tokens, max_beam_width, max_seq_len))
+                   SchedulerConfig(max_num_batched_tokens, max_beam_width, max_seq_len), speculative)

@@ -2,8 +2,8 @@
 
 An engine holds one or more workers (the target model now; a draft model next) over one `KVCache`
 whose pools are named per worker: the target's keep the model's own names ("self", "sliding_512",
-"cross"), another worker's carry its prefix ("draft.self"), so pools of two models never clash
-while admission and the scheduler see all of them in one place.
+"cross"), another worker's carry its name ("draft" for its self pool, "draft/sliding_512"), so pools
+of two models never clash while admission and the scheduler see all of them in one place.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class Worker:
         self.specs: list[PoolSpec] = []
         self.pool_names: dict[str, str] = {}
         for spec in self.arch.kv_pool_specs(dtype):
-            scoped = prefix + spec.name
+            scoped = scoped_pool_name(prefix, spec.name)
             self.pool_names[spec.name] = scoped
             self.specs.append(_renamed(spec, scoped))
         self.runner: ModelRunner | None = None
@@ -63,6 +63,14 @@ class Worker:
                              {local_of[k]: v for k, v in seq.block_tables.items() if k in local_of},
                              {local_of[k]: v for k, v in seq.slots.items() if k in local_of},
                              seq.group, seq.cross_block_table, seq.num_encoder_tokens)
+
+
+def scoped_pool_name(prefix: str, local_name: str) -> str:
+    """The engine's name of a worker's pool: the model's own without a prefix; else the prefix
+    alone for the self pool ("draft") and prefix/name for the others ("draft/sliding_512")."""
+    if not prefix:
+        return local_name
+    return prefix if local_name == "self" else f"{prefix}/{local_name}"
 
 
 def _renamed(spec: PoolSpec, name: str) -> PoolSpec:

@@ -18,19 +18,19 @@ def test_two_workers_share_one_cache_without_name_clashes(tiny_llama_dir):
     device = torch.device("cpu")
     source = resolve_model(str(tiny_llama_dir))
     target = Worker("target", load_model(source, "float32", device), "float32")
-    draft = Worker("draft", load_model(source, "float32", device), "float32", prefix="draft.")
-    assert [s.name for s in target.specs] == ["self"] and [s.name for s in draft.specs] == ["draft.self"]
+    draft = Worker("draft", load_model(source, "float32", device), "float32", prefix="draft")
+    assert [s.name for s in target.specs] == ["self"] and [s.name for s in draft.specs] == ["draft"]
     assert target.specs[0].bytes_per_token == draft.specs[0].bytes_per_token
 
     cache = KVCache([(spec, 32) for spec in target.specs + draft.specs], tokens_per_block=4)
-    assert [b.pool for b in cache.budgets(KVRequest(10, 6, 2))] == ["self", "draft.self"]
+    assert [b.pool for b in cache.budgets(KVRequest(10, 6, 2))] == ["self", "draft"]
     for worker in (target, draft):
-        worker.start({"self": 32, "draft.self": 32}, 4, device)
+        worker.start({"self": 32, "draft": 32}, 4, device)
 
     kv = cache.new_request()
     prompt = list(range(3, 13))
     slots = kv.prefill_slots(len(prompt))
-    assert set(slots) == {"self", "draft.self"}
+    assert set(slots) == {"self", "draft"}
     seq = SequenceInput(prompt, 0, kv.block_tables(0), slots)
     # Same weights on both sides: the draft, reading and writing only its own pool, computes the same.
     torch.testing.assert_close(draft.execute([seq]), target.execute([seq]))
@@ -42,4 +42,4 @@ def test_two_workers_share_one_cache_without_name_clashes(tiny_llama_dir):
         worker.copy_blocks(copies)
     torch.testing.assert_close(draft.execute(inputs), target.execute(inputs))
     kv.free()
-    assert cache.num_free_blocks() == {"self": 32, "draft.self": 32}
+    assert cache.num_free_blocks() == {"self": 32, "draft": 32}
