@@ -36,6 +36,8 @@ from widebeam.params import BeamSearchParams, SamplingParams
 from widebeam.request import Request
 from widebeam.sched.admission import admit_check
 from widebeam.sched.scheduler import Scheduler, SchedulerOutput
+from widebeam.speculative.drafter import ModelDrafter, NgramDrafter
+from widebeam.speculative.tree import branching_for_width
 from widebeam.units import format_bytes, parse_bytes
 from widebeam.worker import Worker
 
@@ -60,11 +62,21 @@ def available_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
+def _same_token_ids(target_tokenizer, draft_tokenizer, target_vocab_size: int, draft_vocab_size: int) -> bool:
+    """Whether a draft's token ids mean what the target's do: the same tokenizer vocabulary, or,
+    for two models without a tokenizer (token-id prompts only), the same vocabulary size."""
+    if target_tokenizer is None and draft_tokenizer is None:
+        return target_vocab_size == draft_vocab_size
+    if target_tokenizer is None or draft_tokenizer is None:
+        return False
+    return target_tokenizer.get_vocab() == draft_tokenizer.get_vocab()
+
+
 class LLMEngine:
     def __init__(self, model: str = DEFAULT_MODEL, **kwargs):
         """`kwargs`: the settings of `EngineConfig.from_kwargs` (dtype, device, attention_backend,
         kv_cache_memory, kv_cache_fraction, tokens_per_block, max_seq_len, max_beam_width,
-        max_num_batched_tokens)."""
+        max_num_batched_tokens, speculative_model, num_speculative_tokens, speculative_method)."""
         self.config = config = EngineConfig.from_kwargs(model, **kwargs)
         cache_config, sched_config = config.cache, config.scheduler
         self.max_beam_width = sched_config.max_beam_width
@@ -75,18 +87,24 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.source)
         self.arch = self.model.arch
         self.workers = [Worker("target", self.model, self.dtype)]
+        self.speculative = config.speculative
+        self.num_draft_tokens = self.speculative.num_speculative_tokens if self.speculative else 0
+        self.drafter = self._start_drafter()
         t, chunk = cache_config.tokens_per_block, sched_config.max_num_batched_tokens
+        # A decode step feeds up to 1 + 2D tokens per sequence with speculation (re-fed + drafted),
+        # every one with its logits: the activation reserve is sized for that many rows.
+        step_rows = self.max_beam_width * (1 + 2 * self.num_draft_tokens)
 
         if cache_config.kv_cache_memory is None:
             # the pools take what is left, so measure what the largest steps really need
             self.activation_peak_bytes = sum(
                 measure_activation_peak_bytes(w.model, self.device, w.model.lm_head.weight.dtype, t, chunk,
-                                              self.max_beam_width) for w in self.workers)
+                                              step_rows) for w in self.workers)
         else:
             # the user sized the cache: a shape-based bound is enough to check it leaves room
             # (a measured warm-up costs seconds per engine on a CPU)
             self.activation_peak_bytes = sum(
-                estimate_activation_peak_bytes(w.arch, chunk, self.max_beam_width, self.dtype) for w in self.workers)
+                estimate_activation_peak_bytes(w.arch, chunk, step_rows, self.dtype) for w in self.workers)
         free_bytes = max(available_memory_bytes(self.device) - self.activation_peak_bytes, 0)
         kv_cache_bytes = int(free_bytes * cache_config.kv_cache_fraction)
         if cache_config.kv_cache_memory is not None:
@@ -113,10 +131,36 @@ class LLMEngine:
         self.decoder_start_token_id = generation.decoder_start_token_id
         self.suppress_token_ids = generation.suppress_token_ids
         self.forced_eos_token_id = generation.forced_eos_token_id
-        self.scheduler = Scheduler(self.cache, chunk)
+        self.scheduler = Scheduler(self.cache, chunk, self.num_draft_tokens)
         self.last_schedule: SchedulerOutput | None = None  # what the latest step ran (tests and benchmarks)
         self._requests: dict[str, Request] = {}
         self._num_rejected = 0
+        self._speculative_counts = {"rounds": 0, "steps": 0, "drafted_tokens": 0, "accepted_tokens": 0}
+
+    def _start_drafter(self) -> ModelDrafter | NgramDrafter | None:
+        """The drafter of `config.speculative`; a draft model joins as a second worker whose pools
+        ("draft", "draft/sliding_w") are sized with the target's from one budget."""
+        spec = self.speculative
+        if spec is None:
+            return None
+        if self.arch.is_encoder_decoder:
+            raise InvalidParameterError("speculative_method", "speculative decoding runs decoder-only models; "
+                                        "this model is an encoder-decoder")
+        if spec.method == "ngram":
+            return NgramDrafter()
+        draft_source = resolve_model(spec.model)
+        draft_model = load_model(draft_source, spec.dtype or self.dtype, self.device)
+        if not _same_token_ids(self.tokenizer, load_tokenizer(draft_source), self.arch.vocab_size,
+                               draft_model.arch.vocab_size):
+            raise InvalidParameterError(
+                "speculative_model", "{speculative_model} {value!r} must share the target's tokenizer (the same "
+                "token ids): its vocabulary differs from {model!r}'s", value=spec.model, model=self.config.model.model)
+        if draft_model.arch.is_encoder_decoder:
+            raise InvalidParameterError("speculative_model", "{speculative_model} {value!r} must be a decoder-only "
+                                        "model", value=spec.model)
+        worker = Worker("draft", draft_model, spec.dtype or self.dtype, prefix="draft")
+        self.workers.append(worker)
+        return ModelDrafter(worker, min(self.arch.vocab_size, draft_model.arch.vocab_size))
 
     @property
     def runner(self):
@@ -158,7 +202,8 @@ class LLMEngine:
                 encoder_token_ids, token_ids = token_ids, [self.decoder_start_token_id]
             admission = admit_check(self.cache, self.max_seq_len, len(token_ids), params.max_new_tokens,
                                     params.beam_width, encoder_tokens=len(encoder_token_ids or ()),
-                                    max_encoder_tokens=self.max_encoder_tokens)
+                                    max_encoder_tokens=self.max_encoder_tokens,
+                                    extra_tokens=self.num_draft_tokens, refeed_tokens=self.num_draft_tokens)
         except ValueError:
             self._num_rejected += 1
             raise
@@ -198,13 +243,17 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def stats(self) -> dict:
-        return {
+        stats = {
             "pools": {name: {"total_blocks": s["total_blocks"], "free_blocks": s["free_blocks"]}
                       for name, s in self.cache.stats().items()},
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "rejected": self._num_rejected,
         }
+        if self.speculative:
+            stats["speculative"] = {"method": self.speculative.method, "model": self.speculative.model,
+                                    "num_speculative_tokens": self.num_draft_tokens, **self._speculative_counts}
+        return stats
 
     # -- the loop ---------------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
@@ -214,6 +263,8 @@ class LLMEngine:
         self.last_schedule = schedule
         if not schedule.scheduled:
             return []
+        if self.drafter is not None:
+            return self._speculative_step(schedule)
         inputs: list[SequenceInput] = []
         rows: list[tuple[Request, int, int]] = []
         sources, cross_slots = [], []
@@ -245,17 +296,69 @@ class LLMEngine:
                        and request.decoder.batched_greedy]
         scores = StepScores(worker.execute(inputs), greedy_rows)  # a failure here fails the whole batch
         for request, start, end in rows:
-            try:
-                delta = request.advance(scores.rows(start, end))
-            except Exception as exc:  # noqa: BLE001  (this request's own work: it fails alone)
+            self._collect(deltas, request, request.advance, scores.rows(start, end))
+        return deltas
+
+    def _collect(self, deltas: list[RequestDelta], request: Request, advance, *args) -> None:
+        """Run one request's `advance(*args)`: its delta joins `deltas`; a finished request leaves;
+        one that raises fails alone."""
+        try:
+            delta = advance(*args)
+        except Exception as exc:  # noqa: BLE001  (this request's own work: it fails alone)
+            deltas.append(self._fail(request, exc))
+            return
+        if delta is None:
+            return
+        if delta.finished:
+            self.scheduler.remove(request)
+            del self._requests[request.request_id]
+        deltas.append(delta)
+
+    def _speculative_step(self, schedule: SchedulerOutput) -> list[RequestDelta]:
+        """Prefill chunks as usual (through the draft too: it must hold the prompt), and one
+        speculative round for every decoding request: the drafter fills each sequence's tree, the
+        target scores every pending and drafted token in one pass, and each request replays its
+        decoder on those scores (`Request.finish_round`)."""
+        deltas: list[RequestDelta] = []
+        prefills: list[tuple[Request, SequenceInput]] = []
+        rounds_by_request = []
+        for item in schedule.scheduled:
+            request = item.request
+            try:  # one request's inputs whole, or none of them
+                if item.num_prompt_tokens:
+                    prefills.append((request, request.prefill_input(item.num_prompt_tokens)))
+                else:
+                    branching = branching_for_width(request.params.beam_width)
+                    rounds_by_request.append((request, request.begin_round(self.num_draft_tokens, branching)))
+            except Exception as exc:  # noqa: BLE001
                 deltas.append(self._fail(request, exc))
-                continue
-            if delta is None:
-                continue
-            if delta.finished:
-                self.scheduler.remove(request)
-                del self._requests[request.request_id]
-            deltas.append(delta)
+        copies = self.cache.take_copies()
+        for worker in self.workers:
+            worker.copy_blocks(copies)
+        prefill_inputs = [seq for _, seq in prefills]
+        rounds = [rnd for _, request_rounds in rounds_by_request for rnd in request_rounds]
+        self.drafter.prefill(prefill_inputs)
+        self.drafter.draft(rounds)
+        target = self.workers[0]
+        if prefill_inputs:
+            scores = StepScores(target.execute(prefill_inputs))
+            for i, (request, _) in enumerate(prefills):
+                self._collect(deltas, request, request.advance, scores.rows(i, i + 1))
+        if rounds:
+            num_rows = 0
+            for rnd in rounds:
+                rnd.row_start = num_rows
+                num_rows += rnd.num_verify_tokens
+            logits = target.execute([rnd.verify_input() for rnd in rounds], all_logits=True)  # [num_rows, vocab]
+            logprobs = torch.log_softmax(logits, dim=-1)
+            counts = self._speculative_counts
+            for request, request_rounds in rounds_by_request:
+                self._collect(deltas, request, request.finish_round, request_rounds, logits, logprobs)
+                steps = getattr(request, "last_round_steps", 0)
+                counts["rounds"] += 1
+                counts["steps"] += steps
+                counts["drafted_tokens"] += sum(len(rnd.tree) for rnd in request_rounds)
+                counts["accepted_tokens"] += max(steps - 1, 0) * len(request_rounds)
         return deltas
 
     def _fail(self, request: Request, exc: Exception) -> RequestDelta:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from widebeam.decoding.decoders import BeamDecoder, RowScores, SamplingDecoder
 from widebeam.decoding.stop import held_back_chars, stop_string_cut
 from widebeam.detokenizer import IncrementalDetokenizer
@@ -20,6 +22,8 @@ from widebeam.kv.request_kv import RequestKV
 from widebeam.model.runner import SequenceInput
 from widebeam.outputs import CompletionOutput, RequestDelta, RequestOutput
 from widebeam.sched.admission import Admission
+from widebeam.speculative.round import SequenceRound
+from widebeam.speculative.tree import ROOT
 
 
 class Request:
@@ -37,7 +41,9 @@ class Request:
         self.encoder_token_ids = encoder_token_ids
         self.arrival_time = time.monotonic()
         self.num_prefilled_tokens = 0
-        self.next_token_ids: list[int] = []  # what each live sequence feeds next
+        # What each live sequence feeds next: its last chosen token, after a speculative round also
+        # the tokens accepted before it (their drafted K/V were discarded, so they are fed again).
+        self.pending_token_ids: list[list[int]] = []
         self.outputs: list[CompletionOutput] | None = None
         # Sampled requests stream text: decoded incrementally, sent once no stop string can start in it.
         self._detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None and self.is_sampling else None
@@ -62,7 +68,12 @@ class Request:
 
     @property
     def num_live_sequences(self) -> int:
-        return len(self.next_token_ids)
+        return len(self.pending_token_ids)
+
+    def num_step_tokens(self, num_draft_tokens: int = 0) -> int:
+        """Tokens a decode step of this request feeds: every pending token of every live sequence,
+        and up to `num_draft_tokens` drafted ones each when speculating."""
+        return sum(len(pending) + num_draft_tokens for pending in self.pending_token_ids)
 
     def remaining_blocks(self) -> dict[str, int]:
         """Blocks this request may still take, per pool: its reservation in the scheduler."""
@@ -87,7 +98,7 @@ class Request:
         """One token per live sequence; the beams of a request form one group (shared prefix)."""
         position = len(self.prompt_token_ids) + self.decoder.num_generated_tokens - 1
         slots = self.kv.decode_slots()
-        return [self._input([token], position, i, slots[i]) for i, token in enumerate(self.next_token_ids)]
+        return [self._input(pending, position, i, slots[i]) for i, pending in enumerate(self.pending_token_ids)]
 
     def _input(self, token_ids: list[int], position: int, seq_index: int, slots: dict[str, list[int]]) -> SequenceInput:
         tables = self.kv.block_tables(seq_index)
@@ -106,13 +117,15 @@ class Request:
         step = self.decoder.advance(scores)
         delta = RequestDelta(self.request_id, num_generated_tokens=num_generated, first_token=num_generated == 1)
         if self.is_sampling:
-            self.next_token_ids = step.token_ids
-            delta.new_token_ids = step.token_ids
-            self._stream_text(delta)
+            self.pending_token_ids = [step.token_ids]
+            self._stream_text(delta, step.token_ids)
         elif not self.decoder.done:
             self.kv.reorder(step.parent_indices)  # free -> fork; copy-on-write when the next step appends
-            self.next_token_ids = step.token_ids
-            self._stop_beams()
+            self.pending_token_ids = [[token] for token in step.token_ids]
+            stopped = self._stopped_beams()
+            if stopped:
+                self.kv.drop(stopped)
+                self.pending_token_ids = [p for i, p in enumerate(self.pending_token_ids) if i not in stopped]
         if self.decoder.done:
             self.kv.free()
             self.outputs = self._completions()
@@ -120,15 +133,89 @@ class Request:
             delta.output = self.output()
         return delta
 
-    def _stream_text(self, delta: RequestDelta) -> None:
-        """Append this step's text; send what no stop string can still claim.
+    # -- speculative rounds ---------------------------------------------------------------------------
+    def begin_round(self, num_draft_tokens: int, branching: int) -> list[SequenceRound]:
+        """Take slots for every live sequence's pending tokens and `num_draft_tokens` drafted ones, in
+        every pool at once, and describe the round (a drafter fills the trees)."""
+        committed = self.kv.num_tokens(0)
+        num_pending = len(self.pending_token_ids[0])
+        slots = self.kv.decode_slots(num_pending + num_draft_tokens)
+        generated = self.decoder.num_generated_tokens
+        # A round takes at most depth + 1 steps and never passes max_new_tokens, so deeper nodes
+        # would be wasted (and would sit past the positions admission checked).
+        max_depth = min(num_draft_tokens, max(0, self.admission.max_new_tokens - generated - 1))
+        if self.is_sampling:
+            histories = [self.prompt_token_ids + self.decoder.token_ids]
+        else:
+            histories = [self.prompt_token_ids + tokens for tokens in self.decoder.live_token_ids]
+        return [SequenceRound(committed, list(pending), self.kv.block_tables(i), slots[i], self.request_id,
+                              histories[i], max_depth, branching, num_draft_tokens)
+                for i, pending in enumerate(self.pending_token_ids)]
+
+    def finish_round(self, rounds: list[SequenceRound], logits: torch.Tensor, logprobs: torch.Tensor) -> RequestDelta:
+        """Replay the decoder on the verified scores (`logits`/`logprobs` [rows, vocab] of the whole
+        verify pass), one step at a time, while every sequence it continues is a drafted node, whose
+        next-token scores the target has computed; then keep what was chosen and roll the rest back.
+
+        Each step is the decoder's ordinary step on the target's own scores, so the result is the
+        one decoding without speculation gives: the same beams, tokens and scores (sampling draws
+        from the same distribution, by rejection against the drafted token)."""
+        decoder = self.decoder
+        current: list[tuple[int, int | None]] = [(i, ROOT) for i in range(len(rounds))]  # (old seq, node)
+        paths: list[list[int]] = [[] for _ in rounds]
+        delta = RequestDelta(self.request_id)
+        num_steps = 0
+        while True:
+            rows = torch.tensor([rounds[i].row(node) for i, node in current], device=logits.device)
+            scores = RowScores(logits.index_select(0, rows), logprobs.index_select(0, rows))
+            if self.is_sampling:
+                seq, node = current[0]
+                tree = rounds[seq].tree
+                drafted = tree.children(node)  # a chain: at most one
+                step, _ = decoder.advance_with_draft(scores, tree.token_ids[drafted[0]] if drafted else None)
+                self._stream_text(delta, step.token_ids)
+            else:
+                step = decoder.advance(scores)
+            num_steps += 1
+            if decoder.done:
+                break
+            current = [(current[p][0], rounds[current[p][0]].tree.child(current[p][1], token))
+                       for p, token in zip(step.parent_indices, step.token_ids)]
+            paths = [paths[p] + [token] for p, token in zip(step.parent_indices, step.token_ids)]
+            if not self.is_sampling:
+                stopped = self._stopped_beams()
+                current = [c for i, c in enumerate(current) if i not in stopped]
+                paths = [path for i, path in enumerate(paths) if i not in stopped]
+                if decoder.done:
+                    break
+            if any(node is None for _, node in current):
+                break  # the next step's scores were not drafted: the round ends here
+        self.last_round_steps = num_steps
+        delta.num_generated_tokens = decoder.num_generated_tokens
+        if decoder.done:
+            self.kv.free()
+            self.outputs = self._completions()
+            delta.finished = True
+            delta.output = self.output()
+            return delta
+        # Drafted K/V go (each sequence keeps its pending tokens, written at their own positions),
+        # then the chosen sequences fork: the held count only falls before `reorder`.
+        for i, rnd in enumerate(rounds):
+            self.kv.truncate(i, rnd.committed_tokens + rnd.num_pending)
+        self.kv.reorder([seq for seq, _ in current])
+        self.pending_token_ids = paths
+        return delta
+
+    def _stream_text(self, delta: RequestDelta, token_ids: list[int]) -> None:
+        """Append these tokens and their text to the delta; send what no stop string can still claim.
 
         A stop string can only start in the unsent text: what was sent never ended in the start of
         one (`held_back_chars`), so each step searches the unsent text alone, whose length is
         bounded by the longest stop string plus the step's new characters."""
+        delta.new_token_ids.extend(token_ids)
         if self._detokenizer is None:
             return
-        self._unsent += self._detokenizer.add(delta.new_token_ids)
+        self._unsent += self._detokenizer.add(token_ids)
         if self.decoder.done:  # the last token: whatever the detokenizer still holds (a cut character)
             self._unsent += self._detokenizer.flush()
         stops = self.params.stop
@@ -138,14 +225,16 @@ class Request:
             self.decoder.stop()
         safe_end = len(self._unsent) if self.decoder.done else len(self._unsent) - held_back_chars(self._unsent, stops)
         if safe_end:
-            delta.new_text = self._unsent[:safe_end]
-            self._sent.append(delta.new_text)
+            piece = self._unsent[:safe_end]
+            delta.new_text += piece
+            self._sent.append(piece)
             self._unsent = self._unsent[safe_end:]
 
-    def _stop_beams(self) -> None:
-        """Finish the live beams whose text now holds a stop string, and release their blocks."""
+    def _stopped_beams(self) -> set[int]:
+        """Finish the live beams whose text now holds a stop string; their indices (the caller
+        releases their blocks)."""
         if not self.params.stop or self.tokenizer is None:
-            return
+            return set()
         # Each beam's text is decoded whole: beams are reordered every step, so no per-beam
         # incremental state survives (a known cost for long beams with stop strings).
         stopped = [i for i, token_ids in enumerate(self.decoder.live_token_ids)
@@ -153,9 +242,7 @@ class Request:
                                       self.params.stop) is not None]
         if stopped:
             self.decoder.stop(stopped)
-            self.kv.drop(stopped)
-            gone = set(stopped)
-            self.next_token_ids = [t for i, t in enumerate(self.next_token_ids) if i not in gone]
+        return set(stopped)
 
     def free(self) -> None:
         """Give back every block; safe to call twice (abort after finish)."""

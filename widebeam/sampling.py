@@ -36,3 +36,28 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
         probs = torch.softmax(filtered_logits(logits.float(), params), dim=-1)
         token = int(torch.multinomial(probs.cpu(), 1, generator=generator))
     return token, float(logprobs[token])
+
+
+def verify_draft_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+                       draft_token: int | None, logprobs: torch.Tensor | None = None) -> tuple[int, float, bool]:
+    """Speculative rejection sampling against a point-mass proposal (the draft proposes one token,
+    deterministically): accept `draft_token` with probability p(draft), else sample from p with the
+    draft token removed and renormalised. The token's distribution is p exactly:
+    P(x) = p(x) for the drafted x, and (1 - p(x)) * p(y) / (1 - p(x)) = p(y) for any other y.
+    Greedy (p one-hot at the argmax) reduces to "accept iff the draft is the argmax".
+    Returns (token, its log-prob under the model, accepted)."""
+    if draft_token is None:
+        token, logprob = sample_token(logits, params, generator, logprobs)
+        return token, logprob, False
+    if logprobs is None:
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+    if params.greedy:
+        token = int(torch.argmax(logits))
+        return token, float(logprobs[token]), token == draft_token
+    probs = torch.softmax(filtered_logits(logits.float(), params), dim=-1).cpu()
+    if float(torch.rand(1, generator=generator)) < float(probs[draft_token]):
+        return draft_token, float(logprobs[draft_token]), True
+    residual = probs.clone()
+    residual[draft_token] = 0.0
+    token = int(torch.multinomial(residual, 1, generator=generator))
+    return token, float(logprobs[token]), False

@@ -16,7 +16,7 @@ import torch
 from widebeam.beam.search import BeamSearchState, Hypothesis
 from widebeam.decoding.processors import LogitsProcessor, apply_processors, forcing_eos
 from widebeam.params import BeamSearchParams, SamplingParams
-from widebeam.sampling import sample_token
+from widebeam.sampling import sample_token, verify_draft_token
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,20 @@ class SamplingDecoder:
             token, logprob = sample_token(logits[0], self.params, self.generator)
         else:
             token, logprob = sample_token(scores.logits[0], self.params, self.generator, scores.logprobs[0])
+        return self._record(token, logprob)
+
+    def advance_with_draft(self, scores: RowScores, draft_token: int | None) -> tuple[Advance, bool]:
+        """One row -> the next token, verifying a drafted one (speculative rejection sampling, see
+        `verify_draft_token`): (the step, whether the draft was accepted). The token's distribution
+        is the one `advance` samples from, so speculation changes speed, not output."""
+        logits = scores.logits
+        if self.processors:
+            logits = apply_processors(self.processors, logits.clone(), self.num_generated_tokens)
+        token, logprob, accepted = verify_draft_token(logits[0], self.params, self.generator, draft_token,
+                                                      None if self.processors else scores.logprobs[0])
+        return self._record(token, logprob), accepted
+
+    def _record(self, token: int, logprob: float) -> Advance:
         self.token_ids.append(token)
         self.cumulative_logprob += logprob
         params = self.params

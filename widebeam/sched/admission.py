@@ -25,10 +25,12 @@ class Admission:
 
 
 def admit_check(cache: KVCache, max_seq_len: int, prompt_len: int, max_new_tokens: int | None,
-                beam_width: int = 1, encoder_tokens: int = 0, max_encoder_tokens: int = 0) -> Admission:
+                beam_width: int = 1, encoder_tokens: int = 0, max_encoder_tokens: int = 0,
+                extra_tokens: int = 0, refeed_tokens: int = 0) -> Admission:
     """Validate lengths against `max_seq_len` (and an encoder-decoder request's source, of
     `encoder_tokens`, against the model's `max_encoder_tokens`), then every pool's budget, the
-    cross pool's `ceil(E/T)` included; raise if it can never run."""
+    cross pool's `ceil(E/T)` included; raise if it can never run. `extra_tokens` (D) and
+    `refeed_tokens` are what speculative decoding adds per sequence (see kv/budget.py)."""
     if prompt_len < 1:
         raise InvalidParameterError("prompt", "prompt is empty: give at least one token")
     if max_encoder_tokens and encoder_tokens > max_encoder_tokens:
@@ -51,5 +53,6 @@ def admit_check(cache: KVCache, max_seq_len: int, prompt_len: int, max_new_token
             f"prompt ({prompt_len} tokens) + {{max_new_tokens}} ({max_new_tokens}) exceeds max_seq_len "
             f"({max_seq_len}); use {{max_new_tokens}} <= {max_seq_len - prompt_len}",
         )
-    kv_request = KVRequest(prompt_len, max_new_tokens, beam_width, encoder_tokens=encoder_tokens)
+    kv_request = KVRequest(prompt_len, max_new_tokens, beam_width, extra_tokens=extra_tokens,
+                           refeed_tokens=refeed_tokens, encoder_tokens=encoder_tokens)
     return Admission(max_new_tokens, kv_request, cache.check_fits(kv_request))

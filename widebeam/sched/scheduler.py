@@ -35,6 +35,8 @@ class SchedulableRequest(Protocol):
     @property
     def num_live_sequences(self) -> int: ...
 
+    def num_step_tokens(self, num_draft_tokens: int = 0) -> int: ...
+
     def remaining_blocks(self) -> dict[str, int]: ...
 
 
@@ -59,11 +61,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, cache: KVCache, max_num_batched_tokens: int):
+    def __init__(self, cache: KVCache, max_num_batched_tokens: int, num_draft_tokens: int = 0):
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         self.cache = cache
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.num_draft_tokens = num_draft_tokens  # D drafted tokens per sequence each speculative step
         self.waiting: deque[SchedulableRequest] = deque()
         self.running: list[SchedulableRequest] = []
 
@@ -89,7 +92,7 @@ class Scheduler:
             if not request.prompt_done:
                 prefilling.append(request)
                 continue
-            cost = request.num_live_sequences
+            cost = request.num_step_tokens(self.num_draft_tokens)
             if cost <= budget or not out.scheduled:
                 out.scheduled.append(ScheduledRequest(request, 0))
                 budget -= cost

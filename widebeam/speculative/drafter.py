@@ -1,0 +1,78 @@
+"""Drafters: fill each sequence's `DraftTree` for a round.
+
+- `NgramDrafter` ("ngram"): prompt lookup, one chain per sequence, no model.
+- `ModelDrafter` ("draft"): a second model in its own worker and pools. One pass over the pending
+  tokens (with the step's prompt chunks, which the draft must also hold), then one pass per tree
+  level over the previous level's nodes (tree attention), best-first within each sequence's budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from widebeam.model.runner import SequenceInput
+from widebeam.speculative.ngram import lookup_continuation
+from widebeam.speculative.round import SequenceRound
+from widebeam.speculative.tree import ROOT
+
+
+class NgramDrafter:
+    def prefill(self, inputs: Sequence[SequenceInput]) -> None:
+        """Nothing to hold: prompt lookup reads the request's tokens."""
+
+    def draft(self, rounds: Sequence[SequenceRound]) -> None:
+        for rnd in rounds:
+            parent = ROOT
+            for token_id in lookup_continuation(rnd.history, min(rnd.max_depth, rnd.max_nodes)):
+                parent = rnd.tree.add(parent, token_id)
+
+
+class ModelDrafter:
+    def __init__(self, worker, vocab_size: int):
+        self.worker = worker
+        self.vocab_size = vocab_size  # the target's: the draft never proposes a token it lacks
+
+    def prefill(self, inputs: Sequence[SequenceInput]) -> None:
+        """Write the step's prompt chunks into the draft's pools (logits unused)."""
+        if inputs:
+            self.worker.execute(list(inputs))
+
+    def draft(self, rounds: Sequence[SequenceRound]) -> None:
+        active = [rnd for rnd in rounds if rnd.max_depth > 0]
+        if not active:
+            return
+        logits = self.worker.execute([rnd.pending_input() for rnd in active])  # [num_seqs, vocab]
+        self._expand(active, [[ROOT] for _ in active], logits)
+        depth = 1
+        while True:
+            growing = [rnd for rnd in active
+                       if depth < rnd.max_depth and len(rnd.tree) < rnd.max_nodes and rnd.tree.level(depth)]
+            if not growing:
+                return
+            inputs = [rnd.level_input(depth) for rnd in growing]
+            logits = self.worker.execute(inputs, all_logits=True)  # [num_nodes, vocab]
+            self._expand(growing, [rnd.tree.level(depth) for rnd in growing], logits)
+            depth += 1
+
+    def _expand(self, rounds: Sequence[SequenceRound], parents: Sequence[list[int]], logits: torch.Tensor) -> None:
+        """Add each parent's best children, best-first by the draft's path score within each
+        sequence's node budget; one top-k and one host read for all rows."""
+        width = max(rnd.branching for rnd in rounds)
+        logprobs = torch.log_softmax(logits[:, :self.vocab_size].float(), dim=-1)
+        top = torch.topk(logprobs, width, dim=-1)
+        values, tokens = top.values.tolist(), top.indices.tolist()
+        row = 0
+        for rnd, nodes in zip(rounds, parents):
+            candidates = []
+            for node in nodes:
+                base = 0.0 if node == ROOT else rnd.tree.scores[node]
+                candidates.extend((base + v, node, t) for v, t in zip(values[row][:rnd.branching],
+                                                                       tokens[row][:rnd.branching]))
+                row += 1
+            candidates.sort(key=lambda c: -c[0])
+            for score, node, token_id in candidates:
+                if len(rnd.tree) >= rnd.max_nodes:
+                    break
+                rnd.tree.add(node, token_id, score)
