@@ -25,6 +25,7 @@ from widebeam import memstats
 from widebeam.argtypes import byte_size, int_at_least
 from widebeam.defaults import DEFAULT_MODEL, DEFAULT_TOKENS_PER_BLOCK
 from widebeam.memstats import rss_bytes
+from widebeam.server.serve_cli import add_speculative_arguments, speculative_kwargs
 from widebeam.units import format_bytes
 
 # torch and transformers are imported where used: `widebeam plan` builds this parser too, and stays quick.
@@ -52,6 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int_at_least(1), default=2)
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"JSON path; the plot goes next to it (default {DEFAULT_OUT})")
+    # widebeam's side only (transformers runs plain beam search); beam search stays exact with speculation
+    add_speculative_arguments(parser)
 
 
 def peak_rss_bytes() -> int:
@@ -178,7 +181,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     if not args.no_wide:
         points += [(w, p) for p in args.wide_prompt_lens for w in args.wide_widths if (w, p) not in points]
     llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
-              max_beam_width=max(w for w, _ in points), tokens_per_block=args.tokens_per_block)
+              max_beam_width=max(w for w, _ in points), tokens_per_block=args.tokens_per_block,
+              **speculative_kwargs(args))
     dtype = llm.engine.model.lm_head.weight.dtype
     hf = AutoModelForCausalLM.from_pretrained(str(llm.engine.source.path), dtype=dtype).eval()
     eos_id = min(llm.engine.eos_token_ids)
@@ -189,12 +193,17 @@ def run(args: argparse.Namespace) -> list[dict]:
     run_hf(hf, warm, 2, 4, eos_id)
 
     out_path = Path(args.out)
+    # the speculative settings a point ran with (none without speculation)
+    spec_config = llm.engine.config.speculative
+    speculative = {} if spec_config is None else {"speculative": {
+        "method": spec_config.method, "model": spec_config.model,
+        "num_speculative_tokens": spec_config.num_speculative_tokens}}
     rows = []
     for width, prompt_len in points:
         prompt_ids = make_prompt(llm.tokenizer, prompt_len, vocab_size)
         n = args.max_new_tokens
         row = {"beam_width": width, "prompt_len": len(prompt_ids), "max_new_tokens": n, "dtype": args.dtype,
-               "threads": args.threads, "tokens_per_block": args.tokens_per_block,
+               "threads": args.threads, "tokens_per_block": args.tokens_per_block, **speculative,
                "compute_floor_s": compute_floor_s(hf, len(prompt_ids), width, n, dtype),
                "attention_floor_s": attention_floor_s(hf, len(prompt_ids), width, n, dtype)}
         wb = run_widebeam(llm, prompt_ids, width, n)

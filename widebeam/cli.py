@@ -17,6 +17,7 @@ from widebeam.defaults import (
     DEFAULT_MODEL,
     DEFAULT_TOKENS_PER_BLOCK,
 )
+from widebeam.server.serve_cli import add_speculative_arguments, error_message, speculative_kwargs
 from widebeam.units import format_bytes
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="weights and KV dtype")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--list-models", action="store_true", help="list the built-in model names and exit")
+    add_speculative_arguments(p)
     p.set_defaults(func=_cmd_plan)
     g = sub.add_parser("generate", help="generate a completion for one prompt")
     g.add_argument("prompt", help="the prompt text (with --chat: the user message)")
@@ -69,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-cache-memory", type=_byte_size, default=_byte_size("1GiB"))
     g.add_argument("--tokens-per-block", type=_int_at_least(1), default=DEFAULT_TOKENS_PER_BLOCK)
     g.add_argument("--json", action="store_true", help="print one JSON object")
+    add_speculative_arguments(g)
     g.set_defaults(func=_cmd_generate)
 
     from widebeam.server.serve_cli import add_serve_parser
@@ -90,7 +93,7 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     try:
         bench.run(args)
     except WidebeamError as exc:
-        print(f"widebeam bench: error: {exc}", file=sys.stderr)
+        print(f"widebeam bench: error: {error_message(exc)}", file=sys.stderr)
         return 1
     return 0
 
@@ -110,12 +113,12 @@ def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                     top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
         llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,
-                  tokens_per_block=args.tokens_per_block, max_beam_width=max(args.beam_width or 1, 1))
+                  tokens_per_block=args.tokens_per_block, max_beam_width=max(args.beam_width or 1, 1),
+                  **speculative_kwargs(args))
         prompt = llm.engine.apply_chat_template(args.prompt) if args.chat else args.prompt
         (output,) = llm.generate([prompt], params, use_tqdm=False)
     except (WidebeamError, ValueError, FileNotFoundError) as exc:
-        name = getattr(exc, "param", None)
-        parser.error(f"{'argument --' + name.replace('_', '-') + ': ' if name else ''}{exc}")
+        parser.error(error_message(exc))
     if args.json:
         print(json.dumps({
             "prompt": prompt,
@@ -161,6 +164,7 @@ def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         arch = load_arch(args.model)
     except ConfigError as exc:
         parser.error(f"argument --model: {exc}")
+    speculative, draft_arch = _plan_speculative(args, parser)
     inputs = PlanInputs(
         memory_bytes=args.memory,
         beam_width=args.beam_width,
@@ -171,9 +175,10 @@ def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         dtype=args.dtype,
         max_num_batched_tokens=args.max_num_batched_tokens,
         encoder_len=args.encoder_len,
+        speculative=speculative,
     )
     try:
-        result = plan(arch, inputs)
+        result = plan(arch, inputs, draft_arch)
     except PlanError as exc:
         parser.error(f"argument --memory: {exc}")
     if args.json:
@@ -181,6 +186,26 @@ def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     else:
         _print_plan(result)
     return 0
+
+
+def _plan_speculative(args: argparse.Namespace, parser: argparse.ArgumentParser):
+    """The plan's `SpeculativeConfig` (None without speculation), checked by the engine's own rules,
+    and the draft model's arch (None without a draft model)."""
+    from widebeam.config import EngineConfig
+    from widebeam.errors import InvalidParameterError
+    from widebeam.model.arch import ConfigError
+    from widebeam.model.families import load_arch
+
+    try:
+        speculative = EngineConfig.from_kwargs(args.model, **speculative_kwargs(args)).speculative
+    except InvalidParameterError as exc:
+        parser.error(error_message(exc))
+    if speculative is None or speculative.model is None:
+        return speculative, None
+    try:
+        return speculative, load_arch(speculative.model)
+    except ConfigError as exc:
+        parser.error(f"argument --speculative-model: {exc}")
 
 
 def _print_plan(result: dict) -> None:
@@ -195,18 +220,27 @@ def _print_plan(result: dict) -> None:
     sizing.add_column("term")
     sizing.add_column("value", justify="right")
     sizing.add_row("memory", format_bytes(result["memory_bytes"]))
-    sizing.add_row("- weights", format_bytes(result["weight_bytes"]))
-    sizing.add_row("- activation reserve", format_bytes(result["activation_reserve_bytes"]))
+    spec = result.get("speculative")
+    for term, key in (("weights", "weight_bytes"), ("activation reserve", "activation_reserve_bytes")):
+        if spec and f"draft_{key}" in spec:  # a draft model: its share of the term beside the total
+            sizing.add_row(f"- {term} incl. draft", f"{format_bytes(result[key])} "
+                                                    f"(draft {format_bytes(spec[f'draft_{key}'])})")
+        else:
+            sizing.add_row(f"- {term}", format_bytes(result[key]))
     sizing.add_row("x kv cache fraction", f"{result['kv_cache_fraction']:g}")
     sizing.add_row("= KV cache", format_bytes(result["kv_cache_bytes"]))
     sizing.add_row("KV bytes per token (all layers)", str(result["bytes_per_token"]))
     sizing.add_row("tokens per block", str(result["tokens_per_block"]))
     sizing.add_row("max_seq_len (model limit)", f"{result['max_seq_len']} ({result['model_max_seq_len']})")
+    if spec:
+        sizing.add_row("speculative", f"{spec['method']}{' ' + spec['model'] if spec['model'] else ''}, "
+                                      f"D={spec['num_speculative_tokens']}")
     console.print(sizing)
 
     source = f"source {req['encoder_len']} -> decoder " if "encoder_len" in req else ""
+    speculative = f", +{spec['num_speculative_tokens']} speculative per sequence" if spec else ""
     pools = Table(title=f"request: {source}prompt {req['prompt_len']}, new {req['max_new_tokens']}, "
-                        f"beam {req['beam_width']}")
+                        f"beam {req['beam_width']}{speculative}")
     for column in ("pool", "kind", "layers", "bytes/token", "required blocks", "capacity blocks", "fits", "at once"):
         pools.add_column(column, justify="right" if column not in ("pool", "kind") else "left")
     for p in result["pools"]:

@@ -1,13 +1,18 @@
 """Capacity planning: how a model, a memory size and a request shape map onto KV blocks.
 
 `plan()` runs the same sizing and budget code the engine uses (kv/sizing.py, kv/cache.py), and sets
-the naive per-beam-copy model beside it so the difference is visible.
+the naive per-beam-copy model beside it so the difference is visible. With speculative decoding the
+draft model's pools ("draft", "draft/sliding_512", ...) are sized beside the target's from the same
+budget, and every per-sequence pool reserves D speculative tokens per sequence.
+
+This module stays free of torch (`widebeam plan` must be quick and run anywhere).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from widebeam.config import SpeculativeConfig
 from widebeam.defaults import (
     DEFAULT_KV_CACHE_FRACTION,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -22,8 +27,11 @@ from widebeam.kv.budget import (
 )
 from widebeam.kv.cache import KVCache
 from widebeam.kv.sizing import size_pools
+from widebeam.kv.spec import PoolSpec
 from widebeam.model.activation import estimate_activation_peak_bytes
 from widebeam.model.arch import CROSS_POOL, ModelArch
+
+DRAFT_PREFIX = "draft"  # the draft worker's name prefix, as the engine gives it (widebeam/worker.py)
 
 
 @dataclass(frozen=True)
@@ -39,37 +47,83 @@ class PlanInputs:
     # Encoder-decoder models: E, the source tokens (default: prompt_len). The decoder's own prompt
     # is then its start token alone.
     encoder_len: int | None = None
+    # Speculative decoding (None: off): "draft" needs the draft model's arch passed to `plan()`;
+    # "ngram" has no draft model, only the target's D tokens per sequence.
+    speculative: SpeculativeConfig | None = None
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """D, the tokens every per-sequence pool reserves per sequence beyond P + N (0 without speculation)."""
+        return 0 if self.speculative is None else self.speculative.num_speculative_tokens
 
     def request(self, arch: ModelArch) -> KVRequest:
         """What the cache is asked to hold: for an encoder-decoder model the source goes to the
-        cross pool and the decoder prompt is one token."""
+        cross pool and the decoder prompt is one token; with speculation D more tokens per sequence."""
+        # D draft tokens written per step, and up to D accepted ones fed again the next round
+        d = self.num_speculative_tokens
         if not arch.is_encoder_decoder:
-            return KVRequest(self.prompt_len, self.max_new_tokens, self.beam_width)
+            return KVRequest(self.prompt_len, self.max_new_tokens, self.beam_width, extra_tokens=d, refeed_tokens=d)
         encoder_len = self.prompt_len if self.encoder_len is None else self.encoder_len
-        return KVRequest(1, self.max_new_tokens, self.beam_width, encoder_tokens=encoder_len)
+        return KVRequest(1, self.max_new_tokens, self.beam_width, extra_tokens=d, encoder_tokens=encoder_len,
+                         refeed_tokens=d)
 
 
 class PlanError(ValueError):
     """The inputs leave nothing for the KV cache."""
 
 
-def plan(arch: ModelArch, inputs: PlanInputs) -> dict:
-    """The capacity plan as a JSON-ready dict (see `widebeam plan --json`)."""
+def scoped_pool_name(prefix: str, local_name: str) -> str:
+    """The engine's name of a worker's pool, the rule of `widebeam.worker.scoped_pool_name` (copied:
+    that module imports torch): the model's own without a prefix; else the prefix alone for the self
+    pool ("draft") and prefix/name for the others ("draft/sliding_512")."""
+    if not prefix:
+        return local_name
+    return prefix if local_name == "self" else f"{prefix}/{local_name}"
+
+
+def _draft_specs(draft_arch: ModelArch, dtype: str) -> list[PoolSpec]:
+    specs = []
+    for spec in draft_arch.kv_pool_specs(dtype):
+        name = scoped_pool_name(DRAFT_PREFIX, spec.name)
+        specs.append(spec if spec.name == name else replace(spec, name=name))
+    return specs
+
+
+def plan(arch: ModelArch, inputs: PlanInputs, draft_arch: ModelArch | None = None) -> dict:
+    """The capacity plan as a JSON-ready dict (see `widebeam plan --json`).
+
+    `draft_arch`: the draft model's arch, required with `inputs.speculative.method == "draft"`. Its
+    weights and activation reserve come off the same memory, and its pools share the KV budget with
+    the target's, sized by the same `size_pools` call (as the engine sizes its workers' pools)."""
+    spec_config = inputs.speculative
+    uses_draft = spec_config is not None and spec_config.method == "draft"
+    if uses_draft and draft_arch is None:
+        raise ValueError("speculative method 'draft' needs the draft model's arch (draft_arch)")
+    if not uses_draft:
+        draft_arch = None
     weight_bytes = arch.weight_bytes(inputs.dtype)
-    # the engine's own estimate, for an engine whose widest request is this one
+    # the engine's own estimate, for an engine whose widest request is this one (summed over its workers)
     reserve_bytes = estimate_activation_peak_bytes(arch, inputs.max_num_batched_tokens, inputs.beam_width,
                                                    inputs.dtype)
+    draft_weight_bytes = draft_reserve_bytes = 0
+    if draft_arch is not None:
+        draft_weight_bytes = draft_arch.weight_bytes(inputs.dtype)
+        draft_reserve_bytes = estimate_activation_peak_bytes(draft_arch, inputs.max_num_batched_tokens,
+                                                             inputs.beam_width, inputs.dtype)
+        weight_bytes += draft_weight_bytes
+        reserve_bytes += draft_reserve_bytes
     left_bytes = inputs.memory_bytes - weight_bytes - reserve_bytes
     if left_bytes <= 0:
         raise PlanError(
-            f"--memory {inputs.memory_bytes} bytes leaves nothing for the KV cache: the weights need "
+            f"--memory {inputs.memory_bytes} bytes leaves nothing for the KV cache: the weights"
+            f"{' (target and draft)' if draft_arch is not None else ''} need "
             f"{weight_bytes} bytes and the activation reserve {reserve_bytes} bytes; "
             f"use --memory > {weight_bytes + reserve_bytes}"
         )
     kv_cache_bytes = int(left_bytes * inputs.kv_cache_fraction)
     t = inputs.tokens_per_block
 
-    specs = arch.kv_pool_specs(inputs.dtype)
+    specs = arch.kv_pool_specs(inputs.dtype) + (_draft_specs(draft_arch, inputs.dtype) if draft_arch else [])
     chunk = inputs.max_num_batched_tokens
     request = inputs.request(arch)
     # cross pools are sized for the longest source the model takes (its position limit)
@@ -138,6 +192,8 @@ def plan(arch: ModelArch, inputs: PlanInputs) -> dict:
             "beam_width": inputs.beam_width,
             **({"encoder_len": request.encoder_tokens} if arch.is_encoder_decoder else {}),
         },
+        **({"speculative": _speculative_entry(spec_config, draft_arch, draft_weight_bytes, draft_reserve_bytes)}
+           if spec_config is not None else {}),
         "pools": pools,
         "fits": fits,
         "max_concurrent_requests": max_concurrent,
@@ -149,3 +205,12 @@ def plan(arch: ModelArch, inputs: PlanInputs) -> dict:
             **naive_cross,
         },
     }
+
+
+def _speculative_entry(config: SpeculativeConfig, draft_arch: ModelArch | None, draft_weight_bytes: int,
+                       draft_reserve_bytes: int) -> dict:
+    entry = {"method": config.method, "model": config.model, "num_speculative_tokens": config.num_speculative_tokens}
+    if draft_arch is not None:
+        entry.update(draft_model=draft_arch.name, draft_weight_bytes=draft_weight_bytes,
+                     draft_activation_reserve_bytes=draft_reserve_bytes)
+    return entry

@@ -33,10 +33,31 @@ class _EngineCollector:
         rejected.add_metric([], stats.get("rejected", 0))
         total = GaugeMetricFamily("widebeam_kv_blocks_total", "KV blocks in the pool", labels=["pool"])
         free = GaugeMetricFamily("widebeam_kv_blocks_free", "KV blocks free in the pool", labels=["pool"])
-        for pool, s in sorted(stats.get("pools", {}).items()):
+        for pool, s in sorted(stats.get("pools", {}).items()):  # every worker's pools: "self", "draft/sliding_512"
             total.add_metric([pool], s["total_blocks"])
             free.add_metric([pool], s["free_blocks"])
         yield from (running, waiting, rejected, total, free)
+        if "speculative" in stats:
+            yield from _speculative_metrics(stats["speculative"])
+
+
+def _speculative_metrics(spec: dict):
+    """Speculative decoding's counters (only when the engine speculates), labelled by its method.
+    The acceptance rate is accepted / drafted; tokens per round, (accepted + rounds) / rounds."""
+    labels, values = ["method"], [spec["method"]]
+    tokens = GaugeMetricFamily("widebeam_speculative_num_tokens",
+                               "Tokens drafted per sequence and round (D, --num-speculative-tokens)", labels=labels)
+    tokens.add_metric(values, spec["num_speculative_tokens"])
+    rounds = CounterMetricFamily("widebeam_speculative_rounds", "Speculative rounds run (draft, then one "
+                                 "verifying target pass)", labels=labels)
+    rounds.add_metric(values, spec["rounds"])
+    drafted = CounterMetricFamily("widebeam_speculative_drafted_tokens", "Tokens the draft proposed",
+                                  labels=labels)
+    drafted.add_metric(values, spec["drafted_tokens"])
+    accepted = CounterMetricFamily("widebeam_speculative_accepted_tokens", "Drafted tokens the target accepted",
+                                   labels=labels)
+    accepted.add_metric(values, spec["accepted_tokens"])
+    yield from (tokens, rounds, drafted, accepted)
 
 
 class ServerMetrics:

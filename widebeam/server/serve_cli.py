@@ -3,7 +3,8 @@
 `widebeam/cli.py` adds the subcommand with `add_serve_parser(sub)`; its `func` default calls
 `run_serve`. `python -m widebeam.server.serve_cli [options]` runs it alone. Bad input gets one line
 naming the argument, and exit code 2, like the rest of the command line. This module imports nothing
-from `cli.py` (which imports it): both take the parser and value types from `argtypes.py`.
+from `cli.py` (which imports it): both take the parser and value types from `argtypes.py`, and the
+speculative decoding options (`add_speculative_arguments`, `speculative_kwargs`) from here.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from widebeam.argtypes import EXIT_USAGE, OneLineParser
 from widebeam.argtypes import byte_size as _byte_size
 from widebeam.argtypes import fraction as _fraction
 from widebeam.argtypes import int_at_least as _int_at_least
+from widebeam.config import SPECULATIVE_METHODS
 from widebeam.defaults import (
     DEFAULT_KV_CACHE_FRACTION,
     DEFAULT_MAX_BEAM_WIDTH,
@@ -29,6 +31,11 @@ from widebeam.defaults import (
 )
 
 DTYPES = ("float32", "bfloat16", "float16")
+MAX_NUM_SPECULATIVE_TOKENS = 64  # SpeculativeConfig's bound on D
+# The engine's parameter names as the command line spells them, for the errors SpeculativeConfig raises.
+SPECULATIVE_FLAG_NAMES = {"speculative_model": "--speculative-model",
+                          "num_speculative_tokens": "--num-speculative-tokens",
+                          "speculative_method": "--speculative-method"}
 API_KEY_ENV = "WIDEBEAM_API_KEY"
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 EXIT_INTERRUPTED = 130
@@ -51,6 +58,51 @@ def _seconds(text: str) -> float:
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
     return value
+
+
+def _num_speculative_tokens(text: str) -> int:
+    bounds = f"[1, {MAX_NUM_SPECULATIVE_TOKENS}]"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer in {bounds}, got {text!r}") from None
+    if not 1 <= value <= MAX_NUM_SPECULATIVE_TOKENS:
+        raise argparse.ArgumentTypeError(f"must be in {bounds}, got {value}")
+    return value
+
+
+def add_speculative_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """`--speculative-model`, `--num-speculative-tokens`, `--speculative-method` (generate, bench, serve,
+    plan). Unset ones are None; `speculative_kwargs(args)` hands them to `LLM`/`LLMEngine`, whose
+    `SpeculativeConfig` rejects bad combinations."""
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--speculative-model", default=None, metavar="MODEL",
+                   help="draft model (alias, Hugging Face dir or .gguf; same tokenizer as --model): it proposes "
+                        "tokens the target verifies in one pass; turns speculation on (method draft)")
+    g.add_argument("--num-speculative-tokens", type=_num_speculative_tokens, default=None, metavar="D",
+                   help=f"tokens drafted per sequence and round, 1..{MAX_NUM_SPECULATIVE_TOKENS}; every "
+                        "per-sequence KV pool reserves D more per sequence (default 4 with speculation)")
+    g.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default=None,
+                   help="draft: a second model (--speculative-model); ngram: copy from the request's own prompt "
+                        "and output, no draft model (default: draft when --speculative-model is given)")
+    return p
+
+
+def speculative_kwargs(args: argparse.Namespace) -> dict:
+    """The speculative keyword arguments of `LLM`/`LLMEngine` from parsed options (None where not given)."""
+    return {"speculative_model": args.speculative_model, "num_speculative_tokens": args.num_speculative_tokens,
+            "speculative_method": args.speculative_method}
+
+
+def error_message(exc: Exception, missing_file_param: str | None = None) -> str:
+    """One line for an engine start-up error: the argument it names (`missing_file_param` for a
+    FileNotFoundError without one), then the message, the speculative parameters called by their flags."""
+    name = getattr(exc, "param", None) or (missing_file_param if isinstance(exc, FileNotFoundError) else None)
+    # only SpeculativeConfig's own errors are re-rendered: others may carry context in their args
+    # (`LLM.generate` prefixes which prompt of the batch failed)
+    message = exc.render(SPECULATIVE_FLAG_NAMES) if name in SPECULATIVE_FLAG_NAMES and hasattr(exc, "render") \
+        else str(exc)
+    return f"{'argument --' + name.replace('_', '-') + ': ' if name else ''}{message}"
 
 
 def is_loopback(host: str) -> bool:
@@ -103,6 +155,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "before they are aborted with an error; then the server exits 0 "
                         f"(default {DEFAULT_SHUTDOWN_TIMEOUT_S:g})")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    add_speculative_arguments(p)
     return p
 
 
@@ -143,10 +196,9 @@ def run_serve(args: argparse.Namespace) -> int:
         engine = LLMEngine(args.model, dtype=args.dtype, device=args.device, tokens_per_block=args.tokens_per_block,
                            kv_cache_memory=args.kv_cache_memory, kv_cache_fraction=args.kv_cache_fraction,
                            max_seq_len=args.max_seq_len, max_beam_width=args.max_beam_width,
-                           max_num_batched_tokens=args.max_num_batched_tokens)
+                           max_num_batched_tokens=args.max_num_batched_tokens, **speculative_kwargs(args))
     except (WidebeamError, ValueError, FileNotFoundError) as exc:
-        name = getattr(exc, "param", None) or ("model" if isinstance(exc, FileNotFoundError) else None)
-        return _fail(f"{'argument --' + name.replace('_', '-') + ': ' if name else ''}{exc}")
+        return _fail(error_message(exc, missing_file_param="model"))
     except KeyboardInterrupt:  # Ctrl+C while loading: nothing is served yet
         print("widebeam serve: interrupted while loading the model", file=sys.stderr)
         return EXIT_INTERRUPTED
