@@ -109,3 +109,16 @@ def save_tiny_model_with_norms(path, model_type: str, **overrides):
     too, so a model that skips or misplaces a norm, or loads it into the wrong slot, gets different
     logits. Returns the transformers model."""
     return save_tiny_model(path, model_type, random_norms=True, **overrides)
+
+def save_noisy_copy(source_dir, path, noise: float, seed: int = 1):
+    """The model in `source_dir` with Gaussian noise (std `noise`) on every weight, saved to `path`:
+    a draft that agrees with its target often but not always."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(source_dir), dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * noise)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return model

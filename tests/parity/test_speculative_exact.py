@@ -1,0 +1,126 @@
+"""Speculative decoding changes speed, never output: greedy and beam search give the same tokens
+and scores as the same engine without speculation, whatever the draft (the target itself, a noisy
+copy that is often wrong, prompt lookup) and however many tokens it drafts; every pool of both
+workers is whole after every scenario. (Plain beam search equals transformers: test_beam_parity.)"""
+
+from __future__ import annotations
+
+import pytest
+from tiny_models import save_noisy_copy
+
+from widebeam.engine import LLMEngine
+from widebeam.params import BeamSearchParams, SamplingParams
+
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 9, 10, 5, 6], list(range(3, 20)), [3, 4, 50, 60, 3, 4, 50, 60, 3]]
+OPTIONS = {"device": "cpu", "kv_cache_memory": "8MiB", "tokens_per_block": 4, "max_num_batched_tokens": 64,
+           "max_beam_width": 8}
+BEAM_VARIANTS = [
+    {},
+    {"length_penalty": 0.5, "early_stopping": True},
+    {"length_penalty": 2.0, "early_stopping": "never"},
+    {"min_new_tokens": 7},
+]
+
+
+@pytest.fixture(scope="module")
+def noisy_draft_dir(tiny_llama_dir, tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama-noisy")
+    save_noisy_copy(tiny_llama_dir, path, noise=0.03)
+    return path
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama_dir, noisy_draft_dir):
+    """Engines built on first use: "plain", and (draft, D) for draft in self / noisy / ngram."""
+    cache = {}
+
+    def get(draft: str = "plain", num_draft_tokens: int = 0) -> LLMEngine:
+        key = (draft, num_draft_tokens)
+        if key not in cache:
+            speculative = {}
+            if draft == "ngram":
+                speculative = {"speculative_method": "ngram", "num_speculative_tokens": num_draft_tokens}
+            elif draft != "plain":
+                model = tiny_llama_dir if draft == "self" else noisy_draft_dir
+                speculative = {"speculative_model": str(model), "num_speculative_tokens": num_draft_tokens}
+            cache[key] = LLMEngine(str(tiny_llama_dir), **OPTIONS, **speculative)
+        return cache[key]
+
+    return get
+
+
+def run(engine: LLMEngine, requests: list[tuple[list[int], object]]) -> list[list[tuple]]:
+    """All requests in one engine at once; per request (tokens, finish reason, score or, for
+    sampling, cumulative log-prob) per output.
+    Checks every pool of every worker is back to its start."""
+    free = engine.cache.num_free_blocks()
+    ids = [f"r{i}" for i in range(len(requests))]
+    for request_id, (prompt, params) in zip(ids, requests):
+        engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+    finals = {}
+    while engine.has_unfinished():
+        for delta in engine.step():
+            assert delta.error is None, delta.error
+            if delta.finished:
+                finals[delta.request_id] = delta.output
+    assert engine.cache.num_free_blocks() == free
+    return [[(c.token_ids, c.finish_reason, c.cumulative_logprob if c.score is None else c.score)
+             for c in finals[i].outputs] for i in ids]
+
+
+def assert_same(expected, actual):
+    for want, got in zip(expected, actual, strict=True):
+        assert [(t, r) for t, r, _ in got] == [(t, r) for t, r, _ in want]
+        for (_, _, want_score), (_, _, got_score) in zip(want, got):
+            # float32: the verify pass batches other shapes than a decode step, so the last bits move
+            assert got_score == pytest.approx(want_score, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("draft", ["self", "noisy", "ngram"])
+@pytest.mark.parametrize("num_draft_tokens", [1, 3, 5])
+def test_beam_search_is_exact(engines, draft, num_draft_tokens):
+    """W in {1, 2, 4, 8} with length-penalty and early-stopping variants and min_new_tokens, all in
+    one engine at once (mixed widths, prefills beside speculative rounds)."""
+    requests = [(prompt, BeamSearchParams(beam_width=width, max_new_tokens=10, **variant))
+                for width in (1, 2, 4, 8) for variant in BEAM_VARIANTS for prompt in PROMPTS[:2]]
+    assert_same(run(engines(), requests), run(engines(draft, num_draft_tokens), requests))
+
+
+@pytest.mark.parametrize("draft", ["self", "noisy", "ngram"])
+def test_greedy_is_exact(engines, draft):
+    requests = [(prompt, SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)) for prompt in PROMPTS]
+    requests += [(PROMPTS[0], SamplingParams(temperature=0, max_new_tokens=12, min_new_tokens=5))]
+    assert_same(run(engines(), requests), run(engines(draft, 4), requests))
+
+
+@pytest.mark.parametrize("draft", ["self", "noisy", "ngram"])
+@pytest.mark.parametrize("width", [1, 4])
+def test_eos_inside_a_drafted_span(engines, draft, width):
+    """A stop token the plain run emits mid-output ends the search at the same token, though the
+    draft proposed (and the target scored) tokens past it."""
+    make = (lambda **kw: SamplingParams(temperature=0, **kw)) if width == 1 else (
+        lambda **kw: BeamSearchParams(beam_width=width, **kw))
+    free_run = run(engines(), [(PROMPTS[1], make(max_new_tokens=16, ignore_eos=True))])
+    stop_token = free_run[0][0][0][5]  # the best output's sixth token
+    requests = [(PROMPTS[1], make(max_new_tokens=16, stop_token_ids=[stop_token]))]
+    expected = run(engines(), requests)
+    assert any(reason == "stop" for _, reason, _ in expected[0])
+    assert_same(expected, run(engines(draft, 5), requests))
+
+
+def test_speculation_actually_accepts(engines):
+    """The exactness above is not the trivial kind (one step per round): a perfect draft's chain is
+    accepted whole at W=1 (D + 1 steps per round), a noisy draft's in part; at W=4 the tree still
+    covers whole beam-search steps more than once per round, and the counters say so."""
+
+    def steps_per_round(draft, width):
+        engine = engines(draft, 3)
+        before = dict(engine.stats()["speculative"])
+        run(engine, [(prompt, BeamSearchParams(beam_width=width, max_new_tokens=13)) for prompt in PROMPTS])
+        after = engine.stats()["speculative"]
+        return (after["steps"] - before["steps"]) / (after["rounds"] - before["rounds"])
+
+    perfect, noisy = steps_per_round("self", 1), steps_per_round("noisy", 1)
+    assert perfect > 3.5  # 4 steps per round but where max_new_tokens cuts a round short
+    assert 1.2 < noisy < perfect
+    assert steps_per_round("self", 4) > 1.2
