@@ -1,8 +1,10 @@
 """Pure block math: the most blocks a request can ever hold in a pool, and its inverses.
 
 Notation (docs/architecture.md shows where each bound is used): P prompt tokens, N max_new_tokens,
-W beam width, T tokens per block, D extra (draft) tokens reserved per sequence, E encoder output
-tokens. All results are in blocks of the pool in question.
+W beam width, T tokens per block, D extra (draft) tokens reserved per sequence, R refeed tokens (the
+most pending tokens beyond one a decode step may feed: speculative tokens accepted last round and fed
+again; sliding-window pools only), E encoder output tokens. All results are in blocks of the pool in
+question.
 """
 
 from __future__ import annotations
@@ -83,6 +85,9 @@ class KVRequest:
     beam_width: int = 1
     extra_tokens: int = 0
     encoder_tokens: int = 0
+    # R: the most pending tokens beyond one a decode step feeds (speculative decoding re-feeds the
+    # tokens it accepted last round); only sliding-window pools depend on it.
+    refeed_tokens: int = 0
 
     def __post_init__(self) -> None:
         _check(
@@ -90,6 +95,7 @@ class KVRequest:
             max_new_tokens=self.max_new_tokens,
             extra_tokens=self.extra_tokens,
             encoder_tokens=self.encoder_tokens,
+            refeed_tokens=self.refeed_tokens,
         )
         if self.beam_width < 1:
             raise ValueError(f"beam_width must be >= 1, got {self.beam_width}")
@@ -127,6 +133,7 @@ def sliding_window_blocks(
     window_tokens: int,
     prefill_chunk_tokens: int | None = None,
     extra_tokens: int = 0,
+    refeed_tokens: int = 0,
 ) -> int:
     """The most blocks a request holds in a sliding-window pool (window w, query i sees keys j with
     i - j < w), for the policy of `SlidingWindowManager`: before the tokens of a step are written,
@@ -139,17 +146,23 @@ def sliding_window_blocks(
     (the window still at 0, the interval sliding with period T, the prompt's end cutting the
     chunk), so a handful of starts `_prefill_chunk_starts` gives the exact maximum.
 
-    Decode (W beams) while positions x .. x + D are written (D extra tokens per step, e.g.
-    speculative ones, rolled back after the step): the full prompt blocks that still overlap
+    Decode (W beams): a step with x tokens committed feeds 1 + r pending tokens (r <= R: tokens
+    accepted by the last speculative round, fed again) and D extra ones (e.g. draft tokens, rolled
+    back after the step), so it writes positions x .. x + r + D having trimmed by x alone (the first
+    pending query, at x, still sees keys from x - w + 1). The full prompt blocks that still overlap
     [x - w + 1, x] are shared by all beams; each beam owns the blocks from its partial prompt block
-    (or the window start, if later) up to x + D. The bound is the largest such total over
-    x = P .. P + N - 1; beams that all diverge at once reach it.
+    (or the window start, if later) up to x + r + D. The bound is the largest such total over
+    x = P .. P + N - 1, with r = min(R, P + N - 1 - x) (no write goes past position P + N - 1 + D,
+    as for `full_attention_blocks`) and r = 0 at x = P (the first step feeds only the token the
+    prompt produced); beams that all diverge at once reach it for R = 0, and come within one block
+    per beam of it otherwise (a speculative round never writes position P + N - 1 + D).
     """
     if window_tokens < 1:
         raise ValueError(f"window_tokens must be >= 1, got {window_tokens}")
     t = tokens_per_block
     # validates the common arguments the same way the full-attention bound does
     full = full_attention_blocks(prompt_tokens, max_new_tokens, beam_width, t, extra_tokens)
+    _check(refeed_tokens=refeed_tokens)
     prefill_blocks = max(
         _prefill_span_blocks(s, prompt_tokens, window_tokens, t, prefill_chunk_tokens)
         for s in _prefill_chunk_starts(prompt_tokens, window_tokens, t, prefill_chunk_tokens)
@@ -157,10 +170,12 @@ def sliding_window_blocks(
     shared_end = (prompt_tokens // t) * t  # positions below this live in shared full prompt blocks
     decode_blocks = 0
     for x in range(prompt_tokens, prompt_tokens + max_new_tokens):
-        # A step writes positions x .. x + D at once (D speculative tokens, rolled back after), having
-        # trimmed by the committed length x: keys from the first query's window start stay.
+        # A step writes positions x .. x + r + D at once (r pending tokens fed again, D speculative
+        # ones rolled back after), having trimmed by the committed length x: keys from the first
+        # query's window start stay.
+        refeed = 0 if x == prompt_tokens else min(refeed_tokens, prompt_tokens + max_new_tokens - 1 - x)
         window_start = max(0, x - window_tokens + 1)
         shared = _blocks_spanned(window_start, shared_end - 1, t)
-        own = _blocks_spanned(max(window_start, shared_end), x + extra_tokens, t)
+        own = _blocks_spanned(max(window_start, shared_end), x + refeed + extra_tokens, t)
         decode_blocks = max(decode_blocks, shared + own * beam_width)
     return min(full, max(prefill_blocks, decode_blocks))

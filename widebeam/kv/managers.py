@@ -258,9 +258,10 @@ class SlidingWindowManager(FullAttentionManager):
     def required_blocks(self, request: KVRequest) -> int:
         return sliding_window_blocks(request.prompt_tokens, request.max_new_tokens, request.beam_width,
                                      self.tokens_per_block, self.window_tokens, self.prefill_chunk_tokens,
-                                     request.extra_tokens)
+                                     request.extra_tokens, request.refeed_tokens)
 
     def fit_hints(self, request: KVRequest) -> dict[str, int | None]:
+        # the bound is monotone in N and W; `replace` keeps D and R (`refeed_tokens`) as requested
         capacity = self.capacity_blocks()
 
         def fits_new_tokens(n: int) -> bool:
