@@ -354,7 +354,7 @@ class LLMEngine:
             counts = self._speculative_counts
             for request, request_rounds in rounds_by_request:
                 self._collect(deltas, request, request.finish_round, request_rounds, logits, logprobs)
-                steps = getattr(request, "last_round_steps", 0)
+                steps = request.last_round_steps
                 counts["rounds"] += 1
                 counts["steps"] += steps
                 counts["drafted_tokens"] += sum(len(rnd.tree) for rnd in request_rounds)

@@ -49,6 +49,7 @@ class Request:
         self._detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None and self.is_sampling else None
         self._sent: list[str] = []  # streamed pieces, joined once at the end
         self._unsent = ""  # decoded, not yet streamed: it could still be the start of a stop string
+        self.last_round_steps = 0  # decoder steps the latest speculative round took
 
     @property
     def is_sampling(self) -> bool:
