@@ -62,7 +62,7 @@ class Worker:
         return SequenceInput(seq.token_ids, seq.num_computed_tokens,
                              {local_of[k]: v for k, v in seq.block_tables.items() if k in local_of},
                              {local_of[k]: v for k, v in seq.slots.items() if k in local_of},
-                             seq.group, seq.cross_block_table, seq.num_encoder_tokens)
+                             seq.group, seq.cross_block_table, seq.num_encoder_tokens, seq.tree_parents)
 
 
 def scoped_pool_name(prefix: str, local_name: str) -> str:

@@ -12,6 +12,9 @@ reads). The metadata carries the backend that built it, so a layer never names o
   merged exactly by log-sum-exp. Decoding sequences that share nothing go in one padded batch, and
   prefill chunks one by one, through PyTorch's fused scaled-dot-product attention.
 
+A sequence ending in a token tree (speculative decoding) is always attended on its own, through its
+full [Q, S] mask, in both backends, even with a single query.
+
 Another backend (a CUDA kernel library, say) is a subclass registered under a name with
 `register_attention_backend`; the runner takes the name, or WIDEBEAM_ATTENTION_BACKEND.
 """
@@ -41,12 +44,15 @@ class AttentionBackend:
 
     def build_metadata(self, *, query_start_loc: list[int], seq_lens: list[int], block_tables: list[list[int]],
                        slot_mapping: list[int] | torch.Tensor, tokens_per_block: int, device: torch.device,
-                       groups: list[str | None] | None = None, sliding_window: int | None = None) -> AttentionMetadata:
-        """One pool's metadata for one step, every tensor on `device`; run once per step, not per layer."""
+                       groups: list[str | None] | None = None, sliding_window: int | None = None,
+                       trees: list[list[int] | None] | None = None) -> AttentionMetadata:
+        """One pool's metadata for one step, every tensor on `device`; run once per step, not per layer.
+        `trees`: per sequence, the parents of its trailing token tree, or None (see attention_metadata)."""
         meta = AttentionMetadata(
             query_start_loc=list(query_start_loc), seq_lens=list(seq_lens), block_tables=block_tables,
             slot_mapping=torch.as_tensor(slot_mapping, dtype=torch.long).to(device), tokens_per_block=tokens_per_block,
             backend=self, sliding_window=sliding_window, groups=groups,
+            trees=list(trees) if trees is not None and any(trees) else None,
         )
         self.plan(meta, device)
         return meta
@@ -118,7 +124,9 @@ class SdpaBackend(AttentionBackend):
     def plan(self, meta: AttentionMetadata, device: torch.device) -> None:
         meta.decode_groups = build_decode_groups(meta, device)
         lens = meta.query_lens()
-        meta.sequences = [sequence_keys(meta, i, device) for i in range(meta.num_seqs) if lens[i] > 1]
+        # A tree goes on its own even with one query: that node must not see its siblings' branches.
+        meta.sequences = [sequence_keys(meta, i, device) for i in range(meta.num_seqs)
+                          if lens[i] > 1 or meta.tree(i)]
 
     def forward(self, q, k_cache, v_cache, meta, scale):
         out = torch.empty_like(q)

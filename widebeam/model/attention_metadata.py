@@ -12,6 +12,13 @@ The window has one source: `AttentionMetadata.sliding_window`, the pool's. Query
 with Q new tokens and S cached tokens (this step's included) sits at position S - Q + j and sees
 key p when 0 <= (S - Q + j) - p < window. Blocks wholly behind every query's window may have been
 released (-1 in the table): no index built here ever points into them.
+
+Token trees (speculative decoding verifies many drafted continuations in one pass): the last
+`len(parents)` tokens of a sequence may form a tree, `parents[j]` the tree index of node j's parent
+(-1: the last token before the tree). Tokens still sit in the cache in logical order, but a node's
+position (RoPE and window) is its depth below the tree's base, and it sees the tokens before the tree
+plus its own ancestors only, never a sibling's branch. Positions in the tree are never above logical
+indices, so the first key any query can see follows from the smallest query *position*.
 """
 
 from __future__ import annotations
@@ -62,6 +69,8 @@ class AttentionMetadata:
     backend: AttentionBackend  # the backend that built this metadata; the pool's layers attend through it
     sliding_window: int | None = None  # the pool's window (None: full attention)
     groups: list[str | None] | None = None  # per sequence: decoding sequences of one group may share blocks
+    # per sequence: the parents of its trailing token tree (see the module docstring), or None
+    trees: list[list[int] | None] | None = None
     sequences: list[SequenceKeys] = field(default_factory=list)  # attended one at a time
     decode_groups: list[DecodeGroup] = field(default_factory=list)  # one-query sequences attended together
 
@@ -72,17 +81,55 @@ class AttentionMetadata:
     def query_lens(self) -> list[int]:
         return [self.query_start_loc[i + 1] - self.query_start_loc[i] for i in range(self.num_seqs)]
 
+    def tree(self, seq_index: int) -> list[int] | None:
+        """The sequence's tree parents, or None for a plain (linear) sequence."""
+        return (self.trees[seq_index] or None) if self.trees else None
+
+    def min_query_position(self, seq_index: int) -> int:
+        """The smallest position among this step's queries of the sequence."""
+        num_queries = self.query_start_loc[seq_index + 1] - self.query_start_loc[seq_index]
+        first_query = self.seq_lens[seq_index] - num_queries  # logical index
+        parents = self.tree(seq_index)
+        tree_start = self.seq_lens[seq_index] - len(parents) if parents else self.seq_lens[seq_index]
+        if first_query < tree_start:
+            return first_query  # a linear query: below every tree position
+        return tree_start - 1 + min(tree_depths(parents)[first_query - tree_start:])
+
     def key_start(self, seq_index: int) -> int:
-        """First key position any query of this step can see (0 without a window)."""
+        """First key (logical index) any query of this step can see (0 without a window). A tree
+        node's position never exceeds its logical index, so no key before this is in any window."""
         if self.sliding_window is None:
             return 0
-        num_queries = self.query_start_loc[seq_index + 1] - self.query_start_loc[seq_index]
-        return max(0, self.seq_lens[seq_index] - num_queries - self.sliding_window + 1)
+        return max(0, self.min_query_position(seq_index) - self.sliding_window + 1)
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    """Each tree node's depth below the tree's base: 1 for a node whose parent is -1 (the last token
+    before the tree), its parent's + 1 otherwise. A node's position is tree_start - 1 + its depth."""
+    depths: list[int] = []
+    for j, parent in enumerate(parents):
+        if not -1 <= parent < j:
+            raise ValueError(f"tree node {j} has parent {parent}; a parent is -1 or an earlier node")
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    return depths
+
+
+def tree_ancestry(parents: list[int]) -> torch.Tensor:
+    """[N, N] bool: [j, a] is True when node a is node j itself or one of its ancestors."""
+    num_nodes = len(parents)
+    ancestry = torch.eye(num_nodes, dtype=torch.bool)
+    for j, parent in enumerate(parents):
+        if parent >= 0:
+            ancestry[j] |= ancestry[parent]  # parent < j: its row is already complete
+    return ancestry
 
 
 # -- builders: host lists in, device tensors out (run once per step, never per layer) ---------------
 def sequence_keys(meta: AttentionMetadata, seq_index: int, device: torch.device) -> SequenceKeys:
-    """The slots and the causal (and windowed) mask of one sequence's queries."""
+    """The slots and the causal (and windowed, and tree) mask of one sequence's queries."""
+    parents = meta.tree(seq_index)
+    if parents:
+        return _tree_sequence_keys(meta, seq_index, parents, device)
     t = meta.tokens_per_block
     start, end = meta.query_start_loc[seq_index], meta.query_start_loc[seq_index + 1]
     seq_len, key_start = meta.seq_lens[seq_index], meta.key_start(seq_index)
@@ -99,6 +146,36 @@ def sequence_keys(meta: AttentionMetadata, seq_index: int, device: torch.device)
     return SequenceKeys(start, end, slots.to(device), mask.to(device), causal)
 
 
+def _tree_sequence_keys(meta: AttentionMetadata, seq_index: int, parents: list[int],
+                        device: torch.device) -> SequenceKeys:
+    """A sequence ending in a token tree: keys by logical index, visibility by ancestry, the window
+    by position (a node's depth below the tree's base, not its logical index)."""
+    t = meta.tokens_per_block
+    start, end = meta.query_start_loc[seq_index], meta.query_start_loc[seq_index + 1]
+    seq_len, key_start = meta.seq_lens[seq_index], meta.key_start(seq_index)
+    tree_start = seq_len - len(parents)
+    if tree_start < 0:
+        raise ValueError(f"a tree of {len(parents)} nodes in a sequence of {seq_len} tokens")
+    position_of = torch.arange(seq_len)  # [seq_len] logical index -> position
+    position_of[tree_start:] = tree_start - 1 + torch.tensor(tree_depths(parents), dtype=torch.long)
+    first_query = seq_len - (end - start)  # logical index
+    key_index = torch.arange(key_start, seq_len)  # logical; blocks before key_start may be released
+    query_index = torch.arange(first_query, seq_len)
+    table = torch.tensor(meta.block_tables[seq_index], dtype=torch.long)
+    slots = table[key_index // t] * t + key_index % t
+    # Linear tokens: causal in logical order (a linear query is before every tree key, a tree query
+    # after every linear key). Inside the tree, a node sees only itself and its ancestors, never a
+    # sibling's branch: the [tree queries, tree keys] corner is the ancestry matrix's.
+    mask = query_index[:, None] >= key_index[None, :]  # [Q, S]
+    first_query_node, first_key_node = max(first_query, tree_start) - tree_start, max(key_start, tree_start) - tree_start
+    mask[tree_start + first_query_node - first_query:, tree_start + first_key_node - key_start:] = (
+        tree_ancestry(parents)[first_query_node:, first_key_node:])
+    if meta.sliding_window is not None:
+        diff = position_of[query_index][:, None] - position_of[key_index][None, :]
+        mask &= (diff >= 0) & (diff < meta.sliding_window)
+    return SequenceKeys(start, end, slots.to(device), mask.to(device), causal=False)
+
+
 def build_decode_groups(meta: AttentionMetadata, device: torch.device) -> list[DecodeGroup]:
     """The one-query sequences: one group per label whose members share full prefix blocks, and one
     group of every other decoding sequence."""
@@ -106,7 +183,7 @@ def build_decode_groups(meta: AttentionMetadata, device: torch.device) -> list[D
     by_label: dict[str, list[int]] = {}
     loose: list[int] = []
     for i in range(meta.num_seqs):
-        if lens[i] != 1:
+        if lens[i] != 1 or meta.tree(i):  # a tree node must not see its siblings: attended on its own
             continue
         # Windowed pools release blocks behind the window, so their tables share no usable prefix.
         label = meta.groups[i] if meta.groups and meta.sliding_window is None else None

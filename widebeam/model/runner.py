@@ -18,6 +18,7 @@ import torch
 
 from widebeam.model.arch import CROSS_POOL
 from widebeam.model.attention import AttentionMetadata, get_attention_backend
+from widebeam.model.attention_metadata import tree_depths
 from widebeam.model.cross_attention import CrossAttentionMetadata
 
 
@@ -34,6 +35,11 @@ class SequenceInput:
     # encoder output tokens it holds, E. `block_tables`/`slots` never name the cross pool.
     cross_block_table: list[int] | None = None
     num_encoder_tokens: int = 0
+    # Speculative decoding: the sequence's last len(tree_parents) tokens (earlier levels possibly
+    # already in the cache) form a token tree; entry j is node j's parent, -1 for the last token
+    # before the tree. Nodes sit in the cache in logical order; a node's position is its depth below
+    # that token, and it attends only to the tokens before the tree and its own ancestors.
+    tree_parents: list[int] | None = None
 
 
 class ModelRunner:
@@ -84,10 +90,14 @@ class ModelRunner:
         query_start_loc = [0]
         for seq in seqs:
             input_ids.extend(seq.token_ids)
-            positions.extend(range(seq.num_computed_tokens, seq.num_computed_tokens + len(seq.token_ids)))
+            if seq.tree_parents:
+                positions.extend(_tree_token_positions(seq))
+            else:
+                positions.extend(range(seq.num_computed_tokens, seq.num_computed_tokens + len(seq.token_ids)))
             query_start_loc.append(len(input_ids))
         seq_lens = [seq.num_computed_tokens + len(seq.token_ids) for seq in seqs]
         groups = [seq.group for seq in seqs]
+        trees = [seq.tree_parents for seq in seqs]
         metadata: dict[str, AttentionMetadata | CrossAttentionMetadata] = {
             pool_name: self.attention_backend.build_metadata(
                 query_start_loc=query_start_loc,
@@ -98,6 +108,7 @@ class ModelRunner:
                 device=self.device,
                 groups=groups,
                 sliding_window=self.pool_windows.get(pool_name),
+                trees=trees,
             )
             for pool_name in self.kv_tensors if pool_name != CROSS_POOL
         }
@@ -147,3 +158,14 @@ class ModelRunner:
             cross_caches,
             torch.tensor([s for slots in cross_slots for s in slots], dtype=torch.long, device=self.device),
         )
+
+
+def _tree_token_positions(seq: SequenceInput) -> list[int]:
+    """Positions of a tree sequence's new tokens: a linear token's is its logical index, a tree
+    node's is tree_start - 1 + its depth (siblings share one)."""
+    seq_len = seq.num_computed_tokens + len(seq.token_ids)
+    tree_start = seq_len - len(seq.tree_parents)
+    if tree_start < 0:
+        raise ValueError(f"a tree of {len(seq.tree_parents)} nodes in a sequence of {seq_len} tokens")
+    tree_positions = [tree_start - 1 + depth for depth in tree_depths(seq.tree_parents)]
+    return [i if i < tree_start else tree_positions[i - tree_start] for i in range(seq.num_computed_tokens, seq_len)]
