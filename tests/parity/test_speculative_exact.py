@@ -124,3 +124,23 @@ def test_speculation_actually_accepts(engines):
     assert perfect > 3.5  # 4 steps per round but where max_new_tokens cuts a round short
     assert 1.2 < noisy < perfect
     assert steps_per_round("self", 4) > 1.2
+
+
+@pytest.mark.parametrize("speculative", [{"speculative_method": "ngram"}, {"speculative_model": "self"}])
+def test_exact_on_sliding_window_models(tiny_gemma3_dir, speculative):
+    """Gemma 3 (five sliding layers to one full): the window cuts into prompt and tree, the pools
+    are self, sliding_w and, with a draft, draft and draft/sliding_w; outputs stay exact."""
+    options = {**OPTIONS, "max_seq_len": 128}
+    if speculative.get("speculative_model") == "self":
+        speculative = {"speculative_model": str(tiny_gemma3_dir)}
+    plain = LLMEngine(str(tiny_gemma3_dir), **options)
+    engine = LLMEngine(str(tiny_gemma3_dir), num_speculative_tokens=4, **options, **speculative)
+    if "speculative_model" in speculative:
+        assert {"draft", "self"} <= set(engine.cache.managers) and any(
+            name.startswith("draft/sliding_") for name in engine.cache.managers)
+    prompts = [list(range(3, 23)), [5, 6, 7, 8, 5, 6, 7, 9, 10, 5, 6, 7, 8, 5, 6]]
+    requests = [(prompt, params) for prompt in prompts for params in (
+        SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True),
+        BeamSearchParams(beam_width=4, max_new_tokens=14),
+        BeamSearchParams(beam_width=2, max_new_tokens=14, length_penalty=0.0))]
+    assert_same(run(plain, requests), run(engine, requests))
