@@ -337,28 +337,27 @@ class LLMEngine:
             worker.copy_blocks(copies)
         prefill_inputs = [seq for _, seq in prefills]
         rounds = [rnd for _, request_rounds in rounds_by_request for rnd in request_rounds]
-        self.drafter.prefill(prefill_inputs)
-        self.drafter.draft(rounds)
-        target = self.workers[0]
-        if prefill_inputs:
-            scores = StepScores(target.execute(prefill_inputs))
-            for i, (request, _) in enumerate(prefills):
-                self._collect(deltas, request, request.advance, scores.rows(i, i + 1))
-        if rounds:
-            num_rows = 0
-            for rnd in rounds:
-                rnd.row_start = num_rows
-                num_rows += rnd.num_verify_tokens
-            logits = target.execute([rnd.verify_input() for rnd in rounds], all_logits=True)  # [num_rows, vocab]
-            logprobs = torch.log_softmax(logits, dim=-1)
-            counts = self._speculative_counts
-            for request, request_rounds in rounds_by_request:
-                self._collect(deltas, request, request.finish_round, request_rounds, logits, logprobs)
-                steps = request.last_round_steps
-                counts["rounds"] += 1
-                counts["steps"] += steps
-                counts["drafted_tokens"] += sum(len(rnd.tree) for rnd in request_rounds)
-                counts["accepted_tokens"] += max(steps - 1, 0) * len(request_rounds)
+        self.drafter.draft(rounds, prefill_inputs)
+        if not prefill_inputs and not rounds:
+            return deltas
+        # One target pass: each prompt chunk's last token, and per round the last pending token and
+        # every drafted node (tree attention), each with its logits.
+        num_rows = len(prefill_inputs)
+        for rnd in rounds:
+            rnd.row_start = num_rows
+            num_rows += rnd.num_verify_rows
+        logits = self.workers[0].execute(prefill_inputs + [rnd.verify_input() for rnd in rounds],
+                                         num_logits=[1] * len(prefill_inputs) + [rnd.num_verify_rows for rnd in rounds])
+        scores = StepScores(logits)  # [num_rows, vocab]; the log-softmax once for every row
+        for i, (request, _) in enumerate(prefills):
+            self._collect(deltas, request, request.advance, scores.rows(i, i + 1))
+        counts = self._speculative_counts
+        for request, request_rounds in rounds_by_request:
+            self._collect(deltas, request, request.finish_round, request_rounds, scores.logits, scores.logprobs)
+            counts["rounds"] += 1
+            counts["steps"] += request.last_round_steps
+            counts["drafted_tokens"] += sum(len(rnd.tree) for rnd in request_rounds)
+            counts["accepted_tokens"] += max(request.last_round_steps - 1, 0) * len(request_rounds)
         return deltas
 
     def _fail(self, request: Request, exc: Exception) -> RequestDelta:

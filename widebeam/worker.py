@@ -51,12 +51,13 @@ class Worker:
                   if not _spec_named(self.specs, scoped).per_sequence]
         self.runner.encode(sources, [slots[shared[0]] for slots in cross_slots])
 
-    def execute(self, seqs: list[SequenceInput], all_logits: bool = False) -> torch.Tensor:
-        """Run the step with pool names translated to the model's; float32 logits [num_seqs, vocab]
-        (of every token, [num_tokens, vocab], when `all_logits`)."""
+    def execute(self, seqs: list[SequenceInput], all_logits: bool = False,
+                num_logits: list[int] | None = None) -> torch.Tensor:
+        """Run the step with pool names translated to the model's; float32 logits, one row per
+        sequence by default (see `ModelRunner.execute` for `all_logits` and `num_logits`)."""
         if self.prefix:
             seqs = [self._localized(seq) for seq in seqs]
-        return self.runner.execute(seqs, all_logits=all_logits)
+        return self.runner.execute(seqs, all_logits=all_logits, num_logits=num_logits)
 
     def _localized(self, seq: SequenceInput) -> SequenceInput:
         local_of = {scoped: local for local, scoped in self.pool_names.items()}

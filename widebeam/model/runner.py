@@ -12,6 +12,7 @@ run without reading anything back to the host.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -82,9 +83,12 @@ class ModelRunner:
         tensor[:, :, dst] = tensor[:, :, src]
 
     @torch.inference_mode()
-    def execute(self, seqs: list[SequenceInput], all_logits: bool = False) -> torch.Tensor:
+    def execute(self, seqs: list[SequenceInput], all_logits: bool = False,
+                num_logits: Sequence[int] | None = None) -> torch.Tensor:
         """Forward the new tokens of `seqs`; logits of each sequence's last token [num_seqs, vocab],
-        or of every token [num_tokens, vocab] when `all_logits`."""
+        of every token [num_tokens, vocab] when `all_logits`, or of each sequence's last
+        `num_logits[i]` tokens, in order [sum(num_logits), vocab] (a speculative step: one row per
+        prompt chunk, the last pending token and every drafted one per verified sequence)."""
         input_ids: list[int] = []
         positions: list[int] = []
         query_start_loc = [0]
@@ -120,7 +124,10 @@ class ModelRunner:
             self.kv_caches,
             metadata,
         )
-        if not all_logits:
+        if num_logits is not None:
+            rows = [r for end, n in zip(query_start_loc[1:], num_logits) for r in range(end - n, end)]
+            hidden = hidden[torch.tensor(rows, device=self.device)]
+        elif not all_logits:
             last = torch.tensor([end - 1 for end in query_start_loc[1:]], device=self.device)
             hidden = hidden[last]
         return self.model.compute_logits(hidden)

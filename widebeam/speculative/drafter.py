@@ -19,10 +19,8 @@ from widebeam.speculative.tree import ROOT
 
 
 class NgramDrafter:
-    def prefill(self, inputs: Sequence[SequenceInput]) -> None:
-        """Nothing to hold: prompt lookup reads the request's tokens."""
-
-    def draft(self, rounds: Sequence[SequenceRound]) -> None:
+    def draft(self, rounds: Sequence[SequenceRound], prefill_inputs: Sequence[SequenceInput] = ()) -> None:
+        """Chains from prompt lookup; prompt chunks need nothing (the lookup reads the request's tokens)."""
         for rnd in rounds:
             parent = ROOT
             for token_id in lookup_continuation(rnd.history, min(rnd.max_depth, rnd.max_nodes)):
@@ -34,17 +32,20 @@ class ModelDrafter:
         self.worker = worker
         self.vocab_size = vocab_size  # the target's: the draft never proposes a token it lacks
 
-    def prefill(self, inputs: Sequence[SequenceInput]) -> None:
-        """Write the step's prompt chunks into the draft's pools (logits unused)."""
-        if inputs:
-            self.worker.execute(list(inputs))
-
-    def draft(self, rounds: Sequence[SequenceRound]) -> None:
+    def draft(self, rounds: Sequence[SequenceRound], prefill_inputs: Sequence[SequenceInput] = ()) -> None:
+        """Fill the rounds' trees; the step's prompt chunks ride along the first pass (the draft
+        must hold every prompt; their logits are not used)."""
         active = [rnd for rnd in rounds if rnd.max_depth > 0]
+        # Sequences with nothing to draft still feed their pending tokens: the draft's cache must
+        # hold every token the target's holds.
+        inputs = list(prefill_inputs) + [rnd.pending_input() for rnd in rounds]
+        if not inputs:
+            return
+        logits = self.worker.execute(inputs)  # [num_seqs, vocab]: each sequence's last token
+        rows = {id(rnd): len(prefill_inputs) + i for i, rnd in enumerate(rounds)}
         if not active:
             return
-        logits = self.worker.execute([rnd.pending_input() for rnd in active])  # [num_seqs, vocab]
-        self._expand(active, [[ROOT] for _ in active], logits)
+        self._expand(active, [[ROOT] for _ in active], logits[[rows[id(rnd)] for rnd in active]])
         depth = 1
         while True:
             growing = [rnd for rnd in active

@@ -61,9 +61,10 @@ class SequenceRound:
                              tree_parents=list(self.tree.parents) if len(self.tree) else None)
 
     @property
-    def num_verify_tokens(self) -> int:
-        return self.num_pending + len(self.tree)
+    def num_verify_rows(self) -> int:
+        """Logits rows the verify pass returns for this sequence: its last pending token's and each node's."""
+        return 1 + len(self.tree)
 
     def row(self, node: int) -> int:
         """The verify logits row that scores the token after `node` (ROOT: after the pending tokens)."""
-        return self.row_start + self.num_pending - 1 if node == ROOT else self.row_start + self.num_pending + node
+        return self.row_start + 1 + node  # ROOT is -1
