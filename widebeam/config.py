@@ -81,6 +81,12 @@ class SpeculativeConfig:
         if self.method == "ngram" and self.model:
             raise InvalidParameterError("speculative_model", "{speculative_method}='ngram' takes no draft model, "
                                         "got {value!r}", value=self.model)
+        if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
+            raise InvalidParameterError("speculative_dtype", "{speculative_dtype} must be float32, bfloat16 or "
+                                        "float16, got {value!r}", value=self.dtype)
+        if self.method == "ngram" and self.dtype is not None:
+            raise InvalidParameterError("speculative_dtype", "{speculative_method}='ngram' has no draft model "
+                                        "to give {speculative_dtype}")
         if isinstance(self.num_speculative_tokens, bool) or not isinstance(self.num_speculative_tokens, int) \
                 or not 1 <= self.num_speculative_tokens <= 64:
             raise InvalidParameterError("num_speculative_tokens", "{num_speculative_tokens} must be an integer in "

@@ -35,7 +35,8 @@ MAX_NUM_SPECULATIVE_TOKENS = 64  # SpeculativeConfig's bound on D
 # The engine's parameter names as the command line spells them, for the errors SpeculativeConfig raises.
 SPECULATIVE_FLAG_NAMES = {"speculative_model": "--speculative-model",
                           "num_speculative_tokens": "--num-speculative-tokens",
-                          "speculative_method": "--speculative-method"}
+                          "speculative_method": "--speculative-method",
+                          "speculative_dtype": "--speculative-dtype"}
 API_KEY_ENV = "WIDEBEAM_API_KEY"
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 EXIT_INTERRUPTED = 130
@@ -72,8 +73,8 @@ def _num_speculative_tokens(text: str) -> int:
 
 
 def add_speculative_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """`--speculative-model`, `--num-speculative-tokens`, `--speculative-method` (generate, bench, serve,
-    plan). Unset ones are None; `speculative_kwargs(args)` hands them to `LLM`/`LLMEngine`, whose
+    """`--speculative-model`, `--num-speculative-tokens`, `--speculative-method`, `--speculative-dtype`
+    (generate, bench, serve, plan). Unset ones are None; `speculative_kwargs(args)` hands them to `LLM`/`LLMEngine`, whose
     `SpeculativeConfig` rejects bad combinations."""
     g = p.add_argument_group("speculative decoding")
     g.add_argument("--speculative-model", default=None, metavar="MODEL",
@@ -85,13 +86,17 @@ def add_speculative_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default=None,
                    help="draft: a second model (--speculative-model); ngram: copy from the request's own prompt "
                         "and output, no draft model (default: draft when --speculative-model is given)")
+    g.add_argument("--speculative-dtype", choices=DTYPES, default=None,
+                   help="the draft model's dtype (default: the target's); e.g. the target's own checkpoint "
+                        "in bfloat16 as its draft")
     return p
 
 
 def speculative_kwargs(args: argparse.Namespace) -> dict:
     """The speculative keyword arguments of `LLM`/`LLMEngine` from parsed options (None where not given)."""
     return {"speculative_model": args.speculative_model, "num_speculative_tokens": args.num_speculative_tokens,
-            "speculative_method": args.speculative_method}
+            "speculative_method": args.speculative_method,
+            "speculative_dtype": getattr(args, "speculative_dtype", None)}
 
 
 def error_message(exc: Exception, missing_file_param: str | None = None) -> str:
