@@ -144,3 +144,19 @@ def test_exact_on_sliding_window_models(tiny_gemma3_dir, speculative):
         BeamSearchParams(beam_width=4, max_new_tokens=14),
         BeamSearchParams(beam_width=2, max_new_tokens=14, length_penalty=0.0))]
     assert_same(run(plain, requests), run(engine, requests))
+
+
+def test_mixed_requests_in_one_engine(engines):
+    """Greedy, seeded sampling and beam search of several widths decoding at once in one
+    speculative engine, prompts prefilled beside rounds: greedy and beams as plain, sampled
+    requests run to their length, every pool whole after."""
+    requests = [(PROMPTS[0], SamplingParams(temperature=0, max_new_tokens=15, ignore_eos=True)),
+                (PROMPTS[1], BeamSearchParams(beam_width=4, max_new_tokens=12)),
+                (PROMPTS[2], SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_new_tokens=14, ignore_eos=True)),
+                (PROMPTS[1], BeamSearchParams(beam_width=8, max_new_tokens=9, length_penalty=0.7)),
+                (PROMPTS[2], SamplingParams(temperature=0, max_new_tokens=6, min_new_tokens=4))]
+    expected, got = run(engines(), requests), run(engines("noisy", 3), requests)
+    deterministic = [i for i, (_, params) in enumerate(requests) if not isinstance(params, SamplingParams)
+                     or params.temperature == 0]
+    assert_same([expected[i] for i in deterministic], [got[i] for i in deterministic])
+    assert len(got[2][0][0]) == 14
