@@ -44,7 +44,7 @@ def test_speculative_server_answers_as_the_plain_one(servers, speculative):
         for (_, want), (_, score) in zip(expected, got):
             assert score == pytest.approx(want, rel=1e-5) if want is not None else score is None
     samples = servers[speculative].wait_idle()
-    assert samples['widebeam_speculative_rounds_total{method="%s"}' % speculative] > 0
+    assert samples[f'widebeam_speculative_rounds_total{{method="{speculative}"}}'] > 0
     pools = servers[speculative].pools()
     assert all(free == total for free, total in pools.values())
     assert ("draft" in pools) == (speculative == "draft")

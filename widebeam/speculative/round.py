@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from widebeam.model.runner import SequenceInput
-from widebeam.speculative.tree import ROOT, DraftTree
+from widebeam.speculative.tree import DraftTree
 
 
 @dataclass
