@@ -78,6 +78,9 @@ def build_configs(names: list[str], ds: list[int], draft_dtype: str) -> list[tup
     for d in ds:
         if "ngram" in names:
             configs.append((f"ngram D={d}", {"speculative_method": "ngram", "num_speculative_tokens": d}))
+        if "ngram-fixed" in names:  # the A/B of the adaptive draft length: always draft D
+            configs.append((f"ngram D={d} fixed", {"speculative_method": "ngram", "num_speculative_tokens": d,
+                                                   "speculative_adaptive": False}))
         if "draft" in names:
             configs.append((f"{draft_dtype} draft D={d}",
                             {"speculative_model": MODEL, "speculative_dtype": draft_dtype, "num_speculative_tokens": d}))
@@ -191,7 +194,7 @@ def main() -> None:
                         help="new tokens for every width (default: 64 at W=1, 32 for beams)")
     parser.add_argument("--num-speculative-tokens", type=int, nargs="+", default=[4],
                         help="D; several values build one engine per (method, D)")
-    parser.add_argument("--configs", nargs="+", default=["ngram", "draft"], choices=["ngram", "draft"])
+    parser.add_argument("--configs", nargs="+", default=["ngram", "draft"], choices=["ngram", "ngram-fixed", "draft"])
     parser.add_argument("--draft-dtype", default="bfloat16")
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     parser.add_argument("--num-prompts", type=int, default=6)

@@ -70,6 +70,7 @@ class SpeculativeConfig:
     model: str | None = None
     num_speculative_tokens: int = 4
     dtype: str | None = None  # the draft model's weights and KV (None: the target's): bfloat16 self-drafts
+    adaptive: bool = True  # a request whose drafts are rarely accepted stops drafting for a while (policy.py)
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -108,7 +109,8 @@ class EngineConfig:
                     max_beam_width: int = DEFAULT_MAX_BEAM_WIDTH,
                     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                     speculative_model: str | None = None, num_speculative_tokens: int | None = None,
-                    speculative_method: str | None = None, speculative_dtype: str | None = None) -> EngineConfig:
+                    speculative_method: str | None = None, speculative_dtype: str | None = None,
+                    speculative_adaptive: bool = True) -> EngineConfig:
         """The flat keyword arguments `LLMEngine` and `LLM` take, grouped. Speculation is on when
         `speculative_model` or `speculative_method` is given (the method defaults to "draft" with a
         model, and D to 4)."""
@@ -116,7 +118,7 @@ class EngineConfig:
         if speculative_model is not None or speculative_method is not None:
             speculative = SpeculativeConfig(speculative_method or "draft", speculative_model,
                                             4 if num_speculative_tokens is None else num_speculative_tokens,
-                                            speculative_dtype)
+                                            speculative_dtype, speculative_adaptive)
         elif num_speculative_tokens is not None:
             raise InvalidParameterError("num_speculative_tokens", "{num_speculative_tokens} needs "
                                         "{speculative_model} or {speculative_method}")

@@ -37,6 +37,7 @@ from widebeam.request import Request
 from widebeam.sched.admission import admit_check
 from widebeam.sched.scheduler import Scheduler, SchedulerOutput
 from widebeam.speculative.drafter import ModelDrafter, NgramDrafter
+from widebeam.speculative.policy import DraftLength
 from widebeam.speculative.tree import branching_for_width
 from widebeam.units import format_bytes, parse_bytes
 from widebeam.worker import Worker
@@ -76,7 +77,8 @@ class LLMEngine:
     def __init__(self, model: str = DEFAULT_MODEL, **kwargs):
         """`kwargs`: the settings of `EngineConfig.from_kwargs` (dtype, device, attention_backend,
         kv_cache_memory, kv_cache_fraction, tokens_per_block, max_seq_len, max_beam_width,
-        max_num_batched_tokens, speculative_model, num_speculative_tokens, speculative_method)."""
+        max_num_batched_tokens, speculative_model, num_speculative_tokens, speculative_method,
+        speculative_dtype, speculative_adaptive)."""
         self.config = config = EngineConfig.from_kwargs(model, **kwargs)
         cache_config, sched_config = config.cache, config.scheduler
         self.max_beam_width = sched_config.max_beam_width
@@ -210,6 +212,8 @@ class LLMEngine:
         decoder = self._decoder(params, admission.max_new_tokens, logits_processors)
         request = Request(request_id, text, token_ids, admission, self.cache.new_request(), decoder, self.tokenizer,
                           encoder_token_ids)
+        if self.speculative:
+            request.draft_length = DraftLength(self.num_draft_tokens, self.speculative.adaptive)
         self._requests[request_id] = request
         self.scheduler.add(request)
         return list(request.source_token_ids)
@@ -329,7 +333,8 @@ class LLMEngine:
                     prefills.append((request, request.prefill_input(item.num_prompt_tokens)))
                 else:
                     branching = branching_for_width(request.params.beam_width)
-                    rounds_by_request.append((request, request.begin_round(self.num_draft_tokens, branching)))
+                    num_nodes = request.draft_length.next_num_nodes()
+                    rounds_by_request.append((request, request.begin_round(num_nodes, branching)))
             except Exception as exc:  # noqa: BLE001
                 deltas.append(self._fail(request, exc))
         copies = self.cache.take_copies()
@@ -358,6 +363,7 @@ class LLMEngine:
             counts["steps"] += request.last_round_steps
             counts["drafted_tokens"] += sum(len(rnd.tree) for rnd in request_rounds)
             counts["accepted_tokens"] += max(request.last_round_steps - 1, 0) * len(request_rounds)
+            request.draft_length.record(request_rounds[0].max_nodes, request.last_round_steps)
         return deltas
 
     def _fail(self, request: Request, exc: Exception) -> RequestDelta:

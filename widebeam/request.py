@@ -22,6 +22,7 @@ from widebeam.kv.request_kv import RequestKV
 from widebeam.model.runner import SequenceInput
 from widebeam.outputs import CompletionOutput, RequestDelta, RequestOutput
 from widebeam.sched.admission import Admission
+from widebeam.speculative.policy import DraftLength
 from widebeam.speculative.round import SequenceRound
 from widebeam.speculative.tree import ROOT
 
@@ -50,6 +51,7 @@ class Request:
         self._sent: list[str] = []  # streamed pieces, joined once at the end
         self._unsent = ""  # decoded, not yet streamed: it could still be the start of a stop string
         self.last_round_steps = 0  # decoder steps the latest speculative round took
+        self.draft_length: DraftLength | None = None  # set by a speculative engine
 
     @property
     def is_sampling(self) -> bool:

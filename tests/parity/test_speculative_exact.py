@@ -34,15 +34,17 @@ def engines(tiny_llama_dir, noisy_draft_dir):
     """Engines built on first use: "plain", and (draft, D) for draft in self / noisy / ngram."""
     cache = {}
 
-    def get(draft: str = "plain", num_draft_tokens: int = 0) -> LLMEngine:
-        key = (draft, num_draft_tokens)
+    def get(draft: str = "plain", num_draft_tokens: int = 0, adaptive: bool = False) -> LLMEngine:
+        # Drafting every round by default: the replay is what is under test, and the adaptive
+        # policy would skip rounds where the noisy draft keeps missing.
+        key = (draft, num_draft_tokens, adaptive)
         if key not in cache:
-            speculative = {}
+            speculative = {} if draft == "plain" else {"speculative_adaptive": adaptive}
             if draft == "ngram":
-                speculative = {"speculative_method": "ngram", "num_speculative_tokens": num_draft_tokens}
+                speculative.update(speculative_method="ngram", num_speculative_tokens=num_draft_tokens)
             elif draft != "plain":
                 model = tiny_llama_dir if draft == "self" else noisy_draft_dir
-                speculative = {"speculative_model": str(model), "num_speculative_tokens": num_draft_tokens}
+                speculative.update(speculative_model=str(model), num_speculative_tokens=num_draft_tokens)
             cache[key] = LLMEngine(str(tiny_llama_dir), **OPTIONS, **speculative)
         return cache[key]
 
@@ -148,14 +150,15 @@ def test_exact_on_sliding_window_models(tiny_gemma3_dir, speculative):
 
 def test_mixed_requests_in_one_engine(engines):
     """Greedy, seeded sampling and beam search of several widths decoding at once in one
-    speculative engine, prompts prefilled beside rounds: greedy and beams as plain, sampled
-    requests run to their length, every pool whole after."""
+    speculative engine (the adaptive draft length on: some requests draft, some back off), prompts
+    prefilled beside rounds: greedy and beams as plain, sampled requests run to their length,
+    every pool whole after."""
     requests = [(PROMPTS[0], SamplingParams(temperature=0, max_new_tokens=15, ignore_eos=True)),
                 (PROMPTS[1], BeamSearchParams(beam_width=4, max_new_tokens=12)),
                 (PROMPTS[2], SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_new_tokens=14, ignore_eos=True)),
                 (PROMPTS[1], BeamSearchParams(beam_width=8, max_new_tokens=9, length_penalty=0.7)),
                 (PROMPTS[2], SamplingParams(temperature=0, max_new_tokens=6, min_new_tokens=4))]
-    expected, got = run(engines(), requests), run(engines("noisy", 3), requests)
+    expected, got = run(engines(), requests), run(engines("noisy", 3, adaptive=True), requests)
     deterministic = [i for i, (_, params) in enumerate(requests) if not isinstance(params, SamplingParams)
                      or params.temperature == 0]
     assert_same([expected[i] for i in deterministic], [got[i] for i in deterministic])
