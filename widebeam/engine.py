@@ -18,6 +18,8 @@ from dataclasses import replace
 
 import torch
 
+from widebeam.catalogue.constraint import CatalogueConstraint
+from widebeam.catalogue.trie import Catalogue, CatalogueError
 from widebeam.config import EngineConfig
 from widebeam.decoding.decoders import BeamDecoder, SamplingDecoder, StepScores
 from widebeam.decoding.processors import BanUntilMinTokens, ForceEOSAtEnd, LogitsProcessor, SuppressTokens
@@ -74,11 +76,12 @@ def _same_token_ids(target_tokenizer, draft_tokenizer, target_vocab_size: int, d
 
 
 class LLMEngine:
-    def __init__(self, model: str = DEFAULT_MODEL, **kwargs):
+    def __init__(self, model: str = DEFAULT_MODEL, catalogues: dict | None = None, **kwargs):
         """`kwargs`: the settings of `EngineConfig.from_kwargs` (dtype, device, attention_backend,
         kv_cache_memory, kv_cache_fraction, tokens_per_block, max_seq_len, max_beam_width,
         max_num_batched_tokens, speculative_model, num_speculative_tokens, speculative_method,
-        speculative_dtype, speculative_adaptive)."""
+        speculative_dtype, speculative_adaptive). `catalogues`: name -> source, registered before the
+        KV pools are sized, so their bytes come off the memory budget (see `register_catalogue`)."""
         self.config = config = EngineConfig.from_kwargs(model, **kwargs)
         cache_config, sched_config = config.cache, config.scheduler
         self.max_beam_width = sched_config.max_beam_width
@@ -88,6 +91,10 @@ class LLMEngine:
         self.model = load_model(self.source, self.dtype, self.device)
         self.tokenizer = load_tokenizer(self.source)
         self.arch = self.model.arch
+        self.catalogues: dict[str, Catalogue] = {}
+        for name, source in (catalogues or {}).items():
+            self.register_catalogue(name, source)
+        self.catalogue_bytes = sum(c.nbytes for c in self.catalogues.values())
         self.workers = [Worker("target", self.model, self.dtype)]
         self.speculative = config.speculative
         self.num_draft_tokens = self.speculative.num_speculative_tokens if self.speculative else 0
@@ -110,7 +117,14 @@ class LLMEngine:
         free_bytes = max(available_memory_bytes(self.device) - self.activation_peak_bytes, 0)
         kv_cache_bytes = int(free_bytes * cache_config.kv_cache_fraction)
         if cache_config.kv_cache_memory is not None:
-            kv_cache_bytes = min(kv_cache_bytes, parse_bytes(cache_config.kv_cache_memory))
+            # kv_cache_memory is the budget of the pools and the start-up catalogues together
+            budget_bytes = parse_bytes(cache_config.kv_cache_memory) - self.catalogue_bytes
+            if budget_bytes <= 0:
+                raise InvalidParameterError("kv_cache_memory", "{kv_cache_memory} ({value}) leaves nothing for the "
+                                            "KV cache beside the catalogues ({catalogue_bytes})",
+                                            value=format_bytes(parse_bytes(cache_config.kv_cache_memory)),
+                                            catalogue_bytes=format_bytes(self.catalogue_bytes))
+            kv_cache_bytes = min(kv_cache_bytes, budget_bytes)
         elif self.device.type == "cpu":
             kv_cache_bytes = min(kv_cache_bytes, DEFAULT_CPU_KV_CACHE_BYTES)
         specs = [spec for worker in self.workers for spec in worker.specs]
@@ -195,6 +209,10 @@ class LLMEngine:
                 raise InvalidParameterError(
                     "beam_width", "{beam_width} must be in [1, {limit}] (the engine's max_beam_width), got {value}",
                     limit=self.max_beam_width, value=params.beam_width)
+            catalogue = self._constraint(params) if isinstance(params, BeamSearchParams) else None
+            if catalogue is not None and params.max_new_tokens is None:
+                # the longest item and its end-of-sequence token
+                params = params.replace(max_new_tokens=catalogue.max_item_tokens + 1)
             text, token_ids = self._tokenize(prompt)
             encoder_token_ids = None
             if self.decoder_start_token_id is not None:
@@ -209,7 +227,7 @@ class LLMEngine:
         except ValueError:
             self._num_rejected += 1
             raise
-        decoder = self._decoder(params, admission.max_new_tokens, logits_processors)
+        decoder = self._decoder(params, admission.max_new_tokens, logits_processors, catalogue)
         request = Request(request_id, text, token_ids, admission, self.cache.new_request(), decoder, self.tokenizer,
                           encoder_token_ids)
         if self.speculative:
@@ -218,8 +236,52 @@ class LLMEngine:
         self.scheduler.add(request)
         return list(request.source_token_ids)
 
+    # -- catalogues -------------------------------------------------------------------------------
+    def register_catalogue(self, name: str, source) -> Catalogue:
+        """Register a catalogue under `name` for `BeamSearchParams(catalogue=name)`: a built
+        `Catalogue`, token-id sequences, a [num_items, width] array (-1 padded), or a file
+        (`catalogue/sources.py`: .jsonl, .npy, .parquet). Returns it; re-registering a name replaces it."""
+        if not isinstance(name, str) or not name:
+            raise InvalidParameterError("catalogue", "{catalogue} names must be non-empty strings, got {value!r}",
+                                        value=name)
+        self.catalogues[name] = self._catalogue(source)
+        return self.catalogues[name]
+
+    def _catalogue(self, source) -> Catalogue:
+        if isinstance(source, Catalogue):
+            if source.vocab_size != self.arch.vocab_size:
+                raise InvalidParameterError("catalogue", "{catalogue} was built for a vocabulary of {size} tokens; "
+                                            "this model has {vocab_size}", size=source.vocab_size,
+                                            vocab_size=self.arch.vocab_size)
+            return source.to(self.device)
+        if isinstance(source, (str, os.PathLike)):
+            from widebeam.catalogue.sources import load_items
+
+            source = load_items(source, self.tokenizer)
+        try:
+            return Catalogue.from_sequences(source, self.arch.vocab_size, self.device)
+        except CatalogueError as exc:
+            raise InvalidParameterError("catalogue", "{catalogue} is malformed: {problem}", problem=str(exc)) from None
+
+    def _constraint(self, params: BeamSearchParams) -> Catalogue | None:
+        """The request's catalogue (registered or inline), or None."""
+        if params.catalogue is not None:
+            if params.catalogue not in self.catalogues:
+                raise InvalidParameterError("catalogue", "{catalogue} {value!r} is not registered; registered: "
+                                            "{names}", value=params.catalogue,
+                                            names=", ".join(sorted(self.catalogues)) or "none")
+            return self.catalogues[params.catalogue]
+        if params.allowed_sequences is not None:
+            try:
+                return self._catalogue(params.allowed_sequences)
+            except InvalidParameterError as exc:
+                raise InvalidParameterError("allowed_sequences", exc.template.replace("{catalogue}",
+                                            "{allowed_sequences}"), **exc.values) from None
+        return None
+
     def _decoder(self, params: SamplingParams | BeamSearchParams, max_new_tokens: int,
-                 extra_processors: Sequence[LogitsProcessor] = ()) -> SamplingDecoder | BeamDecoder:
+                 extra_processors: Sequence[LogitsProcessor] = (),
+                 catalogue: Catalogue | None = None) -> SamplingDecoder | BeamDecoder:
         """The request's decoder and its logits processors, in HF's order, the caller's after them
         (a forced EOS still has the last word)."""
         processors = []
@@ -229,6 +291,9 @@ class LLMEngine:
             processors.append(BanUntilMinTokens(params.min_new_tokens, banned))
         if self.suppress_token_ids:
             processors.append(SuppressTokens(self.suppress_token_ids))
+        if catalogue is not None:
+            eos = set(params.stop_token_ids) | set(self.eos_token_ids)
+            processors.append(CatalogueConstraint(catalogue, eos, max_new_tokens))
         processors.extend(extra_processors)
         if self.forced_eos_token_id is not None:
             processors.append(ForceEOSAtEnd(self.forced_eos_token_id, max_new_tokens))
@@ -438,6 +503,10 @@ class LLM:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+    def register_catalogue(self, name: str, source):
+        """Register a catalogue for `BeamSearchParams(catalogue=name)` (see `LLMEngine.register_catalogue`)."""
+        return self.engine.register_catalogue(name, source)
 
     def generate(self, prompts, params: SamplingParams | BeamSearchParams | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from widebeam.errors import InvalidParameterError
 
@@ -117,7 +117,14 @@ class BeamSearchParams:
     scored at its current length (False) or, when `length_penalty > 0`, at `max_new_tokens` ("never").
     `beam_width=1` is greedy decoding, as in HF: the first end-of-sequence token ends it.
     `num_return_sequences=None` returns `beam_width` hypotheses.
-    `max_new_tokens=None` means up to the engine's `max_seq_len` minus the prompt.
+    `max_new_tokens=None` means up to the engine's `max_seq_len` minus the prompt (with a catalogue:
+    its longest item plus the end-of-sequence token).
+
+    Catalogue-constrained search (generative retrieval): `catalogue` names one registered with
+    `LLM.register_catalogue`, or `allowed_sequences` gives the items inline (token-id sequences, or a
+    built `widebeam.catalogue.trie.Catalogue`). Every beam stays inside it; a beam finishes with an
+    end-of-sequence token right after a complete item (the returned token ids are the item + EOS), and
+    fewer than `num_return_sequences` come back when fewer items are reachable, never an invalid one.
     """
 
     beam_width: int = 4
@@ -129,6 +136,12 @@ class BeamSearchParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    catalogue: str | None = None
+    allowed_sequences: object = field(default=None, compare=False, repr=False)
+
+    @property
+    def constrained(self) -> bool:
+        return self.catalogue is not None or self.allowed_sequences is not None
 
     def __post_init__(self) -> None:
         _as_tuple(self, "stop", str)
@@ -136,6 +149,12 @@ class BeamSearchParams:
         _require(isinstance(self.beam_width, int) and not isinstance(self.beam_width, bool)
                  and self.beam_width >= 1, "beam_width", "must be an integer >= 1, got {value!r}",
                  value=self.beam_width)
+        _require(self.catalogue is None or (isinstance(self.catalogue, str) and bool(self.catalogue)), "catalogue",
+                 "must be the name of a registered catalogue, got {value!r}", value=self.catalogue)
+        _require(self.catalogue is None or self.allowed_sequences is None, "allowed_sequences",
+                 "and {catalogue} exclude each other: give one")
+        _require(not (self.constrained and self.ignore_eos), "ignore_eos",
+                 "must be false with a catalogue: a beam ends its item with the end-of-sequence token")
         _require(self.max_new_tokens is None or (isinstance(self.max_new_tokens, int)
                                                  and not isinstance(self.max_new_tokens, bool)
                                                  and self.max_new_tokens >= 1),

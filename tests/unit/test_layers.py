@@ -17,6 +17,7 @@ LAYERS = [
     ("widebeam.outputs", 0), ("widebeam.argtypes", 0), ("widebeam.memstats", 0),
     ("widebeam.kv", 1),
     ("widebeam.model", 2), ("widebeam.decoding", 2), ("widebeam.beam", 2), ("widebeam.sampling", 2),
+    ("widebeam.catalogue", 2),
     ("widebeam.detokenizer", 2),
     ("widebeam.sched", 3),
     ("widebeam.config", 4), ("widebeam.worker", 4), ("widebeam.speculative", 4), ("widebeam.request", 4),

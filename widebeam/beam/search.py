@@ -273,7 +273,11 @@ class BeamSearchState:
                     new_finished.append(_Finished(finished_l[rank], values_l[rank], self._live_nodes[parent],
                                                   token, "stop" if hits_eos else "length"))
                 continue
-            if len(out_tokens) < width:
+            if len(out_tokens) < width and values_l[rank] > _IMPOSSIBLE and not (first and width > 1
+                                                                                 and parents_l[rank] != 0):
+                # A live beam is real: never a masked (-inf) continuation nor one of a dummy prompt
+                # copy. HF keeps such beams when fewer real ones exist (a constrained search); here
+                # fewer beams live on, so nothing invalid is ever returned.
                 if best_running is None:
                     best_running = best_possible_l[rank]
                 out_parents.append(parent)
@@ -339,11 +343,14 @@ class BeamSearchState:
 
         Called before the search is done (an aborted request), live beams fill any missing places, scored at
         their current length with finish reason "length". Fewer come back only when stop strings ended every
-        beam before `num_return_sequences` hypotheses were finished.
+        beam before `num_return_sequences` hypotheses were finished, or a constraint left fewer
+        reachable.
         """
         wanted = self.params.num_return_sequences
         entries = list(self._finished[:wanted])
-        if len(entries) < wanted and self._generated > 0:
+        # A finished search never fills with live beams: they are the previous step's, and under a
+        # constraint an unfinished beam is not an item.
+        if len(entries) < wanted and self._generated > 0 and not self._done:
             live = [_Finished(hypothesis_score(score, self._generated, self._length_penalty), score, node,
                               None, "length") for score, node in zip(self._live_scores, self._live_nodes)]
             live.sort(key=lambda f: f.score, reverse=True)

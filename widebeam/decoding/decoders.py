@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from widebeam.beam.search import BeamSearchState, Hypothesis
-from widebeam.decoding.processors import LogitsProcessor, apply_processors, forcing_eos
+from widebeam.decoding.processors import BeamStateProcessor, LogitsProcessor, apply_processors, forcing_eos
 from widebeam.params import BeamSearchParams, SamplingParams
 from widebeam.sampling import sample_token, verify_draft_token
 
@@ -152,11 +152,17 @@ class BeamDecoder:
         logprobs = scores.logprobs.clone() if self.processors else scores.logprobs
         scores = apply_processors(self.processors, logprobs, num_generated)
         result = self.search.step(scores, mask_min_length_eos=not forcing_eos(self.processors, num_generated))
+        for processor in self.processors:
+            if isinstance(processor, BeamStateProcessor):  # per-beam state follows the beams
+                processor.reorder(result.parent_indices, result.token_ids)
         return Advance(list(result.parent_indices), list(result.token_ids))
 
     def stop(self, seq_indices: Sequence[int]) -> None:
         """These live beams' text hit a stop string: they finish now, the others renumber in order."""
         self.search.finish_live_beams(seq_indices)
+        for processor in self.processors:
+            if isinstance(processor, BeamStateProcessor):
+                processor.drop(seq_indices)
 
     def finalize(self) -> list[Hypothesis]:
         return self.search.finalize()

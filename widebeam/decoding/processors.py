@@ -2,13 +2,14 @@
 
 A processor edits scores `[rows, vocab]` in place given how many tokens the request has generated.
 The order is the list's: later processors see (and may override) what earlier ones did, as in
-transformers' `LogitsProcessorList`. Catalogue masks and grammars plug in here later.
+transformers' `LogitsProcessorList`. A processor with per-beam state (a catalogue constraint)
+also follows the beams (`BeamStateProcessor`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -16,6 +17,18 @@ import torch
 class LogitsProcessor(Protocol):
     def __call__(self, scores: torch.Tensor, num_generated_tokens: int) -> None:
         """Edit `scores` [rows, vocab] in place before the next token is chosen."""
+
+
+@runtime_checkable
+class BeamStateProcessor(Protocol):
+    """A processor with state per live beam (a catalogue constraint's trie node): the beam decoder
+    tells it how the beams moved after every step, and which finished on a stop string."""
+
+    def __call__(self, scores: torch.Tensor, num_generated_tokens: int) -> None: ...
+
+    def reorder(self, parent_indices: Sequence[int], token_ids: Sequence[int]) -> None: ...
+
+    def drop(self, seq_indices: Iterable[int]) -> None: ...
 
 
 class BanUntilMinTokens:
