@@ -17,10 +17,20 @@ from widebeam.defaults import (
     DEFAULT_MODEL,
     DEFAULT_TOKENS_PER_BLOCK,
 )
-from widebeam.server.serve_cli import add_speculative_arguments, error_message, speculative_kwargs
+from widebeam.server.serve_cli import (
+    add_speculative_arguments,
+    catalogue_error_message,
+    error_message,
+    speculative_kwargs,
+)
 from widebeam.units import format_bytes
 
 DTYPES = ("float32", "bfloat16", "float16")
+PLAN_MAX_NEW_TOKENS = 128
+PLAN_CATALOGUE_ITEM_TOKENS = 4  # semantic-ID items are 3 to 8 tokens; 4 is the common choice
+GENERATE_MAX_NEW_TOKENS = 32
+GENERATE_CATALOGUE_BEAM_WIDTH = 8
+CLI_CATALOGUE = "cli"  # the name `generate --catalogue` registers its file under
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=_int_at_least(1), default=512)
     p.add_argument("--encoder-len", type=_int_at_least(1), default=None,
                    help="encoder-decoder models: source tokens E, held once in the cross pool (default: --prompt-len)")
-    p.add_argument("--max-new-tokens", type=_int_at_least(1), default=128)
+    p.add_argument("--max-new-tokens", type=_int_at_least(1), default=None,
+                   help=f"generated tokens N (default {PLAN_MAX_NEW_TOKENS}; with a catalogue: its longest item + 1)")
     p.add_argument("--tokens-per-block", type=_int_at_least(1), default=DEFAULT_TOKENS_PER_BLOCK)
     p.add_argument("--max-num-batched-tokens", type=_int_at_least(1), default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
                    help=f"prefill chunk size, for the activation reserve (default {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
@@ -47,6 +58,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--list-models", action="store_true", help="list the built-in model names and exit")
     add_speculative_arguments(p)
+    c = p.add_argument_group("catalogue (generative retrieval): its bytes come off the memory before the KV share")
+    c.add_argument("--catalogue", action="append", default=[], metavar="[NAME=]PATH",
+                   help="a catalogue file (.jsonl of token ids, .npy, .parquet) the server registers at start-up; "
+                        "its trie is counted exactly (repeatable)")
+    c.add_argument("--catalogue-items", type=_int_at_least(1), default=None, metavar="N",
+                   help="without a file: the catalogue's item count, for an upper-bound estimate of its bytes")
+    c.add_argument("--catalogue-item-tokens", type=_int_at_least(1), default=None, metavar="L",
+                   help=f"without a file: tokens per item (default {PLAN_CATALOGUE_ITEM_TOKENS})")
+    c.add_argument("--catalogue-bytes", type=_byte_size, default=None, metavar="B",
+                   help="without a file: the catalogue's bytes as measured (Catalogue.nbytes); overrides the estimate")
     p.set_defaults(func=_cmd_plan)
     g = sub.add_parser("generate", help="generate a completion for one prompt")
     g.add_argument("prompt", help="the prompt text (with --chat: the user message)")
@@ -54,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"alias ({DEFAULT_MODEL}, gemma3-270m), a Hugging Face model dir (Llama-family, Gemma 3, "
                         "Marian translation), or a .gguf file")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-    g.add_argument("--max-new-tokens", type=_int_at_least(1), default=32)
+    g.add_argument("--max-new-tokens", type=_int_at_least(1), default=None,
+                   help=f"default {GENERATE_MAX_NEW_TOKENS}; with --catalogue: its longest item + 1")
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -70,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--kv-cache-memory", type=_byte_size, default=_byte_size("1GiB"))
     g.add_argument("--tokens-per-block", type=_int_at_least(1), default=DEFAULT_TOKENS_PER_BLOCK)
+    g.add_argument("--catalogue", default=None, metavar="PATH",
+                   help="generative retrieval: beam search constrained to this file's items (.jsonl of token ids "
+                        "or strings, .npy, .parquet); implies beam search (--beam-width default "
+                        f"{GENERATE_CATALOGUE_BEAM_WIDTH}); each beam ends with its item")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     add_speculative_arguments(g)
     g.set_defaults(func=_cmd_generate)
@@ -103,22 +129,33 @@ def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     from widebeam.errors import WidebeamError
     from widebeam.params import BeamSearchParams, SamplingParams
 
+    catalogue = args.catalogue
+    if catalogue is not None:
+        if args.temperature > 0:
+            parser.error("argument --catalogue: constrained decoding is beam search: --temperature must be 0")
+        if args.beam_width is None:
+            args.beam_width = GENERATE_CATALOGUE_BEAM_WIDTH
+    max_new_tokens = args.max_new_tokens
+    if max_new_tokens is None and catalogue is None:
+        max_new_tokens = GENERATE_MAX_NEW_TOKENS
     try:
         if args.beam_width is not None:
             early_stopping = {"true": True, "false": False, "never": "never"}[args.early_stopping]
-            params = BeamSearchParams(beam_width=args.beam_width, max_new_tokens=args.max_new_tokens,
+            params = BeamSearchParams(beam_width=args.beam_width, max_new_tokens=max_new_tokens,
                                       length_penalty=args.length_penalty, early_stopping=early_stopping,
-                                      num_return_sequences=args.num_return_sequences, stop=tuple(args.stop))
+                                      num_return_sequences=args.num_return_sequences, stop=tuple(args.stop),
+                                      catalogue=CLI_CATALOGUE if catalogue is not None else None)
         else:
-            params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+            params = SamplingParams(max_new_tokens=max_new_tokens, temperature=args.temperature,
                                     top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
+        catalogues = {CLI_CATALOGUE: catalogue} if catalogue is not None else {}
         llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,
                   tokens_per_block=args.tokens_per_block, max_beam_width=max(args.beam_width or 1, 1),
-                  **speculative_kwargs(args))
+                  **({"catalogues": catalogues} if catalogues else {}), **speculative_kwargs(args))
         prompt = llm.engine.apply_chat_template(args.prompt) if args.chat else args.prompt
         (output,) = llm.generate([prompt], params, use_tqdm=False)
     except (WidebeamError, ValueError, FileNotFoundError) as exc:
-        parser.error(error_message(exc))
+        parser.error(catalogue_error_message(exc))
     if args.json:
         print(json.dumps({
             "prompt": prompt,
@@ -165,17 +202,22 @@ def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except ConfigError as exc:
         parser.error(f"argument --model: {exc}")
     speculative, draft_arch = _plan_speculative(args, parser)
+    catalogue = _plan_catalogue(args, parser)
+    max_new_tokens = args.max_new_tokens
+    if max_new_tokens is None:  # the engine's default with a catalogue: its longest item and EOS
+        max_new_tokens = PLAN_MAX_NEW_TOKENS if catalogue is None else catalogue.max_item_tokens + 1
     inputs = PlanInputs(
         memory_bytes=args.memory,
         beam_width=args.beam_width,
         prompt_len=args.prompt_len,
-        max_new_tokens=args.max_new_tokens,
+        max_new_tokens=max_new_tokens,
         tokens_per_block=args.tokens_per_block,
         kv_cache_fraction=args.kv_cache_fraction,
         dtype=args.dtype,
         max_num_batched_tokens=args.max_num_batched_tokens,
         encoder_len=args.encoder_len,
         speculative=speculative,
+        catalogue=catalogue,
     )
     try:
         result = plan(arch, inputs, draft_arch)
@@ -186,6 +228,54 @@ def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     else:
         _print_plan(result)
     return 0
+
+
+def _plan_catalogue(args: argparse.Namespace, parser: argparse.ArgumentParser):
+    """The plan's `CataloguePlan` (None without one): counted exactly from --catalogue files (numpy
+    only), else the node bound of --catalogue-items x --catalogue-item-tokens, or --catalogue-bytes."""
+    from widebeam.plan import CataloguePlan, catalogue_nbytes, catalogue_node_bound
+
+    by_size = [name for name, value in (("--catalogue-items", args.catalogue_items),
+                                        ("--catalogue-item-tokens", args.catalogue_item_tokens),
+                                        ("--catalogue-bytes", args.catalogue_bytes)) if value is not None]
+    if args.catalogue:
+        if by_size:
+            parser.error(f"argument --catalogue: a file is counted exactly; drop {', '.join(by_size)}")
+        return _plan_catalogue_files(args.catalogue, parser)
+    if not by_size:
+        return None
+    if args.catalogue_items is None and args.catalogue_bytes is None:
+        parser.error("argument --catalogue-item-tokens: give --catalogue-items (or --catalogue-bytes) too")
+    width = args.catalogue_item_tokens or PLAN_CATALOGUE_ITEM_TOKENS
+    num_nodes = catalogue_node_bound(args.catalogue_items, width) if args.catalogue_items is not None else None
+    nbytes = args.catalogue_bytes if args.catalogue_bytes is not None else catalogue_nbytes(num_nodes)
+    return CataloguePlan(nbytes=nbytes, num_items=args.catalogue_items, num_nodes=num_nodes,
+                         max_item_tokens=width, upper_bound=args.catalogue_bytes is None)
+
+
+def _plan_catalogue_files(paths: list[str], parser: argparse.ArgumentParser):
+    import os
+
+    from widebeam.catalogue.sources import load_items, trie_size
+    from widebeam.plan import CataloguePlan, catalogue_nbytes
+
+    total = CataloguePlan(nbytes=0, num_items=0, num_nodes=0, max_item_tokens=0, exact=True)
+    for text in paths:
+        _name, sep, path = text.partition("=")
+        if not sep or os.path.exists(text):  # NAME=PATH as `serve --catalogue` takes it, or a plain path
+            path = text
+        try:
+            num_items, num_nodes, width = trie_size(load_items(path))
+        except ValueError as exc:  # CatalogueError
+            message = str(exc)
+            if "needs the model's tokenizer" in message:
+                message += " (plan reads token ids only: for a text catalogue give --catalogue-items and " \
+                           "--catalogue-item-tokens)"
+            parser.error(f"argument --catalogue: {message}")
+        total = CataloguePlan(nbytes=total.nbytes + catalogue_nbytes(num_nodes),
+                              num_items=total.num_items + num_items, num_nodes=total.num_nodes + num_nodes,
+                              max_item_tokens=max(total.max_item_tokens, width), exact=True)
+    return total
 
 
 def _plan_speculative(args: argparse.Namespace, parser: argparse.ArgumentParser):
@@ -227,6 +317,16 @@ def _print_plan(result: dict) -> None:
                                                     f"(draft {format_bytes(spec[f'draft_{key}'])})")
         else:
             sizing.add_row(f"- {term}", format_bytes(result[key]))
+    catalogue = result.get("catalogue")
+    if catalogue:
+        shape = []
+        if catalogue["num_items"] is not None:
+            shape.append(f"{catalogue['num_items']:,} items x {catalogue['max_item_tokens']} tokens")
+        if catalogue["num_nodes"] is not None:
+            shape.append(f"{'' if catalogue['exact'] else '<= '}{catalogue['num_nodes']:,} nodes")
+        detail = f" ({', '.join(shape)})" if shape else ""
+        bound = "<= " if catalogue["upper_bound"] else ""
+        sizing.add_row("- catalogue", f"{bound}{format_bytes(catalogue['bytes'])}{detail}")
     sizing.add_row("x kv cache fraction", f"{result['kv_cache_fraction']:g}")
     sizing.add_row("= KV cache", format_bytes(result["kv_cache_bytes"]))
     sizing.add_row("KV bytes per token (all layers)", str(result["bytes_per_token"]))

@@ -3,7 +3,9 @@
 `plan()` runs the same sizing and budget code the engine uses (kv/sizing.py, kv/cache.py), and sets
 the naive per-beam-copy model beside it so the difference is visible. With speculative decoding the
 draft model's pools ("draft", "draft/sliding_512", ...) are sized beside the target's from the same
-budget, and every per-sequence pool reserves D speculative tokens per sequence.
+budget, and every per-sequence pool reserves D speculative tokens per sequence. A catalogue
+registered at start-up (generative retrieval, `CataloguePlan`) lives on the device beside the pools:
+its bytes come off the memory before the KV share is taken, as the engine does.
 
 This module stays free of torch (`widebeam plan` must be quick and run anywhere).
 """
@@ -35,6 +37,38 @@ DRAFT_PREFIX = "draft"  # the draft worker's name prefix, as the engine gives it
 
 
 @dataclass(frozen=True)
+class CataloguePlan:
+    """A start-up catalogue's size. `exact`: counted from its items (`widebeam plan --catalogue FILE`),
+    else an estimate (the node bound from --catalogue-items and --catalogue-item-tokens) or bytes given."""
+
+    nbytes: int
+    num_items: int | None = None
+    num_nodes: int | None = None
+    max_item_tokens: int | None = None
+    exact: bool = False
+    upper_bound: bool = False  # nbytes is the bound for num_items x max_item_tokens (no prefix shared)
+
+    def entry(self) -> dict:
+        return {"bytes": self.nbytes, "num_items": self.num_items, "num_nodes": self.num_nodes,
+                "max_item_tokens": self.max_item_tokens, "exact": self.exact, "upper_bound": self.upper_bound}
+
+
+# The trie's device tensors (widebeam/catalogue/trie.py), per node: node_token, node_parent and
+# child_start (int64, one more entry), child_keys (int64, one fewer: nodes 1..) and is_end (bool).
+CATALOGUE_BYTES_PER_NODE = 8 + 8 + 8 + 8 + 1
+
+
+def catalogue_nbytes(num_nodes: int) -> int:
+    """`Catalogue.nbytes` of a trie of `num_nodes` nodes (the root included): 33 bytes a node."""
+    return CATALOGUE_BYTES_PER_NODE * num_nodes
+
+
+def catalogue_node_bound(num_items: int, max_item_tokens: int) -> int:
+    """At most one node per token of every item, plus the root (items sharing prefixes share nodes)."""
+    return num_items * max_item_tokens + 1
+
+
+@dataclass(frozen=True)
 class PlanInputs:
     memory_bytes: int
     beam_width: int
@@ -50,6 +84,8 @@ class PlanInputs:
     # Speculative decoding (None: off): "draft" needs the draft model's arch passed to `plan()`;
     # "ngram" has no draft model, only the target's D tokens per sequence.
     speculative: SpeculativeConfig | None = None
+    # Catalogues registered at start-up (None: none); their bytes come off the memory before the KV share.
+    catalogue: CataloguePlan | None = None
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -112,13 +148,15 @@ def plan(arch: ModelArch, inputs: PlanInputs, draft_arch: ModelArch | None = Non
                                                              inputs.beam_width, inputs.dtype)
         weight_bytes += draft_weight_bytes
         reserve_bytes += draft_reserve_bytes
-    left_bytes = inputs.memory_bytes - weight_bytes - reserve_bytes
+    catalogue_bytes = inputs.catalogue.nbytes if inputs.catalogue is not None else 0
+    left_bytes = inputs.memory_bytes - weight_bytes - reserve_bytes - catalogue_bytes
     if left_bytes <= 0:
         raise PlanError(
             f"--memory {inputs.memory_bytes} bytes leaves nothing for the KV cache: the weights"
             f"{' (target and draft)' if draft_arch is not None else ''} need "
-            f"{weight_bytes} bytes and the activation reserve {reserve_bytes} bytes; "
-            f"use --memory > {weight_bytes + reserve_bytes}"
+            f"{weight_bytes} bytes and the activation reserve {reserve_bytes} bytes"
+            f"{f', the catalogue {catalogue_bytes} bytes' if catalogue_bytes else ''}; "
+            f"use --memory > {weight_bytes + reserve_bytes + catalogue_bytes}"
         )
     kv_cache_bytes = int(left_bytes * inputs.kv_cache_fraction)
     t = inputs.tokens_per_block
@@ -179,6 +217,7 @@ def plan(arch: ModelArch, inputs: PlanInputs, draft_arch: ModelArch | None = Non
         "memory_bytes": inputs.memory_bytes,
         "weight_bytes": weight_bytes,
         "activation_reserve_bytes": reserve_bytes,
+        **({"catalogue": inputs.catalogue.entry()} if inputs.catalogue is not None else {}),
         "kv_cache_fraction": inputs.kv_cache_fraction,
         "kv_cache_bytes": kv_cache_bytes,
         "bytes_per_token": sum(s.bytes_per_token for s in specs),

@@ -110,6 +110,34 @@ def error_message(exc: Exception, missing_file_param: str | None = None) -> str:
     return f"{'argument --' + name.replace('_', '-') + ': ' if name else ''}{message}"
 
 
+def catalogue_error_message(exc: Exception, missing_file_param: str | None = None) -> str:
+    """`error_message`, with a catalogue file's own errors (`CatalogueError`, raised while the engine
+    reads the file) put on `--catalogue`."""
+    if getattr(exc, "param", None) is None and type(exc).__name__ == "CatalogueError":
+        return f"argument --catalogue: {exc}"
+    return error_message(exc, missing_file_param)
+
+
+def catalogue_spec(text: str) -> tuple[str, str]:
+    """`--catalogue NAME=PATH`: a name for requests' `catalogue` field and an existing file."""
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH (e.g. items=catalogue.jsonl), got {text!r}")
+    if not os.path.isfile(path):
+        raise argparse.ArgumentTypeError(f"{path!r} is not a file (NAME=PATH, got {text!r})")
+    return name.strip(), path
+
+
+def catalogues_kwargs(args: argparse.Namespace) -> dict:
+    """`catalogues={NAME: PATH}` for `LLMEngine` from the repeated `--catalogue NAME=PATH` (empty when none)."""
+    catalogues: dict[str, str] = {}
+    for name, path in getattr(args, "catalogue", None) or ():
+        if name in catalogues:
+            raise argparse.ArgumentTypeError(f"catalogue name {name!r} is given twice")
+        catalogues[name] = path
+    return {"catalogues": catalogues} if catalogues else {}
+
+
 def is_loopback(host: str) -> bool:
     """Whether binding `host` keeps the server on this machine (127.0.0.0/8, ::1, localhost)."""
     if host.lower().rstrip(".") == "localhost":
@@ -160,6 +188,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "before they are aborted with an error; then the server exits 0 "
                         f"(default {DEFAULT_SHUTDOWN_TIMEOUT_S:g})")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    p.add_argument("--catalogue", type=catalogue_spec, action="append", default=[], metavar="NAME=PATH",
+                   help="register a catalogue for generative retrieval under NAME (requests send "
+                        "\"catalogue\": NAME with use_beam_search): a .jsonl (token-id lists or strings), .npy "
+                        "or .parquet file; its bytes come off the KV budget (repeatable)")
     add_speculative_arguments(p)
     return p
 
@@ -198,12 +230,17 @@ def run_serve(args: argparse.Namespace) -> int:
 
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     try:
+        catalogues = catalogues_kwargs(args)
+    except argparse.ArgumentTypeError as exc:
+        return _fail(f"argument --catalogue: {exc}")
+    try:
         engine = LLMEngine(args.model, dtype=args.dtype, device=args.device, tokens_per_block=args.tokens_per_block,
                            kv_cache_memory=args.kv_cache_memory, kv_cache_fraction=args.kv_cache_fraction,
                            max_seq_len=args.max_seq_len, max_beam_width=args.max_beam_width,
-                           max_num_batched_tokens=args.max_num_batched_tokens, **speculative_kwargs(args))
+                           max_num_batched_tokens=args.max_num_batched_tokens, **catalogues,
+                           **speculative_kwargs(args))
     except (WidebeamError, ValueError, FileNotFoundError) as exc:
-        return _fail(error_message(exc, missing_file_param="model"))
+        return _fail(catalogue_error_message(exc, missing_file_param="model"))
     except KeyboardInterrupt:  # Ctrl+C while loading: nothing is served yet
         print("widebeam serve: interrupted while loading the model", file=sys.stderr)
         return EXIT_INTERRUPTED
