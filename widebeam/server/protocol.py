@@ -4,6 +4,12 @@ into engine parameters. Every mistake in a request becomes an `ApiError` naming 
 Beam search rides on the OpenAI fields: `use_beam_search: true`, `n` beams returned, `best_of` or
 `beam_width` beams searched (default `n`), `length_penalty`, `early_stopping`, `stop`,
 `stop_token_ids`, `min_tokens`, `max_tokens`. Each beam choice carries its `beam_score`.
+
+Generative retrieval (catalogue-constrained beams) adds `catalogue` (the name of one the server
+registered, `widebeam serve --catalogue NAME=PATH`) or an inline `allowed_sequences` (token-id lists,
+at most `MAX_INLINE_ITEMS` items of at most `MAX_INLINE_ITEM_TOKENS` tokens), both only with
+`use_beam_search`: every returned choice is then one item (its text), and `max_tokens` defaults to
+the longest item plus its end-of-sequence token.
 """
 
 from __future__ import annotations
@@ -22,6 +28,11 @@ from widebeam.params import BeamSearchParams, SamplingParams
 # Sampled requests with n > 1 become n engine requests; a bound keeps one call from flooding the queue.
 MAX_ENGINE_REQUESTS_PER_CALL = 128
 KV_CAPACITY_CODE = "kv_cache_capacity_exceeded"
+# Inline catalogues are built per request: a bound on their size (a large one belongs at start-up).
+MAX_INLINE_ITEMS = 10_000
+MAX_INLINE_ITEM_TOKENS = 64
+MAX_TOKEN_ID = 2**31 - 1
+CATALOGUE_FIELDS = ("catalogue", "allowed_sequences")
 
 
 class ApiError(Exception):
@@ -80,6 +91,12 @@ class _GenerationFields(BaseModel):
     early_stopping: bool | Literal["never"] | None = Field(None, description="beam search only; default false")
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
+    catalogue: str | None = Field(None, description="beam search only: constrain every beam to the items of "
+                                                    "this registered catalogue (widebeam serve --catalogue "
+                                                    "NAME=PATH); each choice is one item")
+    allowed_sequences: list[list[int]] | None = Field(
+        None, description=f"beam search only: an inline catalogue, token-id lists (at most {MAX_INLINE_ITEMS} "
+                          f"items of at most {MAX_INLINE_ITEM_TOKENS} tokens); excludes `catalogue`")
     # OpenAI fields accepted only at their neutral values.
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -233,6 +250,9 @@ def plan_request(req: _GenerationFields) -> Plan:
         raise invalid("stream_options", "stream_options needs stream: true")
     if req.use_beam_search:
         return _beam_plan(req, max_tokens, stop, stop_token_ids, max_tokens_name)
+    for name in CATALOGUE_FIELDS:
+        if _given(req, name):
+            raise invalid(name, f"{name} constrains beam search: add use_beam_search: true")
     for name in ("beam_width", "length_penalty", "early_stopping"):
         if _given(req, name):
             raise invalid(name, f"{name} applies only to beam search: add use_beam_search: true")
@@ -270,13 +290,36 @@ def _beam_plan(req, max_tokens, stop, stop_token_ids, max_tokens_name: str = "ma
     width = getattr(req, width_field)
     if req.n > width:
         raise invalid("n", f"n ({req.n}) must be <= the beams searched ({width_field}={width})")
+    allowed_sequences = _inline_catalogue(req.allowed_sequences)
+    if (_given(req, "catalogue") or allowed_sequences is not None) and max_tokens_name not in req.model_fields_set:
+        max_tokens = None  # the engine's default with a catalogue: its longest item and the end-of-sequence token
     params = _engine_params(
         BeamSearchParams, beam_width=width, max_new_tokens=max_tokens,
         length_penalty=1.0 if req.length_penalty is None else req.length_penalty,
         early_stopping=False if req.early_stopping is None else req.early_stopping,
         num_return_sequences=req.n, min_new_tokens=req.min_tokens, stop_token_ids=stop_token_ids, stop=stop,
-        ignore_eos=req.ignore_eos, _width_field=width_field, _max_tokens_name=max_tokens_name)
+        ignore_eos=req.ignore_eos, catalogue=req.catalogue, allowed_sequences=allowed_sequences,
+        _width_field=width_field, _max_tokens_name=max_tokens_name)
     return Plan([params], beam=True, n=req.n, width_field=width_field)
+
+
+def _inline_catalogue(items: list[list[int]] | None) -> list[list[int]] | None:
+    """`allowed_sequences` within the caps; the engine checks the rest (empty items, the vocabulary)."""
+    if items is None:
+        return None
+    if len(items) > MAX_INLINE_ITEMS:
+        raise invalid("allowed_sequences", f"allowed_sequences holds {len(items)} items; at most "
+                                           f"{MAX_INLINE_ITEMS} are taken inline (register a larger catalogue "
+                                           "at start-up: widebeam serve --catalogue NAME=PATH)")
+    for i, item in enumerate(items):
+        if len(item) > MAX_INLINE_ITEM_TOKENS:
+            raise invalid("allowed_sequences", f"allowed_sequences[{i}] has {len(item)} tokens; an item has at "
+                                               f"most {MAX_INLINE_ITEM_TOKENS}")
+        for token in item:
+            if not 0 <= token <= MAX_TOKEN_ID:
+                raise invalid("allowed_sequences", f"allowed_sequences[{i}] holds {token}: token ids are >= 0 "
+                                                   "and within the model's vocabulary")
+    return items
 
 
 def api_names(*, width_field: str = "n", prompt_field: str = "prompt",
