@@ -124,10 +124,9 @@ class Catalogue:
     def child_nodes(self, nodes: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """The node reached from each `nodes[i]` by `token_ids[i]`; -1 where that is no child."""
         keys = nodes * self.vocab_size + token_ids
-        index = torch.searchsorted(self.child_keys, keys).clamp_(max=max(self.child_keys.shape[0] - 1, 0))
-        found = self.child_keys.shape[0] > 0 and True
-        hit = (self.child_keys[index] == keys) if found else torch.zeros_like(keys, dtype=torch.bool)
-        return torch.where(hit, index + 1, torch.full_like(index, -1))
+        # a catalogue has at least one item, so at least one key: the clamp never leaves it empty
+        index = torch.searchsorted(self.child_keys, keys).clamp_(max=self.child_keys.shape[0] - 1)
+        return torch.where(self.child_keys[index] == keys, index + 1, torch.full_like(index, -1))
 
     def contains(self, token_ids: Sequence[int]) -> bool:
         """Whether `token_ids` is an item (walks the trie; for tests and checks)."""
