@@ -254,11 +254,11 @@ class LLMEngine:
                                             "this model has {vocab_size}", size=source.vocab_size,
                                             vocab_size=self.arch.vocab_size)
             return source.to(self.device)
-        if isinstance(source, (str, os.PathLike)):
-            from widebeam.catalogue.sources import load_items
-
-            source = load_items(source, self.tokenizer)
         try:
+            if isinstance(source, (str, os.PathLike)):
+                from widebeam.catalogue.sources import load_items
+
+                source = load_items(source, self.tokenizer)
             return Catalogue.from_sequences(source, self.arch.vocab_size, self.device)
         except CatalogueError as exc:
             raise InvalidParameterError("catalogue", "{catalogue} is malformed: {problem}", problem=str(exc)) from None
