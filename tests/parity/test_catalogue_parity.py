@@ -136,3 +136,23 @@ def test_every_returned_sequence_is_an_item(engine, seed):
     assert output.outputs
     for beam in output.outputs:
         assert beam.token_ids[-1] == EOS and tuple(beam.token_ids[:-1]) in set(items), beam.token_ids
+
+
+def test_the_masked_path_equals_the_allowed_set_path(engine):
+    """A catalogue alone is ranked over its allowed set; with another processor beside it the rows
+    are masked densely instead: the same beams and scores either way."""
+    items = random_catalogue(7, num_items=300)
+    params = BeamSearchParams(beam_width=16, allowed_sequences=items, length_penalty=0.8)
+    outputs = []
+    for processors in ((), (lambda scores, num_generated: None,)):
+        free = engine.cache.num_free_blocks()
+        engine.add_request("p", {"prompt_token_ids": PROMPTS[1]}, params, logits_processors=processors)
+        while engine.has_unfinished():
+            for delta in engine.step():
+                if delta.finished:
+                    outputs.append([(b.token_ids, b.score) for b in delta.output.outputs])
+        assert engine.cache.num_free_blocks() == free
+    sparse, dense = outputs
+    assert [t for t, _ in sparse] == [t for t, _ in dense] and len(sparse) == 16
+    for (_, a), (_, b) in zip(sparse, dense):
+        assert a == pytest.approx(b, rel=1e-6)

@@ -211,10 +211,14 @@ class BeamSearchState:
 
     # -- the search --------------------------------------------------------------------------------------
 
-    def step(self, logprobs: torch.Tensor, mask_min_length_eos: bool = True) -> StepResult:
+    def step(self, logprobs: torch.Tensor, mask_min_length_eos: bool = True,
+             allowed: tuple[torch.Tensor, torch.Tensor] | None = None) -> StepResult:
         """Consume the live beams' next-token log-probs `[num_live_beams, vocab]`; return the next live beams.
 
         `mask_min_length_eos=False` lets EOS through before `min_new_tokens` (a caller forcing EOS).
+        `allowed` = (rows, tokens): the only (beam, token) pairs this step may take (a catalogue);
+        the search then ranks just those, never the whole [beams, vocab] (the same result as
+        masking every other score to -inf, without writing or scanning it).
 
         Returns an empty `StepResult` when the search is done (then `done` is True).
         """
@@ -238,7 +242,10 @@ class BeamSearchState:
             running[0] = 0.0
         else:
             running = torch.tensor(self._live_scores, dtype=torch.float32)
-        values, parent_rows, tokens = self._top_candidates(lp, running.to(device), mask_eos)
+        if allowed is None:
+            values, parent_rows, tokens = self._top_candidates(lp, running.to(device), mask_eos)
+        else:
+            values, parent_rows, tokens = self._top_allowed(lp, running.to(device), mask_eos, *allowed)
         num_candidates = values.shape[0]
         generated = self._generated + 1
         last = generated >= self.max_new_tokens
@@ -406,6 +413,18 @@ class BeamSearchState:
                 values, flat = torch.topk(all_sums, num)
                 return values, all_rows[flat], all_tokens[flat]
         return values, torch.div(flat, k_shallow, rounding_mode="floor"), top_tokens.reshape(-1)[flat]
+
+    def _top_allowed(self, lp: torch.Tensor, running: torch.Tensor, mask_eos: bool, rows: torch.Tensor,
+                     tokens: torch.Tensor):
+        """The K best `running[row] + lp[row, token]` over the allowed (row, token) pairs only, best
+        first. On the first step only the real prompt copy (row 0) offers candidates: a dummy copy's
+        could neither finish nor live on, and rank below every real one."""
+        rows, tokens = rows.to(lp.device), tokens.to(lp.device)
+        sums = lp[rows, tokens] + running[rows]
+        if mask_eos:
+            sums = sums.masked_fill(torch.isin(tokens, self._eos_on(lp.device)), float("-inf"))
+        values, order = torch.topk(sums, min(self._num_candidates, sums.shape[0]))
+        return values, rows[order], tokens[order]
 
     def _merge_finished(self, new_finished: list[_Finished]) -> None:
         if new_finished:

@@ -29,27 +29,35 @@ class CatalogueConstraint:
             return torch.zeros(num_rows, dtype=torch.long, device=device)
         return self.nodes
 
-    def __call__(self, scores: torch.Tensor, num_generated_tokens: int) -> None:
-        """Keep the scores [rows, vocab] of each row's allowed tokens; the rest become -inf."""
+    def allowed(self, num_rows: int, num_generated_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, tokens) [num_allowed] on the catalogue's device: every (beam, token) this step may
+        take: each beam's children, and the EOS ids where its node ends an item."""
         catalogue = self.catalogue
-        nodes = self._nodes(scores.shape[0], catalogue.device)
+        nodes = self._nodes(num_rows, catalogue.device)
         starts = catalogue.child_start[nodes]
         counts = catalogue.child_start[nodes + 1] - starts
         if num_generated_tokens >= self.max_new_tokens - 1:
             counts = torch.zeros_like(counts)  # the last token: EOS only, never a cut item
         total = int(counts.sum())  # the one host read: the size of the allowed set
-        rows = torch.repeat_interleave(torch.arange(nodes.shape[0], device=nodes.device), counts, output_size=total)
+        row_ids = torch.arange(nodes.shape[0], device=nodes.device)
+        rows = torch.repeat_interleave(row_ids, counts, output_size=total)
         # [total] each allowed child's node id: its row's first child + its rank among them
         first = torch.repeat_interleave(starts - (torch.cumsum(counts, 0) - counts), counts, output_size=total)
-        children = first + torch.arange(total, device=nodes.device)
-        rows, tokens = rows.to(scores.device), catalogue.node_token[children].to(scores.device)
+        tokens = catalogue.node_token[first + torch.arange(total, device=nodes.device)]
+        if self.eos_token_ids:
+            end_rows = row_ids[catalogue.is_end[nodes]]
+            eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=nodes.device)
+            rows = torch.cat((rows, end_rows.repeat_interleave(eos.shape[0])))
+            tokens = torch.cat((tokens, eos.repeat(end_rows.shape[0])))
+        return rows, tokens
+
+    def __call__(self, scores: torch.Tensor, num_generated_tokens: int) -> None:
+        """Keep the scores [rows, vocab] of each row's allowed tokens; the rest become -inf."""
+        rows, tokens = self.allowed(scores.shape[0], num_generated_tokens)
+        rows, tokens = rows.to(scores.device), tokens.to(scores.device)
         kept = scores[rows, tokens]
-        ends = catalogue.is_end[nodes].to(scores.device)
-        kept_eos = scores[:, self.eos_token_ids] if self.eos_token_ids else None
         scores.fill_(float("-inf"))
         scores[rows, tokens] = kept
-        if kept_eos is not None:
-            scores[:, self.eos_token_ids] = torch.where(ends[:, None], kept_eos, float("-inf"))
 
     def reorder(self, parent_indices: Sequence[int], token_ids: Sequence[int]) -> None:
         """Beam i of the next step continues beam `parent_indices[i]` with `token_ids[i]`."""

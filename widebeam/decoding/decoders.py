@@ -14,7 +14,13 @@ from dataclasses import dataclass
 import torch
 
 from widebeam.beam.search import BeamSearchState, Hypothesis
-from widebeam.decoding.processors import BeamStateProcessor, LogitsProcessor, apply_processors, forcing_eos
+from widebeam.decoding.processors import (
+    AllowedSetProcessor,
+    BeamStateProcessor,
+    LogitsProcessor,
+    apply_processors,
+    forcing_eos,
+)
 from widebeam.params import BeamSearchParams, SamplingParams
 from widebeam.sampling import sample_token, verify_draft_token
 
@@ -147,11 +153,16 @@ class BeamDecoder:
     def advance(self, scores: RowScores) -> Advance:
         """One row per live beam -> the next live beams (none when the search ended)."""
         num_generated = self.num_generated_tokens
-        # HF's processors run after the log-softmax in beam search: no renormalisation. A forced EOS
-        # (the last allowed token) overrides min_new_tokens' EOS ban, as in HF.
-        logprobs = scores.logprobs.clone() if self.processors else scores.logprobs
-        scores = apply_processors(self.processors, logprobs, num_generated)
-        result = self.search.step(scores, mask_min_length_eos=not forcing_eos(self.processors, num_generated))
+        if len(self.processors) == 1 and isinstance(self.processors[0], AllowedSetProcessor):
+            # A catalogue alone: rank just its allowed (beam, token) pairs, no masked copy of the rows.
+            allowed = self.processors[0].allowed(scores.logprobs.shape[0], num_generated)
+            result = self.search.step(scores.logprobs, allowed=allowed)
+        else:
+            # HF's processors run after the log-softmax in beam search: no renormalisation. A forced
+            # EOS (the last allowed token) overrides min_new_tokens' EOS ban, as in HF.
+            logprobs = scores.logprobs.clone() if self.processors else scores.logprobs
+            scores = apply_processors(self.processors, logprobs, num_generated)
+            result = self.search.step(scores, mask_min_length_eos=not forcing_eos(self.processors, num_generated))
         for processor in self.processors:
             if isinstance(processor, BeamStateProcessor):  # per-beam state follows the beams
                 processor.reorder(result.parent_indices, result.token_ids)

@@ -31,6 +31,14 @@ class BeamStateProcessor(Protocol):
     def drop(self, seq_indices: Iterable[int]) -> None: ...
 
 
+@runtime_checkable
+class AllowedSetProcessor(BeamStateProcessor, Protocol):
+    """A processor that only allows a set of (beam, token) pairs each step (a catalogue): alone in
+    a request's list, the beam search ranks that set directly instead of a masked copy of the rows."""
+
+    def allowed(self, num_rows: int, num_generated_tokens: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 class BanUntilMinTokens:
     """Tokens that may not come before `min_new_tokens` tokens were generated (EOS, unless ignored,
     and the stop token ids), masked as transformers and vLLM do: not emitted, walked past."""
