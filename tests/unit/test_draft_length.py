@@ -4,6 +4,8 @@ a probe pays; with `adaptive=False` it always drafts D."""
 
 from __future__ import annotations
 
+import itertools
+
 from widebeam.speculative.policy import DraftLength
 
 
@@ -24,7 +26,7 @@ def test_drafts_that_pay_keep_drafting():
 def test_drafts_that_never_pay_back_off_exponentially_to_16_rounds():
     nodes = drafted_rounds(DraftLength(4), steps_when_drafting=1, num_rounds=200)
     probes = [i for i, n in enumerate(nodes) if n]
-    gaps = [b - a - 1 for a, b in zip(probes, probes[1:])]
+    gaps = [b - a - 1 for a, b in itertools.pairwise(probes)]
     assert gaps[:2] == [0, 1]  # optimistic start: two full rounds, then the first back-off
     assert gaps[1:6] == [1, 2, 4, 8, 16] and set(gaps[5:]) == {16}
     assert sum(1 for n in nodes if n) < 20  # of 200 rounds
