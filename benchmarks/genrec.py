@@ -44,6 +44,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tables import markdown_table, print_table
 
 from widebeam import memstats
 from widebeam.catalogue.constraint import CatalogueConstraint
@@ -290,30 +291,25 @@ def fmt_row(r: dict) -> list[str]:
             hf_s, speedup, same]
 
 
+ALIGNS = "rrl" + "r" * 12 + "c"
+
+
 def markdown(rows: list[dict]) -> str:
-    lines = ["| " + " | ".join(HEADERS) + " |", "|" + "|".join(["--:"] * 2 + ["---"] + ["--:"] * 12 + [":-:"]) + "|"]
-    lines += ["| " + " | ".join(fmt_row(r)) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
+    return markdown_table(HEADERS, [fmt_row(r) for r in rows], ALIGNS)
 
 
-def print_table(rows: list[dict]) -> None:
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        print(markdown(rows))
-        return
-    table = Table(title="generative retrieval: constrained vs unconstrained widebeam vs transformers (same run)")
-    for h in HEADERS:
-        table.add_column(h, justify="left" if h == "catalogue" else "right")
-    for r in rows:
-        cells = fmt_row(r)
-        if cells[9] != "0":
-            cells[9] = f"[bold red]{cells[9]}[/]"
-        if cells[15] == "NO":
-            cells[15] = "[bold red]NO[/]"
-        table.add_row(*cells)
-    Console(width=max(Console().width, 200)).print(table)
+def styled(r: dict) -> list[str]:
+    cells = fmt_row(r)
+    if cells[9] != "0":
+        cells[9] = f"[bold red]{cells[9]}[/]"
+    if cells[15] == "NO":
+        cells[15] = "[bold red]NO[/]"
+    return cells
+
+
+def print_results(rows: list[dict]) -> None:
+    print_table("generative retrieval: constrained vs unconstrained widebeam vs transformers (same run)", HEADERS,
+                [styled(r) for r in rows], ALIGNS, width=200, plain_rows=[fmt_row(r) for r in rows])
 
 
 def evaluate_targets(rows: list[dict], kv_budget: int) -> list[dict]:
@@ -514,7 +510,7 @@ def main() -> None:
     result["timed_s"] = round(time.perf_counter() - t_all, 1)
     save()
     out_path.with_suffix(".md").write_text(markdown(rows))
-    print_table(rows)
+    print_results(rows)
     for t in result["targets"]:
         verdict = "n/a" if t["hit"] is None else ("HIT" if t["hit"] else "MISS")
         print(f"{verdict:4s} {t['target']}: {json.dumps(t['measured'])}")

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import torch
+from tables import markdown_table, print_table
 
 from widebeam.engine import LLM
 from widebeam.memstats import reset_peak_rss, rss_bytes
@@ -161,30 +162,25 @@ HEADERS = ["task", "W / mode", "config", "wall s", "tokens/s", "speed-up", "step
            "same ids", "process peak RSS GiB"]
 
 
+ALIGNS = "lllrrrrrcr"
+
+
 def markdown(rows: list[dict]) -> str:
-    lines = ["| " + " | ".join(HEADERS) + " |", "|---|---|---|--:|--:|--:|--:|--:|:-:|--:|"]
-    lines += ["| " + " | ".join(fmt_row(r)) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
+    return markdown_table(HEADERS, [fmt_row(r) for r in rows], ALIGNS)
 
 
-def print_table(rows: list[dict]) -> None:
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        print(markdown(rows))
-        return
-    table = Table(title="speculative decoding vs plain (same process, same weights)")
-    for h in HEADERS:
-        table.add_column(h, justify="left" if h in ("task", "W / mode", "config") else "right")
-    for r in rows:
-        cells = fmt_row(r)
-        if cells[8] == "NO":
-            cells[8] = "[bold red]NO[/]"
-        if r["speedup"] < 1 and r["config"] != "plain":
-            cells[5] = f"[yellow]{cells[5]}[/]"
-        table.add_row(*cells)
-    Console(width=max(Console().width, 150)).print(table)
+def styled(r: dict) -> list[str]:
+    cells = fmt_row(r)
+    if cells[8] == "NO":
+        cells[8] = "[bold red]NO[/]"
+    if r["speedup"] < 1 and r["config"] != "plain":
+        cells[5] = f"[yellow]{cells[5]}[/]"
+    return cells
+
+
+def print_results(rows: list[dict]) -> None:
+    print_table("speculative decoding vs plain (same process, same weights)", HEADERS, [styled(r) for r in rows],
+                ALIGNS, plain_rows=[fmt_row(r) for r in rows])
 
 
 def main() -> None:
@@ -299,7 +295,7 @@ def main() -> None:
                       f"same={'yes' if check['identical'] else 'NO'}  runs {row['all_wall_s']}", flush=True)
     total_s = time.perf_counter() - t_all
 
-    print_table(rows)
+    print_results(rows)
     if problems:
         print(f"\n{len(problems)} configuration(s) with outputs different from plain:", file=sys.stderr)
         for p in problems:
