@@ -36,13 +36,13 @@ import gc
 import io
 import json
 import os
-import platform
 import pstats
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+import tables
 import torch
 from tables import markdown_table, print_table
 
@@ -129,15 +129,8 @@ def reset_peak_rss() -> None:
 
 
 def machine_info(threads: int) -> dict:
-    cpu = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        pass
-    return {"cpu_count": os.cpu_count(), "cpu": cpu, "torch_threads": torch.get_num_threads(),
-            "threads_requested": threads, "torch": torch.__version__, "python": platform.python_version(),
-            "platform": platform.platform(), "mem_available_bytes_at_start": available_memory_bytes(torch.device("cpu"))}
+    return {**tables.machine_info(threads),
+            "mem_available_bytes_at_start": available_memory_bytes(torch.device("cpu"))}
 
 
 def size_label(n: int) -> str:

@@ -22,13 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
 
 import torch
-from tables import markdown_table, print_table
+from tables import machine_info, markdown_table, print_table
 
 from widebeam.engine import LLM
 from widebeam.memstats import reset_peak_rss, rss_bytes
@@ -134,18 +133,6 @@ def compare(reference, outputs) -> dict:
                  "best_same": ref_ids[i][0] == ids[i][0]}
     return {"identical": not mismatches, "mismatched_prompts": mismatches, "first_mismatch": first,
             "max_logprob_drift": drift}
-
-
-def machine_info(threads: int) -> dict:
-    cpu = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        pass
-    return {"cpu_count": os.cpu_count(), "cpu": cpu, "torch_threads": torch.get_num_threads(),
-            "threads_requested": threads, "torch": torch.__version__, "python": platform.python_version(),
-            "platform": platform.platform()}
 
 
 def fmt_row(r: dict) -> list[str]:

@@ -31,3 +31,21 @@ def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]
     for row in rows:
         table.add_row(*row)
     Console(width=max(Console().width, width)).print(table)
+
+
+def machine_info(threads: int) -> dict:
+    """What the numbers were measured on: CPU model and count, torch threads and version, platform."""
+    import os
+    import platform
+
+    import torch
+
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    return {"cpu_count": os.cpu_count(), "cpu": cpu, "torch_threads": torch.get_num_threads(),
+            "threads_requested": threads, "torch": torch.__version__, "python": platform.python_version(),
+            "platform": platform.platform()}
