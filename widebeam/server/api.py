@@ -111,7 +111,9 @@ _ERROR_RESPONSES = {status: {"model": p.ErrorResponse, "description": text} for 
 
 
 def create_app(engine, *, model_name: str, api_key: str | None = None,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, model_aliases: tuple[str, ...] = ()) -> FastAPI:
+    """`model_aliases`: other names a request's `model` may give for the served model (the `--model`
+    it was started with, a path's last part); /v1/models lists `model_name` only."""
     from widebeam import __version__
 
     metrics = ServerMetrics(lambda: loop.snapshot)
@@ -181,7 +183,7 @@ def create_app(engine, *, model_name: str, api_key: str | None = None,
         return await _generate(request, body, chat=True)
 
     async def _generate(request: Request, req, chat: bool):
-        if req.model is not None and req.model != model_name:
+        if req.model is not None and req.model != model_name and req.model not in model_aliases:
             raise p.ApiError(404, f"model {req.model!r} is not served here; this server serves {model_name!r}",
                              param="model", code="model_not_found")
         plan = p.plan_request(req)

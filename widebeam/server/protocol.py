@@ -14,6 +14,7 @@ the longest item plus its end-of-sequence token.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ MAX_INLINE_ITEM_TOKENS = 64
 MAX_TOKEN_ID = 2**31 - 1
 CATALOGUE_FIELDS = ("catalogue", "allowed_sequences")
 
+
+log = logging.getLogger("widebeam.server")
 
 class ApiError(Exception):
     """An error answered as an OpenAI error object: {"error": {message, type, param, code}}."""
@@ -101,7 +104,16 @@ class _GenerationFields(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    # Bookkeeping a real client sends that changes nothing here: accepted, logged at debug, ignored.
     user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+    # Function calling cannot be honoured: `tools` is a 400 naming it whenever given; `tool_choice`
+    # unless "none".
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
 
 
 class CompletionRequest(_GenerationFields):
@@ -223,7 +235,17 @@ def _given(req: BaseModel, name: str) -> bool:
     return name in req.model_fields_set and getattr(req, name) is not None
 
 
+IGNORED_FIELDS = ("user", "store", "metadata", "service_tier", "parallel_tool_calls")
+
+
 def _check_unsupported(req: _GenerationFields) -> None:
+    ignored = [name for name in IGNORED_FIELDS if _given(req, name)]
+    if ignored:
+        log.debug("ignored request fields that change nothing here: %s", ", ".join(ignored))
+    if req.tools is not None:
+        raise invalid("tools", "tools (function calling) is not supported by this server")
+    if req.tool_choice not in (None, "none"):
+        raise invalid("tool_choice", f"tool_choice is not supported by this server (got {req.tool_choice!r})")
     neutral = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},),
                "echo": (False,), "logprobs": (False, 0), "suffix": ("",), "top_logprobs": (0,)}
     for name, allowed in neutral.items():

@@ -16,6 +16,7 @@ import math
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from widebeam.argtypes import EXIT_USAGE, OneLineParser
 from widebeam.argtypes import byte_size as _byte_size
@@ -108,6 +109,13 @@ def error_message(exc: Exception, missing_file_param: str | None = None) -> str:
     message = exc.render(SPECULATIVE_FLAG_NAMES) if name in SPECULATIVE_FLAG_NAMES and hasattr(exc, "render") \
         else str(exc)
     return f"{'argument --' + name.replace('_', '-') + ': ' if name else ''}{message}"
+
+
+def model_aliases(model: str) -> tuple[str, ...]:
+    """Names a client may use for the served model besides `--served-model-name`: the `--model` value
+    as given and, for a path, its last part ("models/my-llama/" -> "my-llama")."""
+    name = Path(model.rstrip("/")).name
+    return tuple(dict.fromkeys(a for a in (model, name) if a))
 
 
 def catalogue_error_message(exc: Exception, missing_file_param: str | None = None) -> str:
@@ -245,7 +253,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print("widebeam serve: interrupted while loading the model", file=sys.stderr)
         return EXIT_INTERRUPTED
     app = create_app(engine, model_name=args.served_model_name or args.model, api_key=api_key,
-                     max_request_bytes=args.max_request_bytes)
+                     max_request_bytes=args.max_request_bytes, model_aliases=model_aliases(args.model))
     warning = exposure_warning(args.host, api_key)
     if warning:
         log.warning(warning)
