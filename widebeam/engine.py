@@ -19,9 +19,11 @@ from dataclasses import replace
 import torch
 
 from widebeam.catalogue.constraint import CatalogueConstraint
-from widebeam.catalogue.trie import Catalogue, CatalogueError
+from widebeam.catalogue.registry import CatalogueRegistry
+from widebeam.catalogue.trie import Catalogue
 from widebeam.config import EngineConfig
 from widebeam.decoding.decoders import BeamDecoder, SamplingDecoder, StepScores
+from widebeam.decoding.penalties import TokenPenalties
 from widebeam.decoding.processors import BanUntilMinTokens, ForceEOSAtEnd, LogitsProcessor, SuppressTokens
 from widebeam.defaults import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_MODEL
 from widebeam.errors import InvalidParameterError
@@ -38,8 +40,8 @@ from widebeam.params import BeamSearchParams, SamplingParams
 from widebeam.request import Request
 from widebeam.sched.admission import admit_check
 from widebeam.sched.scheduler import Scheduler, SchedulerOutput
-from widebeam.speculative.drafter import ModelDrafter, NgramDrafter
 from widebeam.speculative.policy import DraftLength
+from widebeam.speculative.setup import start_drafter
 from widebeam.speculative.tree import branching_for_width
 from widebeam.units import format_bytes, parse_bytes
 from widebeam.worker import Worker
@@ -65,16 +67,6 @@ def available_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def _same_token_ids(target_tokenizer, draft_tokenizer, target_vocab_size: int, draft_vocab_size: int) -> bool:
-    """Whether a draft's token ids mean what the target's do: the same tokenizer vocabulary, or,
-    for two models without a tokenizer (token-id prompts only), the same vocabulary size."""
-    if target_tokenizer is None and draft_tokenizer is None:
-        return target_vocab_size == draft_vocab_size
-    if target_tokenizer is None or draft_tokenizer is None:
-        return False
-    return target_tokenizer.get_vocab() == draft_tokenizer.get_vocab()
-
-
 class LLMEngine:
     def __init__(self, model: str = DEFAULT_MODEL, catalogues: dict | None = None, **kwargs):
         """`kwargs`: the settings of `EngineConfig.from_kwargs` (dtype, device, attention_backend,
@@ -91,14 +83,20 @@ class LLMEngine:
         self.model = load_model(self.source, self.dtype, self.device)
         self.tokenizer = load_tokenizer(self.source)
         self.arch = self.model.arch
-        self.catalogues: dict[str, Catalogue] = {}
+        self.catalogues = CatalogueRegistry(self.arch.vocab_size, self.device, self.tokenizer)
         for name, source in (catalogues or {}).items():
-            self.register_catalogue(name, source)
-        self.catalogue_bytes = sum(c.nbytes for c in self.catalogues.values())
+            self.catalogues.register(name, source)
+        self.catalogue_bytes = self.catalogues.nbytes
         self.workers = [Worker("target", self.model, self.dtype)]
         self.speculative = config.speculative
         self.num_draft_tokens = self.speculative.num_speculative_tokens if self.speculative else 0
-        self.drafter = self._start_drafter()
+        self.drafter = None
+        if self.speculative is not None:
+            # a draft model joins as a second worker, its pools sized with the target's from one budget
+            self.drafter, draft_worker = start_drafter(self.speculative, self.arch, self.tokenizer, model, self.dtype,
+                                                       self.device)
+            if draft_worker is not None:
+                self.workers.append(draft_worker)
         t, chunk = cache_config.tokens_per_block, sched_config.max_num_batched_tokens
         # A decode step feeds up to 1 + 2D tokens per sequence with speculation (re-fed + drafted),
         # every one with its logits: the activation reserve is sized for that many rows.
@@ -153,31 +151,6 @@ class LLMEngine:
         self._num_rejected = 0
         self._speculative_counts = {"rounds": 0, "steps": 0, "drafted_tokens": 0, "accepted_tokens": 0}
 
-    def _start_drafter(self) -> ModelDrafter | NgramDrafter | None:
-        """The drafter of `config.speculative`; a draft model joins as a second worker whose pools
-        ("draft", "draft/sliding_w") are sized with the target's from one budget."""
-        spec = self.speculative
-        if spec is None:
-            return None
-        if self.arch.is_encoder_decoder:
-            raise InvalidParameterError("speculative_method", "speculative decoding runs decoder-only models; "
-                                        "this model is an encoder-decoder")
-        if spec.method == "ngram":
-            return NgramDrafter()
-        draft_source = resolve_model(spec.model)
-        draft_model = load_model(draft_source, spec.dtype or self.dtype, self.device)
-        if not _same_token_ids(self.tokenizer, load_tokenizer(draft_source), self.arch.vocab_size,
-                               draft_model.arch.vocab_size):
-            raise InvalidParameterError(
-                "speculative_model", "{speculative_model} {value!r} must share the target's tokenizer (the same "
-                "token ids): its vocabulary differs from {model!r}'s", value=spec.model, model=self.config.model.model)
-        if draft_model.arch.is_encoder_decoder:
-            raise InvalidParameterError("speculative_model", "{speculative_model} {value!r} must be a decoder-only "
-                                        "model", value=spec.model)
-        worker = Worker("draft", draft_model, spec.dtype or self.dtype, prefix="draft")
-        self.workers.append(worker)
-        return ModelDrafter(worker, min(self.arch.vocab_size, draft_model.arch.vocab_size))
-
     @property
     def runner(self):
         """The target model's runner."""
@@ -209,7 +182,7 @@ class LLMEngine:
                 raise InvalidParameterError(
                     "beam_width", "{beam_width} must be in [1, {limit}] (the engine's max_beam_width), got {value}",
                     limit=self.max_beam_width, value=params.beam_width)
-            catalogue = self._constraint(params) if isinstance(params, BeamSearchParams) else None
+            catalogue = self.catalogues.for_request(params) if isinstance(params, BeamSearchParams) else None
             if catalogue is not None and params.max_new_tokens is None:
                 # the longest item and its end-of-sequence token
                 params = params.replace(max_new_tokens=catalogue.max_item_tokens + 1)
@@ -227,7 +200,7 @@ class LLMEngine:
         except ValueError:
             self._num_rejected += 1
             raise
-        decoder = self._decoder(params, admission.max_new_tokens, logits_processors, catalogue)
+        decoder = self._decoder(params, admission.max_new_tokens, logits_processors, catalogue, token_ids)
         request = Request(request_id, text, token_ids, admission, self.cache.new_request(), decoder, self.tokenizer,
                           encoder_token_ids)
         if self.speculative:
@@ -241,50 +214,23 @@ class LLMEngine:
         """Register a catalogue under `name` for `BeamSearchParams(catalogue=name)`: a built
         `Catalogue`, token-id sequences, a [num_items, width] array (-1 padded), or a file
         (`catalogue/sources.py`: .jsonl, .npy, .parquet). Returns it; re-registering a name replaces it."""
-        if not isinstance(name, str) or not name:
-            raise InvalidParameterError("catalogue", "{catalogue} names must be non-empty strings, got {value!r}",
-                                        value=name)
-        self.catalogues[name] = self._catalogue(source)
-        return self.catalogues[name]
-
-    def _catalogue(self, source) -> Catalogue:
-        if isinstance(source, Catalogue):
-            if source.vocab_size != self.arch.vocab_size:
-                raise InvalidParameterError("catalogue", "{catalogue} was built for a vocabulary of {size} tokens; "
-                                            "this model has {vocab_size}", size=source.vocab_size,
-                                            vocab_size=self.arch.vocab_size)
-            return source.to(self.device)
-        try:
-            if isinstance(source, (str, os.PathLike)):
-                from widebeam.catalogue.sources import load_items
-
-                source = load_items(source, self.tokenizer)
-            return Catalogue.from_sequences(source, self.arch.vocab_size, self.device)
-        except CatalogueError as exc:
-            raise InvalidParameterError("catalogue", "{catalogue} is malformed: {problem}", problem=str(exc)) from None
-
-    def _constraint(self, params: BeamSearchParams) -> Catalogue | None:
-        """The request's catalogue (registered or inline), or None."""
-        if params.catalogue is not None:
-            if params.catalogue not in self.catalogues:
-                raise InvalidParameterError("catalogue", "{catalogue} {value!r} is not registered; registered: "
-                                            "{names}", value=params.catalogue,
-                                            names=", ".join(sorted(self.catalogues)) or "none")
-            return self.catalogues[params.catalogue]
-        if params.allowed_sequences is not None:
-            try:
-                return self._catalogue(params.allowed_sequences)
-            except InvalidParameterError as exc:
-                raise InvalidParameterError("allowed_sequences", exc.template.replace("{catalogue}",
-                                            "{allowed_sequences}"), **exc.values) from None
-        return None
+        return self.catalogues.register(name, source)
 
     def _decoder(self, params: SamplingParams | BeamSearchParams, max_new_tokens: int,
                  extra_processors: Sequence[LogitsProcessor] = (),
-                 catalogue: Catalogue | None = None) -> SamplingDecoder | BeamDecoder:
+                 catalogue: Catalogue | None = None,
+                 prompt_token_ids: Sequence[int] = ()) -> SamplingDecoder | BeamDecoder:
         """The request's decoder and its logits processors, in HF's order, the caller's after them
-        (a forced EOS still has the last word)."""
+        (a forced EOS still has the last word): penalties (repetition, as early as in HF's
+        `_get_logits_processor`, then presence / frequency, after it as in vLLM), min_new_tokens,
+        suppressed tokens, a catalogue, the caller's, a forced EOS. `prompt_token_ids`: the tokens the
+        decoder starts from (HF's `input_ids`), which the repetition penalty counts."""
         processors = []
+        penalties = None
+        if TokenPenalties.wanted(params.repetition_penalty, params.presence_penalty, params.frequency_penalty):
+            penalties = TokenPenalties(prompt_token_ids, params.repetition_penalty, params.presence_penalty,
+                                       params.frequency_penalty)
+            processors.append(penalties)
         if isinstance(params, SamplingParams) and params.min_new_tokens:
             # beam search bans EOS before min_new_tokens itself, on its candidates
             banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
@@ -297,8 +243,12 @@ class LLMEngine:
         processors.extend(extra_processors)
         if self.forced_eos_token_id is not None:
             processors.append(ForceEOSAtEnd(self.forced_eos_token_id, max_new_tokens))
-        decoder_class = BeamDecoder if isinstance(params, BeamSearchParams) else SamplingDecoder
-        return decoder_class(params, max_new_tokens, self.eos_token_ids, processors)
+        if isinstance(params, BeamSearchParams):
+            return BeamDecoder(params, max_new_tokens, self.eos_token_ids, processors)  # penalties follow reorder()
+        decoder = SamplingDecoder(params, max_new_tokens, self.eos_token_ids, processors)
+        if penalties is not None:
+            penalties.follow(decoder.token_ids)  # one sequence: its generated tokens, a live list
+        return decoder
 
     def abort(self, request_id: str) -> None:
         """Stop a request wherever it is and free all its blocks."""
