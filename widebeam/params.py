@@ -45,6 +45,21 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
 
 
+MAX_ABS_PRESENCE_FREQUENCY_PENALTY = 2.0  # OpenAI's range
+
+
+def _check_penalties(params) -> None:
+    """repetition_penalty > 0 (1 = off); presence_penalty and frequency_penalty in [-2, 2] (0 = off)."""
+    _require(_is_number(params.repetition_penalty) and 0 < params.repetition_penalty < math.inf,
+             "repetition_penalty", "must be a finite number > 0 (1 = off, > 1 discourages repeats), got {value!r}",
+             value=params.repetition_penalty)
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(params, name)
+        _require(_is_number(value) and abs(value) <= MAX_ABS_PRESENCE_FREQUENCY_PENALTY, name,
+                 "must be a number in [-{limit}, {limit}] (0 = off), got {value!r}",
+                 limit=MAX_ABS_PRESENCE_FREQUENCY_PENALTY, value=value)
+
+
 def _check_stop_token_ids(token_ids: tuple[int, ...]) -> None:
     """Negative ids are wrong in every mode; the upper bound (the vocabulary) is the engine's check."""
     _require(all(t >= 0 for t in token_ids), "stop_token_ids", "must hold only token ids >= 0, got {value!r}",
@@ -67,6 +82,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_new_tokens: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         _as_tuple(self, "stop", str)
@@ -90,6 +108,7 @@ class SamplingParams:
                  value=self.min_new_tokens)
         _require(all(s for s in self.stop), "stop", "must not contain empty strings")
         _check_stop_token_ids(self.stop_token_ids)
+        _check_penalties(self)
 
     @property
     def greedy(self) -> bool:
@@ -138,6 +157,9 @@ class BeamSearchParams:
     ignore_eos: bool = False
     catalogue: str | None = None
     allowed_sequences: object = field(default=None, compare=False, repr=False)
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     @property
     def constrained(self) -> bool:
@@ -183,6 +205,7 @@ class BeamSearchParams:
         _require(all(s for s in self.stop), "stop", "must not contain empty strings")
         _require(isinstance(self.ignore_eos, bool), "ignore_eos", "must be true or false, got {value!r}",
                  value=self.ignore_eos)
+        _check_penalties(self)
 
     def replace(self, **changes) -> BeamSearchParams:
         """A copy with `changes` applied. A `num_return_sequences` equal to `beam_width` (the default, all

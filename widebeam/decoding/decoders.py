@@ -160,8 +160,15 @@ class BeamDecoder:
         else:
             # HF's processors run after the log-softmax in beam search: no renormalisation. A forced
             # EOS (the last allowed token) overrides min_new_tokens' EOS ban, as in HF.
-            logprobs = scores.logprobs.clone() if self.processors else scores.logprobs
-            scores = apply_processors(self.processors, logprobs, num_generated)
+            if self.processors and self.params.beam_width == 1:
+                # W=1 is HF's greedy search, whose processors see the logits (a repetition penalty
+                # divides or multiplies those); the log-softmax after them leaves the choice HF's and
+                # makes the score the log-prob of the distribution chosen from, as SamplingDecoder's.
+                logits = apply_processors(self.processors, scores.logits.clone(), num_generated)
+                scores = torch.log_softmax(logits, dim=-1)
+            else:
+                logprobs = scores.logprobs.clone() if self.processors else scores.logprobs
+                scores = apply_processors(self.processors, logprobs, num_generated)
             result = self.search.step(scores, mask_min_length_eos=not forcing_eos(self.processors, num_generated))
         for processor in self.processors:
             if isinstance(processor, BeamStateProcessor):  # per-beam state follows the beams
