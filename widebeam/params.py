@@ -42,7 +42,21 @@ def _is_int(value) -> bool:
 
 
 def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) or (isinstance(value, float) and not math.isnan(value))
+
+
+def _as_float(params, name: str) -> None:
+    """Store a validated number as a float: torch cannot divide a tensor by a Python int past int64
+    (temperature=2**70 raised OverflowError in the step), and a float of that size is just large."""
+    value = getattr(params, name)
+    try:
+        converted = float(value)
+    except OverflowError:
+        converted = math.inf
+    _require(math.isfinite(converted), name, "must be a finite number, got {value!r}", value=value)
+    object.__setattr__(params, name, converted)
 
 
 MAX_ABS_PRESENCE_FREQUENCY_PENALTY = 2.0  # OpenAI's range
@@ -53,6 +67,7 @@ def _check_penalties(params) -> None:
     _require(_is_number(params.repetition_penalty) and 0 < params.repetition_penalty < math.inf,
              "repetition_penalty", "must be a finite number > 0 (1 = off, > 1 discourages repeats), got {value!r}",
              value=params.repetition_penalty)
+    _as_float(params, "repetition_penalty")
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(params, name)
         _require(_is_number(value) and abs(value) <= MAX_ABS_PRESENCE_FREQUENCY_PENALTY, name,
@@ -93,6 +108,7 @@ class SamplingParams:
                  "max_new_tokens", "must be an integer >= 1 or None, got {value!r}", value=self.max_new_tokens)
         _require(_is_number(self.temperature) and 0 <= self.temperature < math.inf, "temperature",
                  "must be a finite number >= 0, got {value!r}", value=self.temperature)
+        _as_float(self, "temperature")
         _require(_is_int(self.top_k) and self.top_k >= -1, "top_k",
                  "must be -1 or 0 (off) or a positive integer, got {value!r}", value=self.top_k)
         _require(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1], got {value!r}",
@@ -182,7 +198,7 @@ class BeamSearchParams:
                                                  and self.max_new_tokens >= 1),
                  "max_new_tokens", "must be an integer >= 1 or None, got {value!r}", value=self.max_new_tokens)
         _require(isinstance(self.length_penalty, (int, float)) and not isinstance(self.length_penalty, bool)
-                 and math.isfinite(self.length_penalty) and abs(self.length_penalty) <= MAX_ABS_LENGTH_PENALTY,
+                 and abs(self.length_penalty) <= MAX_ABS_LENGTH_PENALTY and math.isfinite(self.length_penalty),
                  "length_penalty", "must be a finite number in [-{limit}, {limit}] (> 0 favours longer hypotheses), "
                  "got {value!r}", limit=MAX_ABS_LENGTH_PENALTY, value=self.length_penalty)
         _require(self.early_stopping is True or self.early_stopping is False
