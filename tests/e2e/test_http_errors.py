@@ -83,7 +83,9 @@ def test_malformed_bodies_are_400(server, path, content):
     ({"prompt": []}, "prompt"),
     ({"prompt": [10**9]}, "prompt"),
     ({"prompt": "x", "logprobs": 3}, "logprobs"),
-    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
 ])
 def test_invalid_completion_fields_are_400_naming_the_field(server, body, param):
     response = httpx.post(f"{server.url}/v1/completions", json=body, headers=server.headers, timeout=30)

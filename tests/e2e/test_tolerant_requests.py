@@ -57,3 +57,18 @@ def test_the_model_answers_to_its_model_path_too(client, tiny_chat_model_dir):
 def test_model_aliases():
     assert model_aliases("models/my-llama/") == ("models/my-llama/", "my-llama")
     assert model_aliases("smollm2-135m-instruct") == ("smollm2-135m-instruct",)
+
+
+def test_penalties_reach_the_engine(client):
+    """presence / frequency / repetition penalties over HTTP are the engine's (sampling and beams):
+    negative ones make the tiny random model (which never repeats on its own) repeat what it wrote."""
+    kwargs = {"model": "tiny-chat", "prompt": "Hello", "max_tokens": 16, "temperature": 0}
+    plain = client.completions.create(**kwargs, extra_body={"ignore_eos": True})
+    penalised = client.completions.create(**kwargs, presence_penalty=-2.0, frequency_penalty=-2.0,
+                                          extra_body={"ignore_eos": True, "repetition_penalty": 1.0})
+    assert penalised.usage.completion_tokens == 16
+    assert penalised.choices[0].text != plain.choices[0].text
+    beams = client.completions.create(model="tiny-chat", prompt="Hello", max_tokens=8, n=2, frequency_penalty=1.0,
+                                      extra_body={"use_beam_search": True, "beam_width": 4,
+                                                  "repetition_penalty": 1.3})
+    assert len(beams.choices) == 2

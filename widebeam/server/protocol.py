@@ -100,9 +100,11 @@ class _GenerationFields(BaseModel):
     allowed_sequences: list[list[int]] | None = Field(
         None, description=f"beam search only: an inline catalogue, token-id lists (at most {MAX_INLINE_ITEMS} "
                           f"items of at most {MAX_INLINE_ITEM_TOKENS} tokens); excludes `catalogue`")
-    # OpenAI fields accepted only at their neutral values.
+    # Penalties (OpenAI's presence/frequency in [-2, 2]; transformers/vLLM's repetition_penalty > 0).
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    # OpenAI fields accepted only at their neutral values.
     logit_bias: dict[str, float] | None = None
     # Bookkeeping a real client sends that changes nothing here: accepted, logged at debug, ignored.
     user: str | None = None
@@ -246,7 +248,7 @@ def _check_unsupported(req: _GenerationFields) -> None:
         raise invalid("tools", "tools (function calling) is not supported by this server")
     if req.tool_choice not in (None, "none"):
         raise invalid("tool_choice", f"tool_choice is not supported by this server (got {req.tool_choice!r})")
-    neutral = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},),
+    neutral = {"logit_bias": ({},),
                "echo": (False,), "logprobs": (False, 0), "suffix": ("",), "top_logprobs": (0,)}
     for name, allowed in neutral.items():
         value = getattr(req, name, None)
@@ -260,6 +262,12 @@ def max_tokens_field(req: _GenerationFields) -> tuple[str, int | None]:
             raise invalid("max_completion_tokens", "max_tokens and max_completion_tokens differ; give one")
         return "max_completion_tokens", req.max_completion_tokens
     return "max_tokens", req.max_tokens
+
+
+def _penalties(req: _GenerationFields) -> dict:
+    """The penalty parameters of both engine param classes; absent fields are off."""
+    return {"presence_penalty": req.presence_penalty or 0.0, "frequency_penalty": req.frequency_penalty or 0.0,
+            "repetition_penalty": 1.0 if req.repetition_penalty is None else req.repetition_penalty}
 
 
 def plan_request(req: _GenerationFields) -> Plan:
@@ -294,7 +302,7 @@ def plan_request(req: _GenerationFields) -> Plan:
             SamplingParams, max_new_tokens=max_tokens, temperature=temperature,
             top_k=0 if req.top_k is None else req.top_k, top_p=1.0 if req.top_p is None else req.top_p,
             seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=req.ignore_eos,
-            min_new_tokens=req.min_tokens, _max_tokens_name=max_tokens_name))
+            min_new_tokens=req.min_tokens, _max_tokens_name=max_tokens_name, **_penalties(req)))
     return Plan(params, beam=False, n=req.n, width_field="n")
 
 
@@ -321,7 +329,7 @@ def _beam_plan(req, max_tokens, stop, stop_token_ids, max_tokens_name: str = "ma
         early_stopping=False if req.early_stopping is None else req.early_stopping,
         num_return_sequences=req.n, min_new_tokens=req.min_tokens, stop_token_ids=stop_token_ids, stop=stop,
         ignore_eos=req.ignore_eos, catalogue=req.catalogue, allowed_sequences=allowed_sequences,
-        _width_field=width_field, _max_tokens_name=max_tokens_name)
+        _width_field=width_field, _max_tokens_name=max_tokens_name, **_penalties(req))
     return Plan([params], beam=True, n=req.n, width_field=width_field)
 
 
