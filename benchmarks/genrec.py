@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 import tables
 import torch
+from genrec_hf import allowed_tokens_fn
 from tables import markdown_table, print_table
 
 from widebeam import memstats
@@ -198,36 +199,6 @@ def run_widebeam(llm: LLM, prompt: list[int], width: int, new_tokens: int, name:
     else:
         row["beams_per_s"] = len(sequences) / wall
     return row
-
-
-def allowed_tokens_fn(catalogue: Catalogue, prompt_len: int, eos_ids: list[int]):
-    """transformers' `prefix_allowed_tokens_fn` over the same trie: the children of the node the
-    generated prefix reaches, plus EOS where that node ends an item (memoised per prefix)."""
-    nodes: dict[tuple, int] = {(): 0}
-    allowed: dict[tuple, list[int]] = {}
-
-    def node_of(prefix: tuple) -> int:
-        node = nodes.get(prefix)
-        if node is None:
-            parent = node_of(prefix[:-1])
-            node = -1 if parent < 0 else int(catalogue.child_nodes(torch.tensor([parent]), torch.tensor([prefix[-1]]))[0])
-            nodes[prefix] = node
-        return node
-
-    def fn(batch_id: int, input_ids: torch.Tensor) -> list[int]:
-        prefix = tuple(input_ids[prompt_len:].tolist())
-        result = allowed.get(prefix)
-        if result is None:
-            node = node_of(prefix)
-            if node < 0:  # not reachable through this function; EOS ends it
-                result = list(eos_ids)
-            else:
-                result = catalogue.children(node) + (list(eos_ids) if bool(catalogue.is_end[node]) else [])
-                result = result or list(eos_ids)
-            allowed[prefix] = result
-        return result
-
-    return fn
 
 
 def run_hf(hf_model, prompt: list[int], width: int, new_tokens: int, catalogue: Catalogue, eos_ids: list[int]) -> dict:
