@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from beam_checks import assert_beams_match
+from beam_checks import assert_beams_match, hf_beam_search
 from transformers import AutoModelForCausalLM
 
 from widebeam.engine import LLM
@@ -56,12 +56,7 @@ def test_beam_search_matches_transformers(models, beam_width, tokens_per_block, 
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     saw_eos = False
     for prompt, output in zip(PROMPTS, outputs):
-        with torch.no_grad():
-            expected = hf.generate(torch.tensor([prompt]), num_beams=beam_width, do_sample=False,
-                                   max_new_tokens=max_new_tokens, length_penalty=length_penalty,
-                                   early_stopping=early_stopping, num_return_sequences=num_return,
-                                   min_new_tokens=min_new, eos_token_id=EOS, pad_token_id=PAD,
-                                   output_scores=True, return_dict_in_generate=True)
+        expected = hf_beam_search(hf, prompt, params, EOS, PAD)
         assert len(output.outputs) == num_return
         saw_eos |= assert_beams_match(output, expected, len(prompt), PAD, EOS, beam_width, f"prompt {prompt[:4]}")
         for rank, beam in enumerate(output.outputs):

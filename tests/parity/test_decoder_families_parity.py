@@ -12,13 +12,13 @@ import json
 
 import pytest
 import torch
-from beam_checks import assert_beams_match
+from beam_checks import assert_beams_match, assert_greedy_matches_transformers, hf_beam_search
 from transformers import AutoModelForCausalLM
 
 from widebeam.engine import LLM
 from widebeam.kv.managers import Holding
 from widebeam.model.runner import SequenceInput
-from widebeam.params import BeamSearchParams, SamplingParams
+from widebeam.params import BeamSearchParams
 
 PAD = 0
 EOS = 2
@@ -108,16 +108,7 @@ def test_prefill_and_decode_logits_match(tiny_family_dir, hf, tokens_per_block):
 
 def test_greedy_generation_matches_transformers(tiny_family_dir, hf, llms):
     llm = get_llm(llms, tiny_family_dir, 4)
-    params = SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    for prompt, output in zip(PROMPTS, outputs):
-        with torch.no_grad():
-            expected = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
-                                   eos_token_id=None, pad_token_id=PAD)[0, len(prompt):].tolist()
-        (completion,) = output.outputs
-        assert len(expected) == 32
-        assert completion.token_ids == expected
-        assert completion.finish_reason == "length"
+    assert_greedy_matches_transformers(llm, hf, PROMPTS, PAD)
     assert_all_blocks_free(llm)
 
 
@@ -132,12 +123,7 @@ def test_beam_search_matches_transformers(tiny_family_dir, hf, llms, beam_width,
                               min_new_tokens=min_new)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     for prompt, output in zip(PROMPTS, outputs):
-        with torch.no_grad():
-            expected = hf.generate(torch.tensor([prompt]), num_beams=beam_width, do_sample=False,
-                                   max_new_tokens=max_new_tokens, length_penalty=length_penalty,
-                                   early_stopping=early_stopping, num_return_sequences=num_return,
-                                   min_new_tokens=min_new, eos_token_id=EOS, pad_token_id=PAD,
-                                   output_scores=True, return_dict_in_generate=True)
+        expected = hf_beam_search(hf, prompt, params, EOS, PAD)
         assert len(output.outputs) == num_return
         assert_beams_match(output, expected, len(prompt), PAD, EOS, beam_width, f"prompt {prompt[:4]}")
         for pool, required in output.required_blocks.items():

@@ -12,13 +12,13 @@ import json
 
 import pytest
 import torch
-from beam_checks import assert_beams_match
+from beam_checks import assert_beams_match, assert_greedy_matches_transformers, hf_beam_search
 from transformers import AutoModelForCausalLM
 
 from widebeam.engine import LLM
 from widebeam.kv.managers import Holding
 from widebeam.model.runner import SequenceInput
-from widebeam.params import BeamSearchParams, SamplingParams
+from widebeam.params import BeamSearchParams
 
 PAD = 0
 EOS = 2
@@ -111,16 +111,7 @@ def test_prefill_and_decode_logits_match(tiny_gemma3_dir, hf, tokens_per_block):
 def test_greedy_generation_matches_transformers(tiny_gemma3_dir, hf, llm):
     window = window_of(tiny_gemma3_dir)
     prompts = [prompts_for(window)[-1], [9, 4, 60]]  # longer than the window; short, then past it
-    params = SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for prompt, output in zip(prompts, outputs):
-        with torch.no_grad():
-            expected = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
-                                   eos_token_id=None, pad_token_id=PAD)[0, len(prompt):].tolist()
-        (completion,) = output.outputs
-        assert len(expected) == 32
-        assert completion.token_ids == expected
-        assert completion.finish_reason == "length"
+    assert_greedy_matches_transformers(llm, hf, prompts, PAD)
     for name, stats in llm.stats()["pools"].items():
         assert stats["free_blocks"] == stats["total_blocks"], name
 
@@ -134,11 +125,7 @@ def test_beam_search_matches_transformers(tiny_gemma3_dir, hf, llm, beam_width):
                               num_return_sequences=beam_width)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, output in zip(prompts, outputs):
-        with torch.no_grad():
-            expected = hf.generate(torch.tensor([prompt]), num_beams=beam_width, do_sample=False,
-                                   max_new_tokens=max_new_tokens, num_return_sequences=beam_width,
-                                   eos_token_id=EOS, pad_token_id=PAD, output_scores=True,
-                                   return_dict_in_generate=True)
+        expected = hf_beam_search(hf, prompt, params, EOS, PAD)
         assert len(output.outputs) == beam_width
         assert_beams_match(output, expected, len(prompt), PAD, EOS, beam_width, f"prompt {prompt[:4]}")
         for pool, required in output.required_blocks.items():
