@@ -31,6 +31,9 @@ class CacheConfig:
     kv_cache_memory: int | str | None = None  # None: what is left after the measured activations
     kv_cache_fraction: float = DEFAULT_KV_CACHE_FRACTION
     tokens_per_block: int = DEFAULT_TOKENS_PER_BLOCK
+    enable_prefix_caching: bool = True  # computed prompt blocks stay cached for later requests
+    # Prompts (text or token ids) computed at start-up whose blocks stay cached for good.
+    pinned_prefixes: tuple[str | tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 < self.kv_cache_fraction <= 1:
@@ -110,7 +113,8 @@ class EngineConfig:
                     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                     speculative_model: str | None = None, num_speculative_tokens: int | None = None,
                     speculative_method: str | None = None, speculative_dtype: str | None = None,
-                    speculative_adaptive: bool = True) -> EngineConfig:
+                    speculative_adaptive: bool = True, enable_prefix_caching: bool = True,
+                    pinned_prefixes=()) -> EngineConfig:
         """The flat keyword arguments `LLMEngine` and `LLM` take, grouped. Speculation is on when
         `speculative_model` or `speculative_method` is given (the method defaults to "draft" with a
         model, and D to 4)."""
@@ -123,5 +127,26 @@ class EngineConfig:
             raise InvalidParameterError("num_speculative_tokens", "{num_speculative_tokens} needs "
                                         "{speculative_model} or {speculative_method}")
         return cls(ModelConfig(model, dtype, device, attention_backend),
-                   CacheConfig(kv_cache_memory, kv_cache_fraction, tokens_per_block),
+                   CacheConfig(kv_cache_memory, kv_cache_fraction, tokens_per_block, bool(enable_prefix_caching),
+                               _pinned_prefixes(pinned_prefixes, enable_prefix_caching)),
                    SchedulerConfig(max_num_batched_tokens, max_beam_width, max_seq_len), speculative)
+
+
+def _pinned_prefixes(prefixes, enable_prefix_caching: bool) -> tuple[str | tuple[int, ...], ...]:
+    """Validated pinned prefixes: strings or token-id lists (tuples once frozen)."""
+    if isinstance(prefixes, (str, bytes)) or (prefixes and all(isinstance(t, int) for t in prefixes)):
+        prefixes = [prefixes]  # one prefix given bare
+    out = []
+    for i, prefix in enumerate(prefixes or ()):
+        if isinstance(prefix, str) and prefix:
+            out.append(prefix)
+        elif isinstance(prefix, (list, tuple)) and prefix and all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prefix):
+            out.append(tuple(prefix))
+        else:
+            raise InvalidParameterError("pinned_prefixes", "{pinned_prefixes}[{index}] must be a non-empty string or "
+                                        "list of token ids, got {value!r}", index=i, value=prefix)
+    if out and not enable_prefix_caching:
+        raise InvalidParameterError("pinned_prefixes", "{pinned_prefixes} need prefix caching: drop "
+                                    "enable_prefix_caching=False (--no-prefix-caching) or the pins")
+    return tuple(out)

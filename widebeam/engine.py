@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import os
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -24,6 +23,7 @@ from widebeam.catalogue.trie import Catalogue
 from widebeam.config import EngineConfig
 from widebeam.decoding.decoders import BeamDecoder, SamplingDecoder, StepScores
 from widebeam.decoding.penalties import TokenPenalties
+from widebeam.device import available_memory_bytes, default_device
 from widebeam.decoding.processors import BanUntilMinTokens, ForceEOSAtEnd, LogitsProcessor, SuppressTokens
 from widebeam.defaults import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_MODEL
 from widebeam.errors import InvalidParameterError
@@ -37,6 +37,7 @@ from widebeam.model.runner import SequenceInput
 from widebeam.model.warmup import measure_activation_peak_bytes
 from widebeam.outputs import RequestDelta, RequestOutput
 from widebeam.params import BeamSearchParams, SamplingParams
+from widebeam.pinning import pin_prefixes
 from widebeam.request import Request
 from widebeam.sched.admission import admit_check
 from widebeam.sched.scheduler import Scheduler, SchedulerOutput
@@ -49,31 +50,15 @@ from widebeam.worker import Worker
 log = logging.getLogger("widebeam")
 
 
-def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def available_memory_bytes(device: torch.device) -> int:
-    """Memory still free on the device: `mem_get_info` on CUDA, MemAvailable on a CPU host."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
 class LLMEngine:
     def __init__(self, model: str = DEFAULT_MODEL, catalogues: dict | None = None, **kwargs):
         """`kwargs`: the settings of `EngineConfig.from_kwargs` (dtype, device, attention_backend,
         kv_cache_memory, kv_cache_fraction, tokens_per_block, max_seq_len, max_beam_width,
         max_num_batched_tokens, speculative_model, num_speculative_tokens, speculative_method,
-        speculative_dtype, speculative_adaptive). `catalogues`: name -> source, registered before the
-        KV pools are sized, so their bytes come off the memory budget (see `register_catalogue`)."""
+        speculative_dtype, speculative_adaptive, enable_prefix_caching, pinned_prefixes: prompts
+        computed at start-up whose blocks stay cached, see pinning.py). `catalogues`: name -> source,
+        registered before the KV pools are sized, so their bytes come off the memory budget (see
+        `register_catalogue`)."""
         self.config = config = EngineConfig.from_kwargs(model, **kwargs)
         cache_config, sched_config = config.cache, config.scheduler
         self.max_beam_width = sched_config.max_beam_width
@@ -130,7 +115,8 @@ class LLMEngine:
         self.max_encoder_tokens = self.arch.max_position_embeddings if self.arch.is_encoder_decoder else 0
         sizing = size_pools(specs, kv_cache_bytes, t, self.arch.max_position_embeddings, self.max_encoder_tokens,
                             prefill_chunk_tokens=chunk)
-        self.cache = KVCache([(s, sizing.blocks_per_pool[s.name]) for s in specs], t, chunk)
+        self.cache = KVCache([(s, sizing.blocks_per_pool[s.name]) for s in specs], t, chunk,
+                             cache_config.enable_prefix_caching)
         self.max_seq_len = sizing.max_seq_len(sched_config.max_seq_len)
         log.info(
             "KV cache %s: %s; max_seq_len %d; activation peak %s; device %s",
@@ -150,6 +136,7 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._num_rejected = 0
         self._speculative_counts = {"rounds": 0, "steps": 0, "drafted_tokens": 0, "accepted_tokens": 0}
+        self.pinned_blocks = pin_prefixes(self, cache_config.pinned_prefixes)
 
     @property
     def runner(self):
@@ -193,16 +180,17 @@ class LLMEngine:
                     raise InvalidParameterError("prompt", "the source is empty: give at least one token")
                 # the prompt is the source; the decoder starts from its start token alone
                 encoder_token_ids, token_ids = token_ids, [self.decoder_start_token_id]
+            key = self.cache.prefix_key(token_ids, encoder_token_ids) if self.cache.enable_prefix_caching else None
             admission = admit_check(self.cache, self.max_seq_len, len(token_ids), params.max_new_tokens,
                                     params.beam_width, encoder_tokens=len(encoder_token_ids or ()),
                                     max_encoder_tokens=self.max_encoder_tokens,
-                                    extra_tokens=self.num_draft_tokens, refeed_tokens=self.num_draft_tokens)
+                                    extra_tokens=self.num_draft_tokens, refeed_tokens=self.num_draft_tokens, key=key)
         except ValueError:
             self._num_rejected += 1
             raise
         decoder = self._decoder(params, admission.max_new_tokens, logits_processors, catalogue, token_ids)
-        request = Request(request_id, text, token_ids, admission, self.cache.new_request(), decoder, self.tokenizer,
-                          encoder_token_ids)
+        request = Request(request_id, text, token_ids, admission, self.cache.new_request(key), decoder,
+                          self.tokenizer, encoder_token_ids)
         if self.speculative:
             request.draft_length = DraftLength(self.num_draft_tokens, self.speculative.adaptive)
         self._requests[request_id] = request
@@ -262,12 +250,17 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def stats(self) -> dict:
+        cache = self.cache
         stats = {
-            "pools": {name: {"total_blocks": s["total_blocks"], "free_blocks": s["free_blocks"]}
-                      for name, s in self.cache.stats().items()},
+            "pools": {name: {key: s[key] for key in ("total_blocks", "free_blocks", "evictable_blocks", "pinned_blocks")}
+                      for name, s in cache.stats().items()},
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "rejected": self._num_rejected,
+            "prefix_cache": {"enabled": cache.enable_prefix_caching, "queried_tokens": cache.num_queried_tokens,
+                             "hit_tokens": cache.num_hit_tokens,
+                             "hit_rate": cache.num_hit_tokens / cache.num_queried_tokens if cache.num_queried_tokens
+                             else 0.0},
         }
         if self.speculative:
             stats["speculative"] = {"method": self.speculative.method, "model": self.speculative.model,

@@ -25,6 +25,9 @@ class RequestOutput:
     # KV accounting per pool: the most distinct blocks the request held at once, and its bound.
     peak_blocks: dict[str, int] = field(default_factory=dict)
     required_blocks: dict[str, int] = field(default_factory=dict)
+    # Prompt tokens whose K/V came from the prefix cache (an encoder-decoder's: source tokens whose
+    # encoder output was cached), not computed for this request.
+    num_cached_tokens: int = 0
 
 
 @dataclass

@@ -18,6 +18,7 @@ import torch
 from widebeam.decoding.decoders import BeamDecoder, RowScores, SamplingDecoder
 from widebeam.decoding.stop import held_back_chars, stop_string_cut
 from widebeam.detokenizer import IncrementalDetokenizer
+from widebeam.kv.prefix import PrefixHit
 from widebeam.kv.request_kv import RequestKV
 from widebeam.model.runner import SequenceInput
 from widebeam.outputs import CompletionOutput, RequestDelta, RequestOutput
@@ -82,6 +83,17 @@ class Request:
         """Blocks this request may still take, per pool: its reservation in the scheduler."""
         return self.kv.remaining_blocks(self.admission.required_blocks)
 
+    def find_prefix_hit(self) -> PrefixHit:
+        """What the cache holds of this prompt now (no side effects)."""
+        return self.kv.cache.find_hit(self.kv.key)
+
+    def take_prefix_hit(self, hit: PrefixHit) -> None:
+        """Admitted: start from the cached blocks; the prefill begins after them (and skips the
+        encoder when its output was cached)."""
+        self.kv.take_hit(hit)
+        self.kv.cache.record_lookup(self.kv.key, hit)
+        self.num_prefilled_tokens = hit.num_tokens
+
     # -- building a step ---------------------------------------------------------------------------
     def encoder_input(self) -> tuple[list[int], dict[str, list[int]]] | None:
         """(source tokens, cross slots per pool) the first time an encoder-decoder request runs;
@@ -114,6 +126,7 @@ class Request:
     def advance(self, scores: RowScores) -> RequestDelta | None:
         """Consume this request's rows of the step (one per live sequence); None while a chunked
         prompt is still being prefilled (no token to choose yet)."""
+        self.kv.register_computed(self.num_prefilled_tokens)  # before the prompt forks into beams
         if not self.prompt_done:
             return None
         num_generated = self.decoder.num_generated_tokens + 1  # every step generates one token per sequence
@@ -277,4 +290,5 @@ class Request:
     def output(self) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt, self.source_token_ids, list(self.outputs or []),
                              self.finished, peak_blocks=self.kv.peak_blocks(),
-                             required_blocks=dict(self.admission.required_blocks))
+                             required_blocks=dict(self.admission.required_blocks),
+                             num_cached_tokens=self.kv.num_cached_tokens)

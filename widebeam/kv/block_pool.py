@@ -1,12 +1,22 @@
-"""A fixed set of KV blocks with reference counts and a free list.
+"""A fixed set of KV blocks with reference counts, a free list and a cache of computed blocks.
 
-A block is shared (ref count > 1) when several beams' block tables point at it; it returns to the
-free list when its last reference is dropped. The pool only hands out ids: the K/V tensors indexed
-by those ids belong to the model runner.
+Every block is in one of three states:
+- **in use**: ref count > 0 (beams' block tables point at it; a pinned prefix holds one reference
+  for good). A block is shared (ref count > 1) when several tables point at it.
+- **cached-evictable**: ref count 0, but its K/V are a computed prompt block registered under a
+  hash (`register`); a later request may take it back (`touch`). It is evicted least recently
+  released first when a block is needed.
+- **free**: ref count 0, no content anyone can find.
+
+Free and evictable blocks together are what can be handed out (`num_free_blocks`): `allocate`
+takes a free block first and evicts only when none is left, so no allocation path reports the pool
+full while evictable blocks remain. The pool only hands out ids: the K/V tensors indexed by those
+ids belong to the model runner.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable
 
 from widebeam.errors import BlockStateError, OutOfBlocksError
@@ -21,32 +31,56 @@ class BlockPool:
         self._ref_counts = [0] * num_blocks
         # Pop from the end; reversed so block 0 is handed out first (easier to read in tests and dumps).
         self._free_block_ids = list(range(num_blocks - 1, -1, -1))
+        # Cached-evictable blocks, least recently released first (the eviction order).
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._hash_to_block: dict[bytes, int] = {}
+        self._block_to_hash: dict[int, bytes] = {}
+        self._pinned: set[int] = set()
+        self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free_block_ids)
+        """Blocks not in use: free plus cached-evictable (what `allocate` can hand out)."""
+        return len(self._free_block_ids) + len(self._evictable)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        return len(self._evictable)
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return len(self._pinned)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks whose content is registered (in use or evictable)."""
+        return len(self._block_to_hash)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free_block_ids)
+        return self.num_blocks - self.num_free_blocks
 
     def ref_count(self, block_id: int) -> int:
         self._check_id(block_id)
         return self._ref_counts[block_id]
 
     def allocate(self) -> int:
-        """Take one free block; its ref count becomes 1."""
-        if not self._free_block_ids:
+        """Take one block (free first, else evict the least recently released cached one); its ref
+        count becomes 1."""
+        if self._free_block_ids:
+            block_id = self._free_block_ids.pop()
+        elif self._evictable:
+            block_id, _ = self._evictable.popitem(last=False)
+            del self._hash_to_block[self._block_to_hash.pop(block_id)]
+            self.num_evictions += 1
+        else:
             raise OutOfBlocksError(f"pool '{self.name}' has no free block (all {self.num_blocks} in use)")
-        block_id = self._free_block_ids.pop()
         self._ref_counts[block_id] = 1
         return block_id
 
     def allocate_many(self, num_blocks: int) -> list[int]:
-        if num_blocks > len(self._free_block_ids):
-            raise OutOfBlocksError(
-                f"pool '{self.name}' has {len(self._free_block_ids)} free blocks, {num_blocks} requested"
-            )
+        if num_blocks > self.num_free_blocks:
+            raise OutOfBlocksError(f"pool '{self.name}' has {self.num_free_blocks} free blocks, {num_blocks} requested")
         return [self.allocate() for _ in range(num_blocks)]
 
     def inc_ref(self, block_id: int) -> None:
@@ -55,17 +89,57 @@ class BlockPool:
         self._ref_counts[block_id] += 1
 
     def dec_ref(self, block_id: int) -> bool:
-        """Drop one reference; return True when this freed the block."""
+        """Drop one reference; return True when the block left use (free, or cached-evictable)."""
         self._check_live(block_id, "dec_ref")
         self._ref_counts[block_id] -= 1
         if self._ref_counts[block_id] == 0:
-            self._free_block_ids.append(block_id)
+            if block_id in self._block_to_hash:
+                self._evictable[block_id] = None
+            else:
+                self._free_block_ids.append(block_id)
             return True
         return False
 
     def free(self, block_ids: Iterable[int]) -> int:
-        """Drop one reference from each block; return how many blocks went back to the free list."""
+        """Drop one reference from each block; return how many blocks left use."""
         return sum(self.dec_ref(block_id) for block_id in block_ids)
+
+    # -- the cache of computed blocks ----------------------------------------------------------------
+    def lookup(self, block_hash: bytes) -> int | None:
+        """The block registered under `block_hash` (in use or evictable), or None. No side effect."""
+        return self._hash_to_block.get(block_hash)
+
+    def register(self, block_id: int, block_hash: bytes) -> bool:
+        """Record that an in-use block holds the computed content `block_hash`; False (nothing
+        changes) when another block already holds it or this block is registered."""
+        self._check_live(block_id, "register")
+        if block_hash in self._hash_to_block or block_id in self._block_to_hash:
+            return False
+        self._hash_to_block[block_hash] = block_id
+        self._block_to_hash[block_id] = block_hash
+        return True
+
+    def touch(self, block_id: int) -> bool:
+        """Take a reference to a cached block (a prefix hit): an evictable block comes back into
+        use. Returns True when it was evictable (the hit took it from what could be handed out)."""
+        self._check_id(block_id)
+        if block_id not in self._block_to_hash:
+            raise BlockStateError(f"pool '{self.name}': touch on block {block_id}, which holds no cached content")
+        was_evictable = self._ref_counts[block_id] == 0
+        if was_evictable:
+            del self._evictable[block_id]
+        self._ref_counts[block_id] += 1
+        return was_evictable
+
+    def pin(self, block_id: int) -> None:
+        """Hold a cached block for good (a pinned prefix): one reference that is never dropped."""
+        if block_id in self._pinned:
+            return
+        self.touch(block_id)
+        self._pinned.add(block_id)
+
+    def is_pinned(self, block_id: int) -> bool:
+        return block_id in self._pinned
 
     def _check_id(self, block_id: int) -> None:
         if not 0 <= block_id < self.num_blocks:

@@ -89,8 +89,52 @@ class PoolManager(ABC):
     def required_blocks(self, request: KVRequest) -> int:
         """The most blocks `request` can ever hold in this pool, from admission to finish."""
 
+    # Whether a prefix hit on a block in use is shared (it costs no free block). A kind that would
+    # release a shared block before the request ends copies such hits instead: a release that
+    # frees nothing would let the request's reservation grow while no block came back.
+    shares_hits = True
+
     def capacity_blocks(self) -> int:
-        return self.pool.num_blocks
+        """Blocks any one request can ever use: the pool minus pinned prefixes."""
+        return self.pool.num_blocks - self.pool.num_pinned_blocks
+
+    def hit_block_range(self, num_blocks: int) -> range:
+        """The prompt blocks a request must find cached to skip its first `num_blocks` full blocks."""
+        return range(num_blocks)
+
+    def hit_credit(self, block_ids: list[int]) -> int:
+        """Hit blocks already in use that a request would share rather than take."""
+        if not self.shares_hits:
+            return 0
+        return sum(1 for b in block_ids if b != DROPPED and self.pool.ref_count(b) > 0)
+
+    def take_hit(self, holding: Holding, entries: list[int]) -> BlockTable:
+        """A prompt table made of cached blocks (`DROPPED` entries stay dropped): each is touched,
+        or copied where this kind does not share in-use blocks (the copy queued for the runner)."""
+        table = BlockTable(holding, num_tokens=len(entries) * self.tokens_per_block)
+        for block_id in entries:
+            if block_id == DROPPED:
+                table.block_ids.append(DROPPED)
+                continue
+            if not self.shares_hits and self.pool.ref_count(block_id) > 0:
+                copy_id = self._allocate(holding)
+                self.pending_copies.append((block_id, copy_id))
+                table.block_ids.append(copy_id)
+                continue
+            self.pool.touch(block_id)
+            holding._add(1)
+            table.block_ids.append(block_id)
+        return table
+
+    def register(self, table: BlockTable, block_hashes: tuple[bytes, ...], num_computed_tokens: int,
+                 first_block: int = 0) -> int:
+        """Name the table's computed full blocks from `first_block` on; returns the next block to
+        name. A block whose name another block already holds stays unnamed (freed as usual)."""
+        last = min(num_computed_tokens // self.tokens_per_block, len(block_hashes), len(table.block_ids))
+        for i in range(first_block, last):
+            if table.block_ids[i] != DROPPED:
+                self.pool.register(table.block_ids[i], block_hashes[i])
+        return max(first_block, last)
 
     def new_table(self, holding: Holding) -> BlockTable:
         """An empty table whose blocks count toward `holding` (one request's, in this pool)."""
@@ -141,7 +185,9 @@ class PoolManager(ABC):
     def release(self, table: BlockTable) -> None:
         """Drop the table's references; blocks no other table holds go back to the pool."""
         self._check_live(table)
-        table.holding._sub(self.pool.free(b for b in table.block_ids if b != DROPPED))
+        # Last block first: cached blocks are evicted least recently released first, so a prefix's
+        # tail goes before its head, which more prompts share.
+        table.holding._sub(self.pool.free(b for b in reversed(table.block_ids) if b != DROPPED))
         table.block_ids = []
         table.released = True
 
@@ -250,10 +296,19 @@ class SlidingWindowManager(FullAttentionManager):
     new ones come (the bound relies on it); `append_slots` trims its own table too.
     """
 
+    # A window releases prompt blocks while the request runs: a shared hit would leave its
+    # reservation short by one block per release, so in-use hits are copied.
+    shares_hits = False
+
     def __init__(self, spec: SlidingWindowSpec, pool: BlockPool, tokens_per_block: int,
                  prefill_chunk_tokens: int | None = None):
         super().__init__(spec, pool, tokens_per_block, prefill_chunk_tokens)
         self.window_tokens = spec.window_tokens
+
+    def hit_block_range(self, num_blocks: int) -> range:
+        # the next query, at position n*T, sees keys from n*T - w + 1 on; earlier blocks stay dropped
+        first_visible = max(num_blocks * self.tokens_per_block - self.window_tokens + 1, 0)
+        return range(first_visible // self.tokens_per_block, num_blocks)
 
     def required_blocks(self, request: KVRequest) -> int:
         return sliding_window_blocks(request.prompt_tokens, request.max_new_tokens, request.beam_width,

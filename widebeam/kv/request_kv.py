@@ -11,6 +11,9 @@ The order of operations is what keeps a request within its `required_blocks` in 
 - `decode_slots()`: every sequence trims what its window left behind before any sequence appends
   (the sliding-window bound rests on it); a shared partial block is copied before it is written,
   the copy queued for the runner (`KVCache.take_copies`);
+- `take_hit(hit)` starts the prompt from cached blocks (another request's, or a pinned prefix),
+  counted as held like blocks it computed, so `required_blocks` still bounds it;
+  `register_computed(num_tokens)` names the prompt blocks it computed for later requests;
 - `truncate(seq, num_tokens)` rolls back tokens not accepted (speculative decoding); a sliding pool
   trims only by the length committed before an append, so a rollback to it never needs a released
   block.
@@ -23,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from widebeam.errors import BlockStateError
 from widebeam.kv.managers import BlockTable, Holding, PoolManager
+from widebeam.kv.prefix import PrefixHit, PrefixKey
 
 if TYPE_CHECKING:
     from widebeam.kv.cache import KVCache
@@ -31,8 +35,11 @@ if TYPE_CHECKING:
 class RequestKV:
     """Block tables and holdings of one request, in every pool of a `KVCache`."""
 
-    def __init__(self, cache: KVCache):
+    def __init__(self, cache: KVCache, key: PrefixKey | None = None):
         self.cache = cache
+        self.key = key  # the prompt's block names; None: nothing is cached for later requests
+        self.num_cached_tokens = 0  # prompt (and encoder) tokens taken from the cache
+        self._num_named_blocks: dict[str, int] = {}  # per-sequence pool -> prompt blocks named so far
         self.holdings: dict[str, Holding] = {name: Holding() for name in cache.managers}
         # Per-sequence pools: one table per live sequence; empty until the prompt's first chunk.
         self.tables: dict[str, list[BlockTable]] = {}
@@ -71,6 +78,39 @@ class RequestKV:
     def remaining_blocks(self, required_blocks: dict[str, int]) -> dict[str, int]:
         """What the request may still take, per pool: its reservation beside others."""
         return {name: need - self.holdings[name].num_held_blocks for name, need in required_blocks.items()}
+
+    # -- prefix reuse -------------------------------------------------------------------------------
+    def take_hit(self, hit: PrefixHit) -> None:
+        """Start from what the cache holds of the prompt (found by `KVCache.find_hit` in this same
+        state): the prompt table of every per-sequence pool, and the encoder output's tables."""
+        if self.tables or self.shared_tables:
+            raise BlockStateError("a prefix hit is taken before the request allocates anything")
+        if hit.block_ids:
+            self.tables = {name: [self.cache[name].take_hit(self.holdings[name], entries)]
+                           for name, entries in hit.block_ids.items()}
+            self._num_named_blocks = {name: len(entries) for name, entries in hit.block_ids.items()}
+        for name, block_ids in hit.shared_block_ids.items():
+            table = self.cache[name].take_hit(self.holdings[name], block_ids)
+            table.num_tokens = hit.num_encoder_tokens
+            self.shared_tables[name] = table
+            self._num_named_blocks[name] = len(block_ids)
+        self.num_cached_tokens = hit.num_cached_tokens
+
+    def register_computed(self, num_prompt_tokens: int) -> None:
+        """Name the prompt blocks computed so far (the first `num_prompt_tokens` prompt tokens
+        have their K/V written) and the encoder output, once written, so later requests find them.
+        Call after the forward pass that wrote them, before the prompt forks into beams."""
+        if self.key is None:
+            return
+        if self.tables and self.num_sequences == 1:
+            for name, tables in self.tables.items():
+                self._num_named_blocks[name] = self.cache[name].register(
+                    tables[0], self.key.block_hashes, num_prompt_tokens, self._num_named_blocks.get(name, 0))
+        for name, table in self.shared_tables.items():
+            if name not in self._num_named_blocks:  # the encoder output: every block is complete
+                hashes = self.key.encoder_block_hashes
+                self._num_named_blocks[name] = self.cache[name].register(table, hashes,
+                                                                         len(hashes) * self.cache.tokens_per_block)
 
     # -- allocating ---------------------------------------------------------------------------------
     def allocate_shared(self, num_tokens: int) -> dict[str, list[int]]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from widebeam.errors import InvalidParameterError
 from widebeam.kv.budget import KVRequest
 from widebeam.kv.cache import KVCache, PoolBudget
+from widebeam.kv.prefix import PrefixKey
 
 
 @dataclass(frozen=True)
@@ -26,11 +27,12 @@ class Admission:
 
 def admit_check(cache: KVCache, max_seq_len: int, prompt_len: int, max_new_tokens: int | None,
                 beam_width: int = 1, encoder_tokens: int = 0, max_encoder_tokens: int = 0,
-                extra_tokens: int = 0, refeed_tokens: int = 0) -> Admission:
+                extra_tokens: int = 0, refeed_tokens: int = 0, key: PrefixKey | None = None) -> Admission:
     """Validate lengths against `max_seq_len` (and an encoder-decoder request's source, of
     `encoder_tokens`, against the model's `max_encoder_tokens`), then every pool's budget, the
     cross pool's `ceil(E/T)` included; raise if it can never run. `extra_tokens` (D) and
-    `refeed_tokens` are what speculative decoding adds per sequence (see kv/budget.py)."""
+    `refeed_tokens` are what speculative decoding adds per sequence (see kv/budget.py). With the
+    prompt's prefix `key`, pinned prefix blocks it shares count as held (they are always there)."""
     if prompt_len < 1:
         raise InvalidParameterError("prompt", "prompt is empty: give at least one token")
     if max_encoder_tokens and encoder_tokens > max_encoder_tokens:
@@ -55,4 +57,4 @@ def admit_check(cache: KVCache, max_seq_len: int, prompt_len: int, max_new_token
         )
     kv_request = KVRequest(prompt_len, max_new_tokens, beam_width, extra_tokens=extra_tokens,
                            refeed_tokens=refeed_tokens, encoder_tokens=encoder_tokens)
-    return Admission(max_new_tokens, kv_request, cache.check_fits(kv_request))
+    return Admission(max_new_tokens, kv_request, cache.check_fits(kv_request, key))

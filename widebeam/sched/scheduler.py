@@ -1,11 +1,14 @@
-"""Continuous batching without eviction.
+"""Continuous batching without eviction of anything in use.
 
 Every step the scheduler fills a token budget (`max_num_batched_tokens`): first one decode token
 per live sequence of the running requests, then the next chunk of prompts still being prefilled,
 then new requests from the waiting queue in FCFS order. A waiting request is admitted only when
 its `required_blocks` fit in every pool beside the *remaining* worst case of every running request
 (its required blocks minus the distinct blocks its beam tree holds now), so a running request can
-always take the blocks it may still need and nothing is ever evicted. The queue head waits when it
+always take the blocks it may still need and nothing in use is ever evicted (only cached prompt
+blocks no request holds, which count as free: kv/block_pool.py). A request whose prompt is cached
+takes those blocks at admission; the ones other requests already hold cost it nothing (pools that
+copy in-use hits excepted: kv/managers.py `shares_hits`). The queue head waits when it
 does not fit; it is never skipped, never dropped, and never spins: requests that can never fit are
 rejected at admission, before they are queued.
 """
@@ -17,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from widebeam.kv.cache import KVCache
+from widebeam.kv.prefix import PrefixHit
 from widebeam.sched.admission import Admission
 
 
@@ -38,6 +42,10 @@ class SchedulableRequest(Protocol):
     def num_step_tokens(self, num_draft_tokens: int = 0) -> int: ...
 
     def remaining_blocks(self) -> dict[str, int]: ...
+
+    def find_prefix_hit(self) -> PrefixHit: ...
+
+    def take_prefix_hit(self, hit: PrefixHit) -> None: ...
 
 
 @dataclass
@@ -105,10 +113,16 @@ class Scheduler:
         free = self._unreserved_blocks()
         while self.waiting and budget > 0:
             head = self.waiting[0]
-            if any(blocks > free[pool] for pool, blocks in head.admission.required_blocks.items()):
+            # Cached prompt blocks count as held; those already in use cost no free block, those
+            # cached-evictable leave the free count as the head takes them (see _unreserved_blocks).
+            hit = head.find_prefix_hit()
+            need = {pool: blocks - hit.credit_blocks.get(pool, 0)
+                    for pool, blocks in head.admission.required_blocks.items()}
+            if any(blocks > free[pool] for pool, blocks in need.items()):
                 break
-            for pool, blocks in head.admission.required_blocks.items():
+            for pool, blocks in need.items():
                 free[pool] -= blocks
+            head.take_prefix_hit(hit)
             self.running.append(self.waiting.popleft())
             chunk = min(head.num_prompt_tokens_left, budget)
             out.scheduled.append(ScheduledRequest(head, chunk))
@@ -117,7 +131,9 @@ class Scheduler:
         return out
 
     def _unreserved_blocks(self) -> dict[str, int]:
-        """Free blocks per pool minus what running requests may still take."""
+        """Blocks not in use per pool (free and cached-evictable: taking one evicts it) minus what
+        running requests may still take (their required blocks minus the distinct blocks they hold,
+        cache hits included)."""
         free = self.cache.num_free_blocks()
         for request in self.running:
             for pool, blocks in request.remaining_blocks().items():
