@@ -23,9 +23,9 @@ from widebeam.catalogue.trie import Catalogue
 from widebeam.config import EngineConfig
 from widebeam.decoding.decoders import BeamDecoder, SamplingDecoder, StepScores
 from widebeam.decoding.penalties import TokenPenalties
-from widebeam.device import available_memory_bytes, default_device
 from widebeam.decoding.processors import BanUntilMinTokens, ForceEOSAtEnd, LogitsProcessor, SuppressTokens
 from widebeam.defaults import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_MODEL
+from widebeam.device import available_memory_bytes, default_device
 from widebeam.errors import InvalidParameterError
 from widebeam.kv.cache import KVCache
 from widebeam.kv.sizing import size_pools
