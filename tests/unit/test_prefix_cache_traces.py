@@ -289,6 +289,8 @@ def test_random_workloads_with_shared_prefixes(seed, tokens_per_block, window_to
         for prefix in prefixes[:num_pins]:
             if len(prefix) >= t:
                 pin(Simulator(alone, chunk, random.Random(0)), prefix)
+        for manager in alone.managers.values():  # empty but for the pins: evict every other cached block
+            manager.pool.free(manager.pool.allocate_many(manager.pool.num_free_blocks))
         with pytest.raises(OutOfBlocksError):
             run_alone_diverging(alone, prompt, new_tokens, width)
 
@@ -354,3 +356,39 @@ def test_a_sliding_hit_on_blocks_in_use_is_copied_not_shared():
     own = second.kv.tables["sliding"][0].block_ids
     assert not set(own[2:4]) & set(second.hit.block_ids["sliding"][2:4]), "in-use sliding hits must be copies"
     sim.run()
+
+
+def test_a_hit_copy_never_evicts_a_block_of_the_same_hit():
+    """Sliding pool, no free block: the hit's in-use block must be copied, and the copy's block
+    may only come from eviction; the hit's own evictable block must not be the one evicted."""
+    cache = KVCache([(sliding(100), 4)], 1, enable_prefix_caching=True)
+    manager, pool = cache["sliding"], cache["sliding"].pool
+    ids = pool.allocate_many(4)
+    for block_id, name in zip(ids, (b"in-use", b"lru", b"newer", b"other")):
+        pool.register(block_id, name)
+    pool.dec_ref(ids[1])  # least recently released: first in line for eviction
+    pool.dec_ref(ids[2])
+    kv = cache.new_request()
+    table = manager.take_hit(kv.holdings["sliding"], [ids[0], ids[1]])
+    assert table.block_ids[1] == ids[1] and pool.ref_count(ids[1]) == 1  # touched, not evicted
+    assert table.block_ids[0] == ids[2]  # the copy took the other evictable block
+    assert manager.take_copies() == [(ids[0], ids[2])] and pool.lookup(b"newer") is None
+
+
+def test_a_pinned_prefix_shortens_the_sliding_prefill_it_is_sure_to_skip():
+    """Sliding pool of 24 blocks (T=1, window 2, chunks of 24), one block pinned: a 25-token prompt
+    computed from 0 could span 25 blocks (a chunk of 24 plus the window), more than the 23 left. But
+    it starts with the pinned 24 tokens, so its prefill starts at 24 and it fits."""
+    cache = make_cache(40, 24, 1, 2, 24)
+    sim = Simulator(cache, 24, random.Random(0))
+    prefix = list(range(5, 29))
+    pin(sim, prefix)
+    assert cache["sliding"].pool.num_pinned_blocks == 1 and cache["sliding"].capacity_blocks() == 23
+    request = SimRequest("r", cache, prefix + [99], 1, 3, random.Random(1))
+    assert request.admission.kv_request.cached_prompt_tokens == 24
+    assert request.admission.required_blocks["sliding"] <= 23
+    with pytest.raises(RequestTooLargeError):  # the same prompt shape without the pin: never fits
+        SimRequest("other", cache, [3] * 25, 1, 3, random.Random(2))
+    sim.add(request)
+    sim.run()
+    assert request.finished and request.hit.num_tokens == 24

@@ -88,6 +88,9 @@ class KVRequest:
     # R: the most pending tokens beyond one a decode step feeds (speculative decoding re-feeds the
     # tokens it accepted last round); only sliding-window pools depend on it.
     refeed_tokens: int = 0
+    # L: prompt tokens the request is sure to find cached (a pinned prefix), so its prefill starts
+    # at L or later; only sliding-window pools depend on it (the other kinds count the hit as held).
+    cached_prompt_tokens: int = 0
 
     def __post_init__(self) -> None:
         _check(
@@ -96,7 +99,10 @@ class KVRequest:
             extra_tokens=self.extra_tokens,
             encoder_tokens=self.encoder_tokens,
             refeed_tokens=self.refeed_tokens,
+            cached_prompt_tokens=self.cached_prompt_tokens,
         )
+        if self.cached_prompt_tokens >= max(self.prompt_tokens, 1):
+            raise ValueError("cached_prompt_tokens must leave at least one prompt token to compute")
         if self.beam_width < 1:
             raise ValueError(f"beam_width must be >= 1, got {self.beam_width}")
 
@@ -114,15 +120,17 @@ def _prefill_span_blocks(start: int, prompt_tokens: int, window_tokens: int, tok
 
 
 def _prefill_chunk_starts(prompt_tokens: int, window_tokens: int, tokens_per_block: int,
-                          prefill_chunk_tokens: int | None) -> set[int]:
-    """Chunk starts that cover every regime of `_prefill_span_blocks` (see sliding_window_blocks)."""
+                          prefill_chunk_tokens: int | None, first_start: int = 0) -> set[int]:
+    """Chunk starts from `first_start` on that cover every regime of `_prefill_span_blocks` (see
+    sliding_window_blocks)."""
     t, last = tokens_per_block, prompt_tokens - 1
     chunk = prompt_tokens if prefill_chunk_tokens is None else prefill_chunk_tokens
     tail = max(0, prompt_tokens - chunk)
-    starts = {0, min(window_tokens - 1, last)}
+    starts = {0, min(window_tokens - 1, last), first_start}
     starts.update(range(window_tokens - 1, window_tokens - 1 + t))
+    starts.update(range(first_start, first_start + t + 1))  # one period of the sliding regime
     starts.update(range(tail - t, tail + t + 1))
-    return {s for s in starts if 0 <= s <= last}
+    return {s for s in starts if first_start <= s <= last}
 
 
 def sliding_window_blocks(
@@ -134,6 +142,7 @@ def sliding_window_blocks(
     prefill_chunk_tokens: int | None = None,
     extra_tokens: int = 0,
     refeed_tokens: int = 0,
+    cached_prompt_tokens: int = 0,
 ) -> int:
     """The most blocks a request holds in a sliding-window pool (window w, query i sees keys j with
     i - j < w), for the policy of `SlidingWindowManager`: before the tokens of a step are written,
@@ -144,7 +153,9 @@ def sliding_window_blocks(
     leaves them): writing positions [s, s + c) keeps keys [max(0, s - w + 1), s + c - 1], widest
     with c = min(C, P - s). The blocks that interval spans depend on s only through three regimes
     (the window still at 0, the interval sliding with period T, the prompt's end cutting the
-    chunk), so a handful of starts `_prefill_chunk_starts` gives the exact maximum.
+    chunk), so a handful of starts `_prefill_chunk_starts` gives the exact maximum. A request sure
+    to find its first L prompt tokens cached (`cached_prompt_tokens`, a pinned prefix) starts at L
+    or later, holding the window's blocks before its start as if it had computed them.
 
     Decode (W beams): a step with x tokens committed feeds 1 + r pending tokens (r <= R: tokens
     accepted by the last speculative round, fed again) and D extra ones (e.g. draft tokens, rolled
@@ -165,7 +176,7 @@ def sliding_window_blocks(
     _check(refeed_tokens=refeed_tokens)
     prefill_blocks = max(
         _prefill_span_blocks(s, prompt_tokens, window_tokens, t, prefill_chunk_tokens)
-        for s in _prefill_chunk_starts(prompt_tokens, window_tokens, t, prefill_chunk_tokens)
+        for s in _prefill_chunk_starts(prompt_tokens, window_tokens, t, prefill_chunk_tokens, cached_prompt_tokens)
     )
     shared_end = (prompt_tokens // t) * t  # positions below this live in shared full prompt blocks
     decode_blocks = 0

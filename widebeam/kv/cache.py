@@ -52,21 +52,21 @@ class KVCache:
     def __getitem__(self, pool_name: str) -> PoolManager:
         return self.managers[pool_name]
 
-    def budgets(self, request: KVRequest, key: PrefixKey | None = None) -> list[PoolBudget]:
-        """`(pool, required_blocks, capacity_blocks)` for every pool the request uses; with its
-        prefix `key`, the blocks of pinned prefixes it shares too."""
-        pinned = self.pinned_hit_blocks(key) if key is not None else {}
+    def budgets(self, request: KVRequest, pinned_hit_blocks: dict[str, int] | None = None) -> list[PoolBudget]:
+        """`(pool, required_blocks, capacity_blocks)` for every pool the request uses, and the
+        blocks of pinned prefixes it shares (`pinned_hit(key).credit_blocks`)."""
+        pinned = pinned_hit_blocks or {}
         return [
             PoolBudget(name, manager.required_blocks(request), manager.capacity_blocks(), pinned.get(name, 0))
             for name, manager in self.managers.items()
             if manager.uses(request)
         ]
 
-    def check_fits(self, request: KVRequest, key: PrefixKey | None = None) -> list[PoolBudget]:
+    def check_fits(self, request: KVRequest, pinned_hit_blocks: dict[str, int] | None = None) -> list[PoolBudget]:
         """Return the budgets, or raise `RequestTooLargeError` for the first pool the request can
         never fit: its required blocks, less the pinned prefix blocks it shares, against the pool
         less every pinned block."""
-        budgets = self.budgets(request, key)
+        budgets = self.budgets(request, pinned_hit_blocks)
         for budget in budgets:
             if not budget.fits:
                 manager = self.managers[budget.pool]
@@ -160,14 +160,18 @@ class KVCache:
             for block_id in block_ids:
                 pool.pin(block_id)
 
-    def pinned_hit_blocks(self, key: PrefixKey) -> dict[str, int]:
-        """Per sharing pool, the pinned blocks a request with `key` is sure to share: they are always
-        cached, so the never-fit check counts them as held."""
-        if not self.enable_prefix_caching or not any(m.pool.num_pinned_blocks for m in self.managers.values()):
-            return {}
-        entries = self._prompt_hit(key, pinned_only=True)
-        return {name: sum(1 for b in ids if b != DROPPED) for name, ids in entries.items()
-                if self.managers[name].shares_hits}
+    def pinned_hit(self, key: PrefixKey | None) -> PrefixHit:
+        """What pinned prefixes alone guarantee a request with `key`: always cached, so admission
+        may count on them (its prefill starts after them; the blocks it shares count as held)."""
+        hit = PrefixHit()
+        if key is None or not self.enable_prefix_caching or not any(
+                m.pool.num_pinned_blocks for m in self.managers.values()):
+            return hit
+        hit.block_ids = self._prompt_hit(key, pinned_only=True)
+        if hit.block_ids:
+            hit.num_tokens = len(next(iter(hit.block_ids.values()))) * self.tokens_per_block
+        hit.credit_blocks = {name: self.managers[name].hit_credit(ids) for name, ids in hit.block_ids.items()}
+        return hit
 
     def take_copies(self) -> dict[str, list[tuple[int, int]]]:
         """Queued copy-on-write copies (src_block_id, dst_block_id) per pool, handed over once;

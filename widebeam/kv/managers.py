@@ -111,19 +111,19 @@ class PoolManager(ABC):
     def take_hit(self, holding: Holding, entries: list[int]) -> BlockTable:
         """A prompt table made of cached blocks (`DROPPED` entries stay dropped): each is touched,
         or copied where this kind does not share in-use blocks (the copy queued for the runner)."""
-        table = BlockTable(holding, num_tokens=len(entries) * self.tokens_per_block)
-        for block_id in entries:
+        table = BlockTable(holding, list(entries), len(entries) * self.tokens_per_block)
+        to_copy = []
+        for i, block_id in enumerate(entries):  # touch every hit first: a copy's allocation may evict
             if block_id == DROPPED:
-                table.block_ids.append(DROPPED)
                 continue
             if not self.shares_hits and self.pool.ref_count(block_id) > 0:
-                copy_id = self._allocate(holding)
-                self.pending_copies.append((block_id, copy_id))
-                table.block_ids.append(copy_id)
-                continue
-            self.pool.touch(block_id)
-            holding._add(1)
-            table.block_ids.append(block_id)
+                to_copy.append(i)
+            else:
+                self.pool.touch(block_id)
+                holding._add(1)
+        for i in to_copy:  # in-use sources: their holders keep them through the step's copies
+            table.block_ids[i] = self._allocate(holding)
+            self.pending_copies.append((entries[i], table.block_ids[i]))
         return table
 
     def register(self, table: BlockTable, block_hashes: tuple[bytes, ...], num_computed_tokens: int,
@@ -313,7 +313,7 @@ class SlidingWindowManager(FullAttentionManager):
     def required_blocks(self, request: KVRequest) -> int:
         return sliding_window_blocks(request.prompt_tokens, request.max_new_tokens, request.beam_width,
                                      self.tokens_per_block, self.window_tokens, self.prefill_chunk_tokens,
-                                     request.extra_tokens, request.refeed_tokens)
+                                     request.extra_tokens, request.refeed_tokens, request.cached_prompt_tokens)
 
     def fit_hints(self, request: KVRequest) -> dict[str, int | None]:
         # the bound is monotone in N and W; `replace` keeps D and R (`refeed_tokens`) as requested

@@ -32,7 +32,8 @@ def admit_check(cache: KVCache, max_seq_len: int, prompt_len: int, max_new_token
     `encoder_tokens`, against the model's `max_encoder_tokens`), then every pool's budget, the
     cross pool's `ceil(E/T)` included; raise if it can never run. `extra_tokens` (D) and
     `refeed_tokens` are what speculative decoding adds per sequence (see kv/budget.py). With the
-    prompt's prefix `key`, pinned prefix blocks it shares count as held (they are always there)."""
+    prompt's prefix `key`, pinned prefix blocks it shares count as held and its prefill starts after
+    them (they are always there)."""
     if prompt_len < 1:
         raise InvalidParameterError("prompt", "prompt is empty: give at least one token")
     if max_encoder_tokens and encoder_tokens > max_encoder_tokens:
@@ -55,6 +56,8 @@ def admit_check(cache: KVCache, max_seq_len: int, prompt_len: int, max_new_token
             f"prompt ({prompt_len} tokens) + {{max_new_tokens}} ({max_new_tokens}) exceeds max_seq_len "
             f"({max_seq_len}); use {{max_new_tokens}} <= {max_seq_len - prompt_len}",
         )
+    pinned = cache.pinned_hit(key)
     kv_request = KVRequest(prompt_len, max_new_tokens, beam_width, extra_tokens=extra_tokens,
-                           refeed_tokens=refeed_tokens, encoder_tokens=encoder_tokens)
-    return Admission(max_new_tokens, kv_request, cache.check_fits(kv_request, key))
+                           refeed_tokens=refeed_tokens, encoder_tokens=encoder_tokens,
+                           cached_prompt_tokens=pinned.num_tokens)
+    return Admission(max_new_tokens, kv_request, cache.check_fits(kv_request, pinned.credit_blocks))
