@@ -67,7 +67,7 @@ def llama_pair(tiny_llama_dir):
 @pytest.mark.parametrize("kind", sorted(PARAMS))
 def test_decoder_only_outputs_equal_with_hits(llama_pair, kind):
     cached_llm, plain_llm = llama_pair
-    prefix, (first, *rest) = prompts(21, seed=sorted(PARAMS).index(kind))  # the engines are shared: own prompts
+    _, (first, *rest) = prompts(21, seed=sorted(PARAMS).index(kind))  # the engines are shared: own prompts
     cached = run_waves(cached_llm, first, rest, PARAMS[kind])
     plain = run_waves(plain_llm, first, rest, PARAMS[kind])
     assert_same_outputs(cached, plain)
@@ -97,7 +97,7 @@ def test_encoder_decoder_reuses_the_encoder_output_whole(tiny_marian_dir):
 def test_gemma3_sliding_pools_reuse_only_what_the_window_needs(tiny_gemma3_dir):
     cached_llm, plain_llm = pair(tiny_gemma3_dir)
     for seed, params in enumerate((PARAMS["greedy"], PARAMS["beams"])):
-        prefix, (first, *rest) = prompts(45, seed=seed)  # longer than either window (8 or 16)
+        _, (first, *rest) = prompts(45, seed=seed)  # longer than either window (8 or 16)
         cached = run_waves(cached_llm, first, rest, params)
         plain = run_waves(plain_llm, first, rest, params)
         assert_same_outputs(cached, plain)
@@ -111,7 +111,7 @@ def test_a_draft_models_pools_are_reused_too(tiny_llama_dir):
     cached_llm, plain_llm = pair(tiny_llama_dir, speculative_model=str(tiny_llama_dir), num_speculative_tokens=3,
                                  speculative_adaptive=False)
     for seed, params in enumerate((PARAMS["greedy"], PARAMS["beams"])):
-        prefix, (first, *rest) = prompts(17, seed=seed)
+        _, (first, *rest) = prompts(17, seed=seed)
         cached = run_waves(cached_llm, first, rest, params)
         plain = run_waves(plain_llm, first, rest, params)
         assert_same_outputs(cached, plain)
