@@ -2,9 +2,9 @@
 
 One step runs one forward pass: the prefill of newly admitted requests and one decode token for
 every running sequence, in one batch, and returns one `RequestDelta` per request that took part. A
-request is admitted when its worst case (`required_blocks` minus what it already holds) fits beside
-the remaining worst cases of the running ones, so nothing is ever evicted and a request that cannot
-fit right now waits instead of spinning. The path of one request: docs/architecture.md.
+request is admitted when its worst case (`required_blocks` minus what it already holds, cached prompt
+blocks included) fits beside the remaining worst cases of the running ones, so nothing in use is ever
+evicted and a request that cannot fit right now waits instead of spinning. The path of one request: docs/architecture.md.
 """
 
 from __future__ import annotations
