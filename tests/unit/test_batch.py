@@ -1,0 +1,171 @@
+"""`widebeam batch` in process: rows in three formats, per-row parameters, bad rows written with
+their error, incremental output, and resuming after a crash without losing or duplicating a row."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from widebeam.batch import read_output, run
+from widebeam.batch.files import OutputWriter
+from widebeam.batch.rows import make_params, parse_row
+from widebeam.engine import LLM
+from widebeam.params import BeamSearchParams, SamplingParams
+
+ENGINE = {"device": "cpu", "kv_cache_memory": "1MiB", "tokens_per_block": 4}
+DEFAULTS = {"max_new_tokens": 6, "temperature": 0.0}
+
+
+def mixed_rows(num_rows: int, seed: int = 0) -> list[dict]:
+    """Greedy, seeded sampling, beam widths 1-16, and a few rows that can never run."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(num_rows):
+        row = {"id": f"q{i}", "prompt_token_ids": [rng.randrange(5, 120) for _ in range(rng.randrange(2, 24))]}
+        kind = i % 4
+        if kind == 1:
+            row.update(temperature=0.8, top_p=0.9, seed=i)
+        elif kind == 2:
+            row.update(beam_width=rng.randrange(1, 17), length_penalty=0.8)
+        elif kind == 3 and i % 20 == 3:
+            row["prompt_token_ids"] = [1] * 4000  # longer than max_seq_len: written with its error
+        rows.append(row)
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def by_id(records: list[dict]) -> dict[str, dict]:
+    ids = [r["id"] for r in records]
+    assert len(ids) == len(set(ids)), "a row was written twice"
+    return {r["id"]: r for r in records}
+
+
+def assert_same_results(got: dict[str, dict], expected: dict[str, dict]):
+    assert set(got) == set(expected)
+    for row_id, record in expected.items():
+        other = got[row_id]
+        assert bool(other["error"]) == bool(record["error"]), row_id
+        assert [o["token_ids"] for o in other["outputs"]] == [o["token_ids"] for o in record["outputs"]], row_id
+        for a, b in zip(other["outputs"], record["outputs"]):
+            assert a["cumulative_logprob"] == pytest.approx(b["cumulative_logprob"], abs=1e-4)
+
+
+def test_rows_choose_their_kind_and_defaults_fill_the_rest():
+    beams = make_params({"beam_width": 8}, {"max_new_tokens": 5, "temperature": 0.0})
+    assert isinstance(beams, BeamSearchParams) and beams.max_new_tokens == 5 and beams.beam_width == 8
+    sampled = make_params({"seed": 3}, {"max_new_tokens": 5, "temperature": 0.0, "beam_width": 1})
+    assert isinstance(sampled, SamplingParams) and sampled.seed == 3 and sampled.temperature == 0.0
+    bad = parse_row({"prompt": "x", "beam_width": 4, "temperature": 0.5}, 0, {})
+    assert bad.error and "temperature" in bad.error and bad.row_id == "row-0"
+    assert "exactly one" in parse_row({"prompt": "a", "prompt_token_ids": [1]}, 2, {}).error
+    csv_row = parse_row({"id": "c", "prompt_token_ids": "[1, 2, 3]", "beam_width": "2", "stop": "\n"}, 0, {})
+    assert csv_row.error is None and csv_row.prompt == {"prompt_token_ids": [1, 2, 3]}
+    assert csv_row.params.beam_width == 2 and csv_row.params.stop == ("\n",)
+
+
+def test_a_job_writes_every_row_once_with_the_engines_outputs(tiny_llama_dir, tmp_path):
+    rows = mixed_rows(40)
+    source = write_jsonl(tmp_path / "in.jsonl", rows)
+    with open(source, "a") as f:
+        f.write("{not json\n")  # a malformed line: written with its error
+    summary = run(source, tmp_path / "out.jsonl", str(tiny_llama_dir), defaults=DEFAULTS, progress=False, **ENGINE)
+    records = by_id(read_output(tmp_path / "out.jsonl"))
+    assert summary.num_written == len(records) == 41
+    assert "not valid JSON" in records["row-40"]["error"]
+    assert "max_seq_len" in records["q3"]["error"]
+    assert summary.num_errors == sum(1 for r in records.values() if r["error"]) == 3  # q3, q23, the bad line
+    # each row's results are the engine's own for that row's parameters
+    llm = LLM(str(tiny_llama_dir), **ENGINE)
+    for row in rows[:8]:
+        if row["id"] in ("q3",):
+            continue
+        parsed = parse_row(row, 0, DEFAULTS)
+        (expected,) = llm.generate([parsed.prompt], parsed.params, use_tqdm=False)
+        got = records[row["id"]]["outputs"]
+        assert [o["token_ids"] for o in got] == [c.token_ids for c in expected.outputs]
+        assert len(got) == (parsed.params.beam_width if isinstance(parsed.params, BeamSearchParams) else 1)
+    # a rerun finds every row written and does nothing
+    again = run(source, tmp_path / "out.jsonl", str(tiny_llama_dir), defaults=DEFAULTS, progress=False, **ENGINE)
+    assert again.num_written == 0 and again.num_skipped == 41
+
+
+@pytest.mark.parametrize("suffix", ["csv", "parquet"])
+def test_csv_and_parquet_in_and_out(tiny_llama_dir, tmp_path, suffix):
+    import pandas as pd
+
+    rows = mixed_rows(12, seed=1)
+    frame = pd.DataFrame([{**row, "prompt_token_ids": json.dumps(row["prompt_token_ids"])} for row in rows])
+    if suffix == "csv":
+        frame.to_csv(tmp_path / "in.csv", index=False)
+    else:
+        frame["prompt_token_ids"] = [row["prompt_token_ids"] for row in rows]
+        frame.to_parquet(tmp_path / "in.parquet")
+    summary = run(tmp_path / f"in.{suffix}", tmp_path / f"out.{suffix}", str(tiny_llama_dir), defaults=DEFAULTS,
+                  progress=False, **ENGINE)
+    expected = by_id(read_output(_jsonl_reference(tiny_llama_dir, tmp_path, rows)))
+    assert summary.num_written == 12
+    assert_same_results(by_id(read_output(tmp_path / f"out.{suffix}")), expected)
+
+
+def _jsonl_reference(model_dir, tmp_path, rows) -> Path:
+    out = tmp_path / "reference.jsonl"
+    run(write_jsonl(tmp_path / "reference-in.jsonl", rows), out, str(model_dir), defaults=DEFAULTS, progress=False,
+        **ENGINE)
+    return out
+
+
+def test_parquet_parts_are_whole_or_absent(tmp_path):
+    writer = OutputWriter(tmp_path / "out.parquet", flush_rows=2)
+    for i in range(5):
+        writer.write({"id": f"r{i}", "error": None, "outputs": [], "num_prompt_tokens": 3, "num_cached_tokens": 0})
+    (tmp_path / "out.parquet" / "part-00009.parquet.tmp").write_bytes(b"half a part")  # a crash mid-write
+    assert writer.done_ids() == {"r0", "r1", "r2", "r3"}  # the fifth is still buffered
+    writer.close()
+    assert OutputWriter(tmp_path / "out.parquet").done_ids() == {f"r{i}" for i in range(5)}
+
+
+JOB = """
+import sys
+from widebeam.batch import run
+run(sys.argv[1], sys.argv[2], sys.argv[3], defaults={"max_new_tokens": 24, "temperature": 0.0}, progress=False,
+    max_in_flight=4, device="cpu", kv_cache_memory="1MiB", tokens_per_block=4)
+"""
+
+
+def test_a_killed_job_resumes_without_losing_or_duplicating_a_row(tiny_llama_dir, tmp_path):
+    rows = mixed_rows(60, seed=2)
+    source = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    job = subprocess.Popen([sys.executable, "-c", JOB, str(source), str(out), str(tiny_llama_dir)], env=env)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and job.poll() is None:
+        if out.exists() and out.read_text().count("\n") >= 10:
+            job.send_signal(signal.SIGKILL)  # no clean-up of any kind
+            break
+        time.sleep(0.05)
+    job.wait(timeout=60)
+    written_before = out.read_text().count("\n")
+    assert job.returncode == -signal.SIGKILL and 10 <= written_before < 60, "the job was not killed mid-run"
+    with open(out, "a") as f:
+        f.write('{"id": "q59", "err')  # and the crash cut a line in half
+    summary = run(source, out, str(tiny_llama_dir), defaults={"max_new_tokens": 24, "temperature": 0.0},
+                  progress=False, **ENGINE)
+    assert summary.num_skipped == written_before and summary.num_written == 60 - written_before
+    resumed = by_id(read_output(out))
+    fresh = tmp_path / "fresh.jsonl"
+    run(source, fresh, str(tiny_llama_dir), defaults={"max_new_tokens": 24, "temperature": 0.0}, progress=False,
+        **ENGINE)
+    assert_same_results(resumed, by_id(read_output(fresh)))

@@ -1,0 +1,121 @@
+"""One input row of a batch job: its id, its prompt, its parameters, or what is wrong with it.
+
+A row holds `prompt` (text), `messages` (a chat, rendered with the model's template) or
+`prompt_token_ids`, an optional `id` (else its position in the input, `row-N`, stable across
+reruns), and any parameter of `SamplingParams` / `BeamSearchParams` by its field name (a
+`beam_width` above 1, or `use_beam_search`, makes it a beam-search row). The job's defaults fill the
+rest. A malformed row becomes a `BatchRow` with `error` set: it is written out with that error, it
+never stops the job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from widebeam.params import BeamSearchParams, SamplingParams
+
+PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
+SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+BEAM_FIELDS = {f.name for f in dataclasses.fields(BeamSearchParams)}
+# Fields a CSV cell carries as JSON text (a list or an object), parsed before validation.
+INTEGER_FIELDS = {"seed", "max_new_tokens", "top_k", "beam_width", "min_new_tokens", "num_return_sequences"}
+JSON_FIELDS = {"messages", "prompt_token_ids", "stop", "stop_token_ids", "allowed_sequences"}
+
+
+@dataclass
+class BatchRow:
+    """A parsed row: `prompt` is text, a list of token ids, or a chat (`messages`)."""
+
+    row_id: str
+    prompt: Any = None
+    params: SamplingParams | BeamSearchParams | None = None
+    error: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def row_id(raw: Mapping, index: int) -> str:
+    value = raw.get("id") if isinstance(raw, Mapping) else None
+    return f"row-{index}" if value is None or value == "" else str(value)
+
+
+def parse_row(raw: Any, index: int, defaults: Mapping[str, Any]) -> BatchRow:
+    """Validate one input row against the job's `defaults` (parameter name -> value)."""
+    if not isinstance(raw, Mapping):
+        return BatchRow(f"row-{index}", error=f"row {index} is not an object: {raw!r}"[:300])
+    rid = row_id(raw, index)
+    try:
+        values = {k: _cell(k, v) for k, v in raw.items() if not _missing(v) and k != "id"}
+        given = [name for name in PROMPT_FIELDS if name in values]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of {', '.join(PROMPT_FIELDS)} (got {', '.join(given) or 'none'})")
+        prompt = values.pop(given[0])
+        if given[0] == "messages":
+            if not isinstance(prompt, list) or not all(isinstance(m, Mapping) for m in prompt):
+                raise ValueError("messages must be a list of {role, content} objects")
+            prompt = {"messages": prompt}
+        elif given[0] == "prompt_token_ids":
+            prompt = {"prompt_token_ids": prompt}
+        elif not isinstance(prompt, str):
+            raise ValueError(f"prompt must be text, got {type(prompt).__name__}")
+        return BatchRow(rid, prompt, make_params(values, defaults))
+    except (ValueError, TypeError) as exc:
+        return BatchRow(rid, error=f"{type(exc).__name__}: {exc}")
+
+
+def make_params(values: Mapping[str, Any], defaults: Mapping[str, Any] | None = None
+                ) -> SamplingParams | BeamSearchParams:
+    """`BeamSearchParams` when `use_beam_search` or a `beam_width` above 1 (the row's, else the
+    defaults'), else `SamplingParams`. The defaults fill the fields of that kind the row leaves
+    out (a default `temperature` does not reach a beam row); a row field the kind lacks is an
+    error naming it."""
+    defaults = dict(defaults or {})
+    values = dict(values)
+    use_beams = values.pop("use_beam_search", defaults.pop("use_beam_search", None))
+    width = values.get("beam_width", defaults.get("beam_width", 1))
+    beams = bool(use_beams) if use_beams is not None else int(width or 1) > 1
+    known = BEAM_FIELDS if beams else SAMPLING_FIELDS
+    values = {**{k: v for k, v in defaults.items() if k in known}, **values}
+    unknown = sorted(set(values) - known)
+    if not beams:
+        values.pop("beam_width", None)
+        unknown = [k for k in unknown if k != "beam_width"]
+    if unknown:
+        kind = "beam search" if beams else "sampling"
+        raise ValueError(f"unknown field(s) for {kind}: {', '.join(unknown)}")
+    for name in INTEGER_FIELDS & set(values):
+        # a table column with gaps holds floats (pandas): 3.0 means 3
+        if isinstance(values[name], float) and values[name].is_integer():
+            values[name] = int(values[name])
+    for name in ("stop", "stop_token_ids"):
+        if isinstance(values.get(name), str) and name == "stop":
+            values[name] = (values[name],)
+        if isinstance(values.get(name), list):
+            values[name] = tuple(values[name])
+    return BeamSearchParams(**values) if beams else SamplingParams(**values)
+
+
+def _missing(value: Any) -> bool:
+    """An empty cell: None, empty text, or NaN (a gap in a Parquet or pandas column)."""
+    return value is None or (isinstance(value, str) and value == "") or (isinstance(value, float) and math.isnan(value))
+
+
+def _cell(name: str, value: Any) -> Any:
+    """CSV cells arrive as text: a JSON value (a number, a boolean, a list, an object) is parsed,
+    other text stays text. Prompts are always text."""
+    if hasattr(value, "tolist"):  # numpy arrays and scalars from Parquet
+        return value.tolist()
+    if name == "prompt" or not isinstance(value, str):
+        return value
+    text = value.strip()
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        if name in JSON_FIELDS and text[:1] in ("[", "{"):
+            raise ValueError(f"{name} is not valid JSON: {text[:80]!r}") from None
+        return value
+    return parsed if not isinstance(parsed, str) else value
