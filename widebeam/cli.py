@@ -104,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_parser(sub)
 
+    from widebeam.batch.cli import add_batch_parser
+
+    add_batch_parser(sub)
+
     from widebeam import bench
 
     b = sub.add_parser("bench", help="beam search side by side with transformers: time, memory, KV, compute floor")

@@ -128,3 +128,19 @@ def test_a_killed_job_resumes_without_losing_or_duplicating_a_row(tiny_llama_dir
     run(source, fresh, str(tiny_llama_dir), defaults={"max_new_tokens": 24, "temperature": 0.0}, progress=False,
         **ENGINE)
     assert_same_results(resumed, by_id(read_output(fresh)))
+
+
+def test_the_command_line_runs_a_job_with_flag_defaults(tiny_llama_dir, tmp_path, capsys):
+    from widebeam.cli import main
+
+    source = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt_token_ids": [5, 6, 7]},
+                                                 {"id": "b", "prompt_token_ids": [5, 6, 7], "beam_width": 1}])
+    argv = ["batch", str(source), str(tmp_path / "out.jsonl"), "--model", str(tiny_llama_dir), "--beam-width", "3",
+            "--max-new-tokens", "4", "--device", "cpu", "--kv-cache-memory", "1MiB", "--no-progress"]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["written"] == 2 and summary["errors"] == 0
+    records = by_id(read_output(tmp_path / "out.jsonl"))
+    assert len(records["a"]["outputs"]) == 3  # the flag's beam width
+    assert len(records["b"]["outputs"]) == 1 and len(records["b"]["outputs"][0]["token_ids"]) == 4  # the row's
+    assert main(argv) == 0 and json.loads(capsys.readouterr().out.strip().splitlines()[-1])["skipped"] == 2

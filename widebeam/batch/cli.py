@@ -1,0 +1,96 @@
+"""`widebeam batch INPUT OUTPUT`: the command line of a batch job (see batch/run.py).
+
+`widebeam/cli.py` adds the subcommand with `add_batch_parser(sub)`. Per-row parameters override the
+flags, which are the job's defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from widebeam.argtypes import byte_size as _byte_size
+from widebeam.argtypes import int_at_least as _int_at_least
+from widebeam.batch.local import DEFAULT_MAX_IN_FLIGHT
+from widebeam.defaults import (
+    DEFAULT_MAX_BEAM_WIDTH,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MODEL,
+    DEFAULT_TOKENS_PER_BLOCK,
+)
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def add_batch_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("batch", help="run every row of a JSONL/CSV/Parquet file; resumable; --replicas N on Ray",
+                       description="Run every row of INPUT (one request per row: prompt, messages or "
+                                   "prompt_token_ids, plus any parameter by name) and write each row's beams to "
+                                   "OUTPUT (.jsonl, .csv or .parquet). Rerunning skips rows already written.")
+    p.add_argument("input", help="a .jsonl, .csv or .parquet file, one request per row")
+    p.add_argument("output", help="where results go (.jsonl, .csv, or .parquet: a directory of parts)")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    d = p.add_argument_group("defaults for rows that do not set them")
+    d.add_argument("--beam-width", type=_int_at_least(1), default=None, help="beam search over this many beams")
+    d.add_argument("--max-new-tokens", type=_int_at_least(1), default=None)
+    d.add_argument("--temperature", type=float, default=None, help="sampling rows only; 0 is greedy")
+    d.add_argument("--top-p", type=float, default=None)
+    d.add_argument("--top-k", type=int, default=None)
+    d.add_argument("--seed", type=int, default=None)
+    d.add_argument("--length-penalty", type=float, default=None, help="beam rows only")
+    d.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    d.add_argument("--catalogue", default=None, help="beam rows only: a registered catalogue's name")
+    e = p.add_argument_group("engine (one per replica)")
+    e.add_argument("--dtype", choices=DTYPES, default="float32")
+    e.add_argument("--device", default=None)
+    e.add_argument("--kv-cache-memory", type=_byte_size, default=None)
+    e.add_argument("--tokens-per-block", type=_int_at_least(1), default=DEFAULT_TOKENS_PER_BLOCK)
+    e.add_argument("--max-beam-width", type=_int_at_least(1), default=DEFAULT_MAX_BEAM_WIDTH)
+    e.add_argument("--max-num-batched-tokens", type=_int_at_least(1), default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    e.add_argument("--no-prefix-caching", action="store_true", help="recompute every prompt")
+    e.add_argument("--max-in-flight", type=_int_at_least(1), default=DEFAULT_MAX_IN_FLIGHT,
+                   help=f"requests each engine holds queued or running (default {DEFAULT_MAX_IN_FLIGHT})")
+    r = p.add_argument_group("scale-out on Ray Data (pip install 'widebeam[ray]')")
+    r.add_argument("--replicas", type=_int_at_least(1), default=None,
+                   help="engine replicas on Ray (one GPU each where there are GPUs)")
+    r.add_argument("--ray-address", default=None, help="join this Ray cluster (default: a local Ray instance)")
+    r.add_argument("--cpus-per-replica", type=_int_at_least(1), default=1, help="CPU slots per replica without GPUs")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_batch)
+    return p
+
+
+def defaults_from(args: argparse.Namespace) -> dict:
+    names = ("beam_width", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "length_penalty", "catalogue")
+    defaults = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    if args.stop:
+        defaults["stop"] = tuple(args.stop)
+    return defaults
+
+
+def _cmd_batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from widebeam.batch.run import run
+    from widebeam.errors import WidebeamError
+
+    if args.ray_address and not args.replicas:
+        parser.error("argument --ray-address: give --replicas N too")
+    engine_kwargs = {"dtype": args.dtype, "device": args.device, "kv_cache_memory": args.kv_cache_memory,
+                     "tokens_per_block": args.tokens_per_block, "max_beam_width": args.max_beam_width,
+                     "max_num_batched_tokens": args.max_num_batched_tokens,
+                     "enable_prefix_caching": not args.no_prefix_caching}
+    try:
+        summary = run(args.input, args.output, args.model, defaults=defaults_from(args), replicas=args.replicas or 0,
+                      ray_address=args.ray_address, max_in_flight=args.max_in_flight,
+                      cpus_per_replica=args.cpus_per_replica, progress=not args.no_progress, **engine_kwargs)
+    except (WidebeamError, ValueError, OSError) as exc:
+        print(f"widebeam batch: error: {exc}", file=sys.stderr)
+        return 1
+    except ImportError as exc:
+        print(f"widebeam batch: error: --replicas needs Ray ({exc.name} is missing): pip install 'widebeam[ray]'",
+              file=sys.stderr)
+        return 1
+    print(json.dumps({"written": summary.num_written, "errors": summary.num_errors, "skipped": summary.num_skipped,
+                      "generated_tokens": summary.num_generated_tokens, "seconds": round(summary.elapsed_s, 3),
+                      "first_errors": summary.errors}))
+    return 0
