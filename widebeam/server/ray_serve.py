@@ -10,6 +10,9 @@ is the single-engine server's, because it is the same app.
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import sys
 import time
 
 log = logging.getLogger("widebeam.server")
@@ -70,14 +73,22 @@ def start(model: str, engine_kwargs: dict, app_kwargs: dict, *, host: str, port:
 
 
 def serve_forever(**kwargs) -> int:
-    """`start`, then wait until interrupted; shut Serve down on the way out."""
+    """`start`, then wait for SIGINT or SIGTERM; shut Serve and the local Ray instance down on the
+    way out (a SIGTERM without a handler would leave Ray's processes behind)."""
+    # Ray's own failure handler would abort on SIGTERM before Serve and Ray are shut down; it reads
+    # this when Ray is imported.
+    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
+    import ray
     from ray import serve
 
-    start(**kwargs)
     try:
+        start(**kwargs)
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
         while True:
             time.sleep(3600)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit):
         return 0
     finally:
-        serve.shutdown()
+        if ray.is_initialized():
+            serve.shutdown()
+            ray.shutdown()

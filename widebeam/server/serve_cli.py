@@ -201,6 +201,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "\"catalogue\": NAME with use_beam_search): a .jsonl (token-id lists or strings), .npy "
                         "or .parquet file; its bytes come off the KV budget (repeatable)")
     add_speculative_arguments(p)
+    r = p.add_argument_group("replicas on Ray Serve (pip install 'widebeam[ray]')")
+    r.add_argument("--replicas", type=_int_at_least(1), default=None,
+                   help="serve N engine replicas behind Ray Serve (one GPU each where there are GPUs)")
+    r.add_argument("--min-replicas", type=_int_at_least(0), default=None, help="autoscale from this many replicas")
+    r.add_argument("--max-replicas", type=_int_at_least(1), default=None, help="autoscale up to this many replicas")
+    r.add_argument("--ray-address", default=None, help="join this Ray cluster (default: a local Ray instance)")
+    r.add_argument("--cpus-per-replica", type=_int_at_least(1), default=1, help="CPU slots per replica without GPUs")
     return p
 
 
@@ -241,20 +248,23 @@ def run_serve(args: argparse.Namespace) -> int:
         catalogues = catalogues_kwargs(args)
     except argparse.ArgumentTypeError as exc:
         return _fail(f"argument --catalogue: {exc}")
+    engine_kwargs = dict(dtype=args.dtype, device=args.device, tokens_per_block=args.tokens_per_block,
+                         kv_cache_memory=args.kv_cache_memory, kv_cache_fraction=args.kv_cache_fraction,
+                         max_seq_len=args.max_seq_len, max_beam_width=args.max_beam_width,
+                         max_num_batched_tokens=args.max_num_batched_tokens, **catalogues, **speculative_kwargs(args))
+    app_kwargs = {"model_name": args.served_model_name or args.model, "api_key": api_key,
+                  "max_request_bytes": args.max_request_bytes, "model_aliases": model_aliases(args.model)}
+    warning = exposure_warning(args.host, api_key)
+    if args.replicas or args.min_replicas is not None or args.max_replicas is not None or args.ray_address:
+        return _serve_on_ray(args, engine_kwargs, app_kwargs, warning)
     try:
-        engine = LLMEngine(args.model, dtype=args.dtype, device=args.device, tokens_per_block=args.tokens_per_block,
-                           kv_cache_memory=args.kv_cache_memory, kv_cache_fraction=args.kv_cache_fraction,
-                           max_seq_len=args.max_seq_len, max_beam_width=args.max_beam_width,
-                           max_num_batched_tokens=args.max_num_batched_tokens, **catalogues,
-                           **speculative_kwargs(args))
+        engine = LLMEngine(args.model, **engine_kwargs)
     except (WidebeamError, ValueError, FileNotFoundError) as exc:
         return _fail(catalogue_error_message(exc, missing_file_param="model"))
     except KeyboardInterrupt:  # Ctrl+C while loading: nothing is served yet
         print("widebeam serve: interrupted while loading the model", file=sys.stderr)
         return EXIT_INTERRUPTED
-    app = create_app(engine, model_name=args.served_model_name or args.model, api_key=api_key,
-                     max_request_bytes=args.max_request_bytes, model_aliases=model_aliases(args.model))
-    warning = exposure_warning(args.host, api_key)
+    app = create_app(engine, **app_kwargs)
     if warning:
         log.warning(warning)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
@@ -265,6 +275,22 @@ def run_serve(args: argparse.Namespace) -> int:
     except SystemExit as exc:  # uvicorn exits 1 when it cannot bind
         return exc.code if isinstance(exc.code, int) else 1
     return 0 if server.started else 1
+
+
+def _serve_on_ray(args: argparse.Namespace, engine_kwargs: dict, app_kwargs: dict, warning: str | None) -> int:
+    """`--replicas N` (or autoscaling bounds): the same app on Ray Serve (server/ray_serve.py)."""
+    if args.min_replicas is not None and args.max_replicas is not None and args.min_replicas > args.max_replicas:
+        return _fail(f"argument --min-replicas: {args.min_replicas} is more than --max-replicas {args.max_replicas}")
+    try:
+        from widebeam.server import ray_serve
+    except ImportError as exc:
+        return _fail(f"--replicas needs Ray ({exc.name} is missing): pip install 'widebeam[ray]'")
+    if warning:
+        log.warning(warning)
+    return ray_serve.serve_forever(model=args.model, engine_kwargs=engine_kwargs, app_kwargs=app_kwargs,
+                                   host=args.host, port=args.port, replicas=args.replicas or 1,
+                                   min_replicas=args.min_replicas, max_replicas=args.max_replicas,
+                                   ray_address=args.ray_address, cpus_per_replica=args.cpus_per_replica)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
