@@ -18,9 +18,11 @@ from widebeam.defaults import (
     DEFAULT_TOKENS_PER_BLOCK,
 )
 from widebeam.server.serve_cli import (
+    add_prefix_cache_arguments,
     add_speculative_arguments,
     catalogue_error_message,
     error_message,
+    prefix_cache_kwargs,
     speculative_kwargs,
 )
 from widebeam.units import format_bytes
@@ -58,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--list-models", action="store_true", help="list the built-in model names and exit")
     add_speculative_arguments(p)
+    add_prefix_cache_arguments(p)
     c = p.add_argument_group("catalogue (generative retrieval): its bytes come off the memory before the KV share")
     c.add_argument("--catalogue", action="append", default=[], metavar="[NAME=]PATH",
                    help="a catalogue file (.jsonl of token ids, .npy, .parquet) the server registers at start-up; "
@@ -98,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{GENERATE_CATALOGUE_BEAM_WIDTH}); each beam ends with its item")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     add_speculative_arguments(g)
+    add_prefix_cache_arguments(g)
     g.set_defaults(func=_cmd_generate)
 
     from widebeam.server.serve_cli import add_serve_parser
@@ -155,9 +159,12 @@ def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         catalogues = {CLI_CATALOGUE: catalogue} if catalogue is not None else {}
         llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,
                   tokens_per_block=args.tokens_per_block, max_beam_width=max(args.beam_width or 1, 1),
-                  **({"catalogues": catalogues} if catalogues else {}), **speculative_kwargs(args))
+                  **({"catalogues": catalogues} if catalogues else {}), **speculative_kwargs(args),
+                  **prefix_cache_kwargs(args))
         prompt = llm.engine.apply_chat_template(args.prompt) if args.chat else args.prompt
         (output,) = llm.generate([prompt], params, use_tqdm=False)
+    except argparse.ArgumentTypeError as exc:
+        parser.error(f"argument --pin-prefix: {exc}")
     except (WidebeamError, ValueError, FileNotFoundError) as exc:
         parser.error(catalogue_error_message(exc))
     if args.json:
@@ -168,6 +175,7 @@ def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
                         for c in output.outputs],
             "kv_peak_blocks": output.peak_blocks,
             "kv_required_blocks": output.required_blocks,
+            "num_cached_tokens": output.num_cached_tokens,
         }, indent=2))
     elif args.beam_width is None:
         print(output.outputs[0].text)
@@ -222,6 +230,7 @@ def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         encoder_len=args.encoder_len,
         speculative=speculative,
         catalogue=catalogue,
+        pinned_prefixes=_plan_pins(args, parser),
     )
     try:
         result = plan(arch, inputs, draft_arch)
@@ -232,6 +241,37 @@ def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     else:
         _print_plan(result)
     return 0
+
+
+def _plan_pins(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[tuple[int, ...], ...]:
+    """--pin-prefix files as token ids: .json lists as given, text through the model's tokenizer."""
+    if args.pin_prefix and args.no_prefix_caching:
+        parser.error("argument --pin-prefix: pinned prefixes need prefix caching; drop --no-prefix-caching")
+    try:
+        prefixes = prefix_cache_kwargs(args).get("pinned_prefixes", [])
+    except argparse.ArgumentTypeError as exc:
+        parser.error(f"argument --pin-prefix: {exc}")
+    pins, tokenizer = [], None
+    for prefix in prefixes:
+        if isinstance(prefix, str):
+            if tokenizer is None:
+                tokenizer = _plan_tokenizer(args.model, parser)
+            prefix = tokenizer.encode(prefix, add_special_tokens=True)
+        pins.append(tuple(prefix))
+    return tuple(pins)
+
+
+def _plan_tokenizer(model: str, parser: argparse.ArgumentParser):
+    from widebeam.model.loader import resolve_model
+    from widebeam.model.registry import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(resolve_model(model))
+    except (OSError, ValueError) as exc:
+        parser.error(f"argument --pin-prefix: cannot load {model}'s tokenizer ({exc}); give token ids in a .json file")
+    if tokenizer is None:
+        parser.error(f"argument --pin-prefix: {model} has no tokenizer; give token ids in a .json file")
+    return tokenizer
 
 
 def _plan_catalogue(args: argparse.Namespace, parser: argparse.ArgumentParser):
@@ -339,18 +379,27 @@ def _print_plan(result: dict) -> None:
     if spec:
         sizing.add_row("speculative", f"{spec['method']}{' ' + spec['model'] if spec['model'] else ''}, "
                                       f"D={spec['num_speculative_tokens']}")
+    pins = result.get("pinned_prefixes")
+    if pins:
+        blocks = ", ".join(f"{pool} {n}" for pool, n in pins["blocks"].items())
+        sizing.add_row("pinned prefixes", f"{pins['count']} ({sum(pins['tokens'])} tokens): {blocks} blocks")
     console.print(sizing)
 
     source = f"source {req['encoder_len']} -> decoder " if "encoder_len" in req else ""
     speculative = f", +{spec['num_speculative_tokens']} speculative per sequence" if spec else ""
     pools = Table(title=f"request: {source}prompt {req['prompt_len']}, new {req['max_new_tokens']}, "
                         f"beam {req['beam_width']}{speculative}")
-    for column in ("pool", "kind", "layers", "bytes/token", "required blocks", "capacity blocks", "fits", "at once"):
+    columns = ["pool", "kind", "layers", "bytes/token", "required blocks", "capacity blocks", "fits", "at once"]
+    if pins:
+        columns.insert(6, "pinned blocks")
+    for column in columns:
         pools.add_column(column, justify="right" if column not in ("pool", "kind") else "left")
     for p in result["pools"]:
-        pools.add_row(p["name"], p["kind"], str(p["num_layers"]), str(p["bytes_per_token"]),
-                      str(p["required_blocks"]), str(p["capacity_blocks"]), "yes" if p["fits"] else "NO",
-                      str(p["max_concurrent_requests"]))
+        row = [p["name"], p["kind"], str(p["num_layers"]), str(p["bytes_per_token"]), str(p["required_blocks"]),
+               str(p["capacity_blocks"]), "yes" if p["fits"] else "NO", str(p["max_concurrent_requests"])]
+        if pins:
+            row.insert(6, str(p["pinned_blocks"]))
+        pools.add_row(*row)
     console.print(pools)
 
     naive = result["naive"]

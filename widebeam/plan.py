@@ -86,6 +86,8 @@ class PlanInputs:
     speculative: SpeculativeConfig | None = None
     # Catalogues registered at start-up (None: none); their bytes come off the memory before the KV share.
     catalogue: CataloguePlan | None = None
+    # Pinned prefixes as token ids (--pin-prefix): their blocks come off every pool's capacity.
+    pinned_prefixes: tuple[tuple[int, ...], ...] = ()
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -168,7 +170,8 @@ def plan(arch: ModelArch, inputs: PlanInputs, draft_arch: ModelArch | None = Non
     max_encoder_tokens = arch.max_position_embeddings if arch.is_encoder_decoder else 0
     sizing = size_pools(specs, kv_cache_bytes, t, arch.max_position_embeddings, max_encoder_tokens, chunk)
     blocks_per_pool = [sizing.blocks_per_pool[s.name] for s in specs]
-    cache = KVCache(list(zip(specs, blocks_per_pool)), t, chunk)
+    cache = KVCache(list(zip(specs, blocks_per_pool)), t, chunk, enable_prefix_caching=True)
+    pinned_blocks = _reserve_pins(cache, inputs.pinned_prefixes)
     # The start-up bound is the token capacity of the full-attention pool, never divided by W.
     bound_tokens = sizing.capacity_tokens
     capacity_blocks = blocks_per_pool[0] if bound_tokens is None else bound_tokens // t
@@ -186,6 +189,7 @@ def plan(arch: ModelArch, inputs: PlanInputs, draft_arch: ModelArch | None = Non
             "bytes_per_token": cache[b.pool].spec.bytes_per_token,
             "required_blocks": b.required_blocks,
             "capacity_blocks": b.capacity_blocks,
+            "pinned_blocks": pinned_blocks.get(b.pool, 0),
             "fits": b.fits,
             "max_concurrent_requests": b.capacity_blocks // b.required_blocks,
             **cache[b.pool].fit_hints(request),
@@ -233,6 +237,9 @@ def plan(arch: ModelArch, inputs: PlanInputs, draft_arch: ModelArch | None = Non
         },
         **({"speculative": _speculative_entry(spec_config, draft_arch, draft_weight_bytes, draft_reserve_bytes)}
            if spec_config is not None else {}),
+        **({"pinned_prefixes": {"count": len(inputs.pinned_prefixes),
+                                "tokens": [len(ids) for ids in inputs.pinned_prefixes],
+                                "blocks": pinned_blocks}} if inputs.pinned_prefixes else {}),
         "pools": pools,
         "fits": fits,
         "max_concurrent_requests": max_concurrent,
@@ -244,6 +251,25 @@ def plan(arch: ModelArch, inputs: PlanInputs, draft_arch: ModelArch | None = Non
             **naive_cross,
         },
     }
+
+
+def _reserve_pins(cache: KVCache, prefixes: tuple[tuple[int, ...], ...]) -> dict[str, int]:
+    """Hold, in the plan's cache, the blocks pinning these prefixes would hold in the engine's (the
+    same names, shared where prefixes share blocks), so every pool's capacity shows them gone."""
+    for token_ids in prefixes:
+        for name, block_hashes in cache.prefix_blocks(cache.prefix_key(token_ids)).items():
+            pool = cache[name].pool
+            for block_hash in block_hashes:
+                if pool.lookup(block_hash) is not None:
+                    continue
+                if not pool.num_free_blocks:
+                    raise PlanError(f"the pinned prefixes need more than the {pool.num_blocks} blocks of pool "
+                                    f"'{name}'; pin less or raise --memory")
+                block_id = pool.allocate()
+                pool.register(block_id, block_hash)
+                pool.pin(block_id)
+                pool.dec_ref(block_id)  # the pin's reference stays
+    return {name: m.pool.num_pinned_blocks for name, m in cache.managers.items() if m.pool.num_pinned_blocks}
 
 
 def _speculative_entry(config: SpeculativeConfig, draft_arch: ModelArch | None, draft_weight_bytes: int,

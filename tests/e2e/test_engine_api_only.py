@@ -93,7 +93,8 @@ def test_streamed_text_is_the_engines_deltas(client):
     texts = [e["choices"][0]["text"] for e in events if e["choices"]]
     assert texts == [piece for piece in PIECES if piece] + [""]  # each delta as sent, then the closing chunk
     assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "length"
-    assert events[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+    assert events[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8,
+                                   "prompt_tokens_details": {"cached_tokens": 0}}
     assert metric(client, "widebeam_time_to_first_token_seconds_count") == 1
     assert metric(client, "widebeam_prompt_tokens_total") == 3
 
@@ -101,7 +102,8 @@ def test_streamed_text_is_the_engines_deltas(client):
 def test_whole_and_beam_responses_and_first_token_metric(client):
     whole = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 8, "n": 2, "seed": 1}).json()
     assert [c["text"] for c in whole["choices"]] == ["".join(PIECES)] * 2
-    assert whole["usage"] == {"prompt_tokens": 3, "completion_tokens": 10, "total_tokens": 13}
+    assert whole["usage"] == {"prompt_tokens": 3, "completion_tokens": 10, "total_tokens": 13,
+                              "prompt_tokens_details": {"cached_tokens": 0}}
     beams = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 8, "n": 2, "use_beam_search": True,
                                                  "beam_width": 2}).json()
     assert [(c["text"], c["beam_score"]) for c in beams["choices"]] == [("beam 0", -0.5), ("beam 1", -1.5)]

@@ -154,3 +154,24 @@ def test_pinned_prefixes_need_the_cache_and_a_whole_block(tiny_llama_dir):
     with pytest.raises(InvalidParameterError, match="fewer than one block"):
         LLM(str(tiny_llama_dir), device="cpu", tokens_per_block=T, kv_cache_memory="1MiB",
             pinned_prefixes=[[1, 2, 3]])
+
+
+def test_plan_shows_the_blocks_the_engine_pins(tiny_gemma3_dir):
+    """`widebeam plan --pin-prefix` counts, per pool (the sliding ones: what a hit at the prefix's end
+    needs), the blocks the engine really pins; prefixes sharing blocks share them."""
+    from widebeam.model.families import load_arch
+    from widebeam.plan import PlanInputs, plan
+
+    prefix = prompts(43, seed=9)[0]
+    pins = [prefix, prefix[:30] + [7] * 20]  # the second shares the first's 7 leading blocks
+    llm = LLM(str(tiny_gemma3_dir), dtype="float32", device="cpu", tokens_per_block=T, kv_cache_memory="16MiB",
+              pinned_prefixes=pins)
+    engine_pinned = {name: n for name, n in llm.engine.pinned_blocks.items() if n}
+    result = plan(load_arch(str(tiny_gemma3_dir)), PlanInputs(memory_bytes=2**30, beam_width=4, prompt_len=64,
+                                                              max_new_tokens=8, tokens_per_block=T, dtype="float32",
+                                                              pinned_prefixes=tuple(map(tuple, pins))))
+    assert result["pinned_prefixes"]["blocks"] == engine_pinned
+    assert engine_pinned["self"] == 43 // T + 50 // T - 30 // T
+    assert any(name.startswith("sliding") for name in engine_pinned)
+    for pool in result["pools"]:
+        assert pool["pinned_blocks"] == engine_pinned.get(pool["name"], 0)

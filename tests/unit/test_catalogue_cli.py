@@ -47,7 +47,8 @@ def recorded(monkeypatch):
                 raise seen["error"]
             choice = types.SimpleNamespace(index=0, text="item", token_ids=[1, 2, 3, 4, 0], score=-1.5,
                                            cumulative_logprob=-7.5, finish_reason="stop")
-            return [types.SimpleNamespace(outputs=[choice], peak_blocks={}, required_blocks={})]
+            return [types.SimpleNamespace(outputs=[choice], peak_blocks={}, required_blocks={},
+                                          num_cached_tokens=0)]
 
     def fake_engine(model="m", **kwargs):
         seen.update(kwargs, model=model)

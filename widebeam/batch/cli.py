@@ -19,6 +19,7 @@ from widebeam.defaults import (
     DEFAULT_MODEL,
     DEFAULT_TOKENS_PER_BLOCK,
 )
+from widebeam.server.serve_cli import add_prefix_cache_arguments, prefix_cache_kwargs
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -48,7 +49,6 @@ def add_batch_parser(sub) -> argparse.ArgumentParser:
     e.add_argument("--tokens-per-block", type=_int_at_least(1), default=DEFAULT_TOKENS_PER_BLOCK)
     e.add_argument("--max-beam-width", type=_int_at_least(1), default=DEFAULT_MAX_BEAM_WIDTH)
     e.add_argument("--max-num-batched-tokens", type=_int_at_least(1), default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
-    e.add_argument("--no-prefix-caching", action="store_true", help="recompute every prompt")
     e.add_argument("--max-in-flight", type=_int_at_least(1), default=DEFAULT_MAX_IN_FLIGHT,
                    help=f"requests each engine holds queued or running (default {DEFAULT_MAX_IN_FLIGHT})")
     r = p.add_argument_group("scale-out on Ray Data (pip install 'widebeam[ray]')")
@@ -56,6 +56,7 @@ def add_batch_parser(sub) -> argparse.ArgumentParser:
                    help="engine replicas on Ray (one GPU each where there are GPUs)")
     r.add_argument("--ray-address", default=None, help="join this Ray cluster (default: a local Ray instance)")
     r.add_argument("--cpus-per-replica", type=_int_at_least(1), default=1, help="CPU slots per replica without GPUs")
+    add_prefix_cache_arguments(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_batch)
     return p
@@ -77,8 +78,11 @@ def _cmd_batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         parser.error("argument --ray-address: give --replicas N too")
     engine_kwargs = {"dtype": args.dtype, "device": args.device, "kv_cache_memory": args.kv_cache_memory,
                      "tokens_per_block": args.tokens_per_block, "max_beam_width": args.max_beam_width,
-                     "max_num_batched_tokens": args.max_num_batched_tokens,
-                     "enable_prefix_caching": not args.no_prefix_caching}
+                     "max_num_batched_tokens": args.max_num_batched_tokens}
+    try:
+        engine_kwargs.update(prefix_cache_kwargs(args))
+    except argparse.ArgumentTypeError as exc:
+        parser.error(f"argument --pin-prefix: {exc}")
     try:
         summary = run(args.input, args.output, args.model, defaults=defaults_from(args), replicas=args.replicas or 0,
                       ray_address=args.ray_address, max_in_flight=args.max_in_flight,

@@ -207,18 +207,19 @@ def create_app(engine, *, model_name: str, api_key: str | None = None,
         outputs = await _collect(loop, group, request)
         if outputs is None:  # the client went away; its requests are aborted
             return Response(status_code=499)
-        choices, prompt_tokens, completion_tokens = [], 0, 0
+        choices, prompt_tokens, completion_tokens, cached_tokens = [], 0, 0, 0
         for prompt_index in range(len(prompts)):
             start = prompt_index * plan.requests_per_prompt
             outs = outputs[start:start + plan.requests_per_prompt]
             prompt_tokens += len(outs[0].prompt_token_ids)
+            cached_tokens += outs[0].num_cached_tokens
             for j, completion in enumerate(p.choices_of(outs, plan)):
                 completion_tokens += len(completion.token_ids)
                 choices.append(p.choice(chat, prompt_index * plan.n + j, completion.text, completion.finish_reason,
                                         completion.score if plan.beam else None))
         return JSONResponse({"id": call_id, "object": "chat.completion" if chat else "text_completion",
                              "created": p.now(), "model": model_name, "choices": choices,
-                             "usage": p.usage(prompt_tokens, completion_tokens)})
+                             "usage": p.usage(prompt_tokens, completion_tokens, cached_tokens)})
 
     def _stream(loop: EngineLoop, group: Group, plan: p.Plan, chat: bool, call_id: str, num_prompts: int,
                 include_usage: bool) -> AsyncIterator[str]:
@@ -239,7 +240,7 @@ def create_app(engine, *, model_name: str, api_key: str | None = None,
         async def generate():
             complete = False
             remaining = len(group.request_ids)
-            prompt_tokens = completion_tokens = 0
+            prompt_tokens = completion_tokens = cached_tokens = 0
             try:
                 if chat:
                     yield event([p.chunk_choice(True, i, "", None, first=True) for i in range(num_prompts * plan.n)])
@@ -255,6 +256,7 @@ def create_app(engine, *, model_name: str, api_key: str | None = None,
                     output: RequestOutput = payload
                     if k % plan.requests_per_prompt == 0:
                         prompt_tokens += len(output.prompt_token_ids)
+                        cached_tokens += output.num_cached_tokens
                     completions = output.outputs if plan.beam else output.outputs[:1]
                     chunks = []
                     for j, completion in enumerate(completions):
@@ -266,7 +268,7 @@ def create_app(engine, *, model_name: str, api_key: str | None = None,
                 else:
                     complete = True
                     if include_usage:
-                        yield event([], usage=p.usage(prompt_tokens, completion_tokens))
+                        yield event([], usage=p.usage(prompt_tokens, completion_tokens, cached_tokens))
                 yield "data: [DONE]\n\n"
             except Exception:  # a bug while building a chunk: still a well-formed end (error event, [DONE])
                 log.exception("stream %s failed", call_id)

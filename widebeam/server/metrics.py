@@ -32,13 +32,36 @@ class _EngineCollector:
                                        "Engine requests rejected at admission (infeasible or invalid)")
         rejected.add_metric([], stats.get("rejected", 0))
         total = GaugeMetricFamily("widebeam_kv_blocks_total", "KV blocks in the pool", labels=["pool"])
-        free = GaugeMetricFamily("widebeam_kv_blocks_free", "KV blocks free in the pool", labels=["pool"])
+        free = GaugeMetricFamily("widebeam_kv_blocks_free", "KV blocks not in use in the pool (free, or cached "
+                                 "prompt blocks no request holds, evicted when needed)", labels=["pool"])
+        evictable = GaugeMetricFamily("widebeam_kv_blocks_evictable", "Cached prompt blocks no request holds "
+                                      "(counted in free)", labels=["pool"])
+        pinned = GaugeMetricFamily("widebeam_kv_blocks_pinned", "Blocks of pinned prefixes (never evicted, "
+                                   "off the pool's capacity)", labels=["pool"])
         for pool, s in sorted(stats.get("pools", {}).items()):  # every worker's pools: "self", "draft/sliding_512"
             total.add_metric([pool], s["total_blocks"])
             free.add_metric([pool], s["free_blocks"])
-        yield from (running, waiting, rejected, total, free)
+            evictable.add_metric([pool], s.get("evictable_blocks", 0))
+            pinned.add_metric([pool], s.get("pinned_blocks", 0))
+        yield from (running, waiting, rejected, total, free, evictable, pinned)
+        if "prefix_cache" in stats:
+            yield from _prefix_cache_metrics(stats["prefix_cache"])
         if "speculative" in stats:
             yield from _speculative_metrics(stats["speculative"])
+
+
+def _prefix_cache_metrics(prefix: dict):
+    """Prefix reuse in tokens: the prompt (and encoder input) tokens admitted requests looked up,
+    and those found cached; the hit rate is their ratio."""
+    queried = CounterMetricFamily("widebeam_prefix_cache_queried_tokens",
+                                  "Prompt tokens of admitted requests looked up in the prefix cache")
+    queried.add_metric([], prefix["queried_tokens"])
+    hits = CounterMetricFamily("widebeam_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache "
+                               "(not computed)")
+    hits.add_metric([], prefix["hit_tokens"])
+    rate = GaugeMetricFamily("widebeam_prefix_cache_hit_rate", "Hit tokens / queried tokens since start")
+    rate.add_metric([], prefix["hit_rate"])
+    yield from (queried, hits, rate)
 
 
 def _speculative_metrics(spec: dict):

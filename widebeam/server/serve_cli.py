@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import json
 import logging
 import math
 import os
@@ -98,6 +99,45 @@ def speculative_kwargs(args: argparse.Namespace) -> dict:
     return {"speculative_model": args.speculative_model, "num_speculative_tokens": args.num_speculative_tokens,
             "speculative_method": args.speculative_method,
             "speculative_dtype": getattr(args, "speculative_dtype", None)}
+
+
+def add_prefix_cache_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """`--no-prefix-caching` and `--pin-prefix FILE` (serve, generate, batch, plan)."""
+    g = p.add_argument_group("prefix caching (on by default: prompt blocks are reused across requests)")
+    g.add_argument("--no-prefix-caching", action="store_true", help="recompute every prompt")
+    g.add_argument("--pin-prefix", action="append", default=[], metavar="FILE",
+                   help="a prefix computed at start-up and never evicted (a system prompt): the file's text, "
+                        "or token ids as a JSON list in a .json file (repeatable)")
+    return p
+
+
+def read_pinned_prefix(path: str) -> str | list[int]:
+    """A `--pin-prefix` file: text (UTF-8), or a JSON list of token ids in a .json file."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {exc}") from None
+    if path.endswith(".json"):
+        try:
+            token_ids = json.loads(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"{path} is not JSON: {exc}") from None
+        if not (isinstance(token_ids, list) and token_ids and all(isinstance(t, int) for t in token_ids)):
+            raise argparse.ArgumentTypeError(f"{path} must hold a non-empty JSON list of token ids")
+        return token_ids
+    if not text:
+        raise argparse.ArgumentTypeError(f"{path} is empty")
+    return text
+
+
+def prefix_cache_kwargs(args: argparse.Namespace) -> dict:
+    """`enable_prefix_caching` and `pinned_prefixes` of `LLM`/`LLMEngine` from parsed options; raises
+    `argparse.ArgumentTypeError` for an unreadable `--pin-prefix` file."""
+    pins = [read_pinned_prefix(path) for path in getattr(args, "pin_prefix", None) or ()]
+    kwargs: dict = {"enable_prefix_caching": not getattr(args, "no_prefix_caching", False)}
+    if pins:
+        kwargs["pinned_prefixes"] = pins
+    return kwargs
 
 
 def error_message(exc: Exception, missing_file_param: str | None = None) -> str:
@@ -201,6 +241,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "\"catalogue\": NAME with use_beam_search): a .jsonl (token-id lists or strings), .npy "
                         "or .parquet file; its bytes come off the KV budget (repeatable)")
     add_speculative_arguments(p)
+    add_prefix_cache_arguments(p)
     r = p.add_argument_group("replicas on Ray Serve (pip install 'widebeam[ray]')")
     r.add_argument("--replicas", type=_int_at_least(1), default=None,
                    help="serve N engine replicas behind Ray Serve (one GPU each where there are GPUs)")
@@ -248,10 +289,15 @@ def run_serve(args: argparse.Namespace) -> int:
         catalogues = catalogues_kwargs(args)
     except argparse.ArgumentTypeError as exc:
         return _fail(f"argument --catalogue: {exc}")
+    try:
+        prefix_cache = prefix_cache_kwargs(args)
+    except argparse.ArgumentTypeError as exc:
+        return _fail(f"argument --pin-prefix: {exc}")
     engine_kwargs = dict(dtype=args.dtype, device=args.device, tokens_per_block=args.tokens_per_block,
                          kv_cache_memory=args.kv_cache_memory, kv_cache_fraction=args.kv_cache_fraction,
                          max_seq_len=args.max_seq_len, max_beam_width=args.max_beam_width,
-                         max_num_batched_tokens=args.max_num_batched_tokens, **catalogues, **speculative_kwargs(args))
+                         max_num_batched_tokens=args.max_num_batched_tokens, **catalogues, **speculative_kwargs(args),
+                         **prefix_cache)
     app_kwargs = {"model_name": args.served_model_name or args.model, "api_key": api_key,
                   "max_request_bytes": args.max_request_bytes, "model_aliases": model_aliases(args.model)}
     warning = exposure_warning(args.host, api_key)
