@@ -249,6 +249,10 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prompt block no request holds (pinned prefixes stay); returns how many."""
+        return self.cache.reset_prefix_cache()
+
     def stats(self) -> dict:
         cache = self.cache
         stats = {

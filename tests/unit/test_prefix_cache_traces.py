@@ -392,3 +392,23 @@ def test_a_pinned_prefix_shortens_the_sliding_prefill_it_is_sure_to_skip():
     sim.add(request)
     sim.run()
     assert request.finished and request.hit.num_tokens == 24
+
+
+def test_reset_forgets_evictable_blocks_but_keeps_pins_and_blocks_in_use():
+    cache = make_cache(32, 0, 4, 8, 64)
+    sim = Simulator(cache, 64, random.Random(0))
+    pin(sim, list(range(10, 18)))  # 2 pinned blocks
+    sim.add(SimRequest("done", cache, list(range(40, 53)), 1, 1, random.Random(1)))
+    sim.run()
+    running = SimRequest("running", cache, list(range(60, 73)), 8, 1, random.Random(2))
+    sim.early_finish_probability = 0.0
+    sim.add(running)
+    sim.step()
+    pool = cache["self"].pool
+    assert pool.num_evictable_blocks == 3 and pool.num_pinned_blocks == 2
+    assert cache.reset_prefix_cache() == 3
+    assert pool.num_evictable_blocks == 0 and pool.num_free_blocks == 32 - 2 - running.kv.holdings["self"].num_held_blocks
+    assert cache.find_hit(cache.prefix_key(list(range(10, 18)) + [1])).num_tokens == 8  # the pin is still found
+    assert cache.find_hit(cache.prefix_key(list(range(40, 53)))).num_tokens == 0
+    sim.run()
+    assert cache.find_hit(cache.prefix_key(list(range(60, 73)))).num_tokens == 12  # named while in use: kept

@@ -138,6 +138,16 @@ class BlockPool:
         self.touch(block_id)
         self._pinned.add(block_id)
 
+    def evict_all(self) -> int:
+        """Forget every cached-evictable block (they become free); returns how many. Blocks in use
+        and pinned ones keep their names."""
+        num_evicted = len(self._evictable)
+        for block_id in self._evictable:
+            del self._hash_to_block[self._block_to_hash.pop(block_id)]
+            self._free_block_ids.append(block_id)
+        self._evictable.clear()
+        return num_evicted
+
     def is_pinned(self, block_id: int) -> bool:
         return block_id in self._pinned
 

@@ -137,6 +137,10 @@ class KVCache:
             entries[name] = [found[name][i] if i in needed else DROPPED for i in range(num_blocks)]
         return entries
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no request holds (pinned prefixes stay); returns how many."""
+        return sum(m.pool.evict_all() for m in self.managers.values())
+
     def record_lookup(self, key: PrefixKey | None, hit: PrefixHit) -> None:
         """Count one admitted request's lookup for the hit rate (prompt tokens, and encoder tokens)."""
         if key is not None and self.enable_prefix_caching:
