@@ -87,6 +87,12 @@ class Request:
         """What the cache holds of this prompt now (no side effects)."""
         return self.kv.cache.find_hit(self.kv.key)
 
+    def unnamed_prompt_blocks(self) -> tuple[bytes, ...]:
+        return self.kv.unnamed_prompt_blocks()
+
+    def gains_by_waiting(self, hit: PrefixHit, pending: set[bytes]) -> bool:
+        return self.kv.gains_by_waiting(hit, pending)
+
     def take_prefix_hit(self, hit: PrefixHit) -> None:
         """Admitted: start from the cached blocks; the prefill begins after them (and skips the
         encoder when its output was cached)."""

@@ -175,3 +175,16 @@ def test_plan_shows_the_blocks_the_engine_pins(tiny_gemma3_dir):
     assert any(name.startswith("sliding") for name in engine_pinned)
     for pool in result["pools"]:
         assert pool["pinned_blocks"] == engine_pinned.get(pool["name"], 0)
+
+
+def test_requests_submitted_together_compute_their_shared_prefix_once(llama_pair):
+    """All in one batch, no warm-up: the first computes the prefix; the others, which would have
+    computed it in the same step, wait one step and take it as a hit (in-batch deferral)."""
+    cached_llm, plain_llm = llama_pair
+    _, batch = prompts(26, num=4, seed=11)
+    params = PARAMS["beams"]
+    cached = cached_llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    plain = plain_llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    assert_same_outputs(cached, plain)
+    assert [out.num_cached_tokens for out in cached] == [0, 24, 24, 24]
+    assert_all_blocks_back(cached_llm)

@@ -75,6 +75,12 @@ class SimRequest:
     def find_prefix_hit(self):
         return self.kv.cache.find_hit(self.key)
 
+    def unnamed_prompt_blocks(self):
+        return self.kv.unnamed_prompt_blocks()
+
+    def gains_by_waiting(self, hit, pending):
+        return self.kv.gains_by_waiting(hit, pending)
+
     def take_prefix_hit(self, hit):
         self.on_hit(self, hit)
         self.kv.take_hit(hit)

@@ -96,6 +96,22 @@ class RequestKV:
             self._num_named_blocks[name] = len(block_ids)
         self.num_cached_tokens = hit.num_cached_tokens
 
+    def unnamed_prompt_blocks(self) -> tuple[bytes, ...]:
+        """Names of the prompt blocks this request will compute and name but has not yet: a later
+        request sharing them gains by waiting for them rather than computing them too."""
+        if self.key is None:
+            return ()
+        counts = [n for name, n in self._num_named_blocks.items() if self.cache[name].spec.per_sequence]
+        return self.key.block_hashes[min(counts) if counts else 0:]
+
+    def gains_by_waiting(self, hit: PrefixHit, pending: set[bytes]) -> bool:
+        """Whether the next prompt block past `hit` is one another request is about to compute."""
+        if self.key is None or not pending:
+            return False
+        i = hit.num_tokens // self.cache.tokens_per_block
+        max_blocks = min((self.key.prompt_tokens - 1) // self.cache.tokens_per_block, len(self.key.block_hashes))
+        return i < max_blocks and self.key.block_hashes[i] in pending
+
     def register_computed(self, num_prompt_tokens: int) -> None:
         """Name the prompt blocks computed so far (the first `num_prompt_tokens` prompt tokens
         have their K/V written) and the encoder output, once written, so later requests find them.

@@ -47,6 +47,10 @@ class SchedulableRequest(Protocol):
 
     def take_prefix_hit(self, hit: PrefixHit) -> None: ...
 
+    def unnamed_prompt_blocks(self) -> tuple[bytes, ...]: ...
+
+    def gains_by_waiting(self, hit: PrefixHit, pending: set[bytes]) -> bool: ...
+
 
 @dataclass
 class ScheduledRequest:
@@ -111,11 +115,17 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(request, chunk))
             budget -= chunk
         free = self._unreserved_blocks()
+        # Prompt blocks that requests still prefilling (or admitted below) are about to compute: a
+        # head that shares the next of them waits a step and takes them as a hit instead of
+        # computing them too (SGLang's in-batch prefix deferral).
+        pending = {h for r in self.running if not r.prompt_done for h in r.unnamed_prompt_blocks()}
         while self.waiting and budget > 0:
             head = self.waiting[0]
             # Cached prompt blocks count as held; those already in use cost no free block, those
             # cached-evictable leave the free count as the head takes them (see _unreserved_blocks).
             hit = head.find_prefix_hit()
+            if head.gains_by_waiting(hit, pending):
+                break
             need = {pool: blocks - hit.credit_blocks.get(pool, 0)
                     for pool, blocks in head.admission.required_blocks.items()}
             if any(blocks > free[pool] for pool, blocks in need.items()):
@@ -123,6 +133,7 @@ class Scheduler:
             for pool, blocks in need.items():
                 free[pool] -= blocks
             head.take_prefix_hit(hit)
+            pending.update(head.unnamed_prompt_blocks())
             self.running.append(self.waiting.popleft())
             chunk = min(head.num_prompt_tokens_left, budget)
             out.scheduled.append(ScheduledRequest(head, chunk))
