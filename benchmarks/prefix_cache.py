@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     ap.add_argument("--widths", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--ttft-repeats", type=int, default=3)
-    ap.add_argument("--kv-cache-memory", default="8GiB")
+    ap.add_argument("--kv-cache-memory", default="4GiB", help="per engine; three engines are alive at once")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="256 + 16 tokens, 4 requests, W in {1, 2}, N=4")
     ap.add_argument("--out", type=Path, default=RESULTS / "prefix_cache.json")

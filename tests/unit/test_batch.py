@@ -144,3 +144,24 @@ def test_the_command_line_runs_a_job_with_flag_defaults(tiny_llama_dir, tmp_path
     assert len(records["a"]["outputs"]) == 3  # the flag's beam width
     assert len(records["b"]["outputs"]) == 1 and len(records["b"]["outputs"][0]["token_ids"]) == 4  # the row's
     assert main(argv) == 0 and json.loads(capsys.readouterr().out.strip().splitlines()[-1])["skipped"] == 2
+
+
+def test_rows_name_a_catalogue_registered_for_the_job(tiny_llama_dir, tmp_path, capsys):
+    from widebeam.cli import main
+
+    items = [[11, 12, 13], [11, 14], [20, 21, 22]]
+    (tmp_path / "items.jsonl").write_text("".join(json.dumps(item) + "\n" for item in items))
+    source = write_jsonl(tmp_path / "in.jsonl", [
+        {"id": "named", "prompt_token_ids": [5, 6, 7], "beam_width": 3, "catalogue": "items"},
+        {"id": "default", "prompt_token_ids": [8, 9], "beam_width": 2},
+        {"id": "unknown", "prompt_token_ids": [8, 9], "beam_width": 2, "catalogue": "nope"},
+    ])
+    argv = ["batch", str(source), str(tmp_path / "out.jsonl"), "--model", str(tiny_llama_dir), "--device", "cpu",
+            "--kv-cache-memory", "1MiB", "--catalogue", f"items={tmp_path / 'items.jsonl'}",
+            "--default-catalogue", "items", "--no-progress"]
+    assert main(argv) == 0
+    records = by_id(read_output(tmp_path / "out.jsonl"))
+    for row_id, width in (("named", 3), ("default", 2)):
+        beams = [o["token_ids"] for o in records[row_id]["outputs"]]
+        assert len(beams) == width and all(beam[:-1] in items for beam in beams), beams  # an item, then EOS
+    assert "nope" in records["unknown"]["error"]

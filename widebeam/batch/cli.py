@@ -19,7 +19,12 @@ from widebeam.defaults import (
     DEFAULT_MODEL,
     DEFAULT_TOKENS_PER_BLOCK,
 )
-from widebeam.server.serve_cli import add_prefix_cache_arguments, prefix_cache_kwargs
+from widebeam.server.serve_cli import (
+    add_prefix_cache_arguments,
+    catalogue_spec,
+    catalogues_kwargs,
+    prefix_cache_kwargs,
+)
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -41,7 +46,8 @@ def add_batch_parser(sub) -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=None)
     d.add_argument("--length-penalty", type=float, default=None, help="beam rows only")
     d.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    d.add_argument("--catalogue", default=None, help="beam rows only: a registered catalogue's name")
+    d.add_argument("--default-catalogue", default=None, metavar="NAME",
+                   help="beam rows that name none: constrain them to this --catalogue")
     e = p.add_argument_group("engine (one per replica)")
     e.add_argument("--dtype", choices=DTYPES, default="float32")
     e.add_argument("--device", default=None)
@@ -49,6 +55,9 @@ def add_batch_parser(sub) -> argparse.ArgumentParser:
     e.add_argument("--tokens-per-block", type=_int_at_least(1), default=DEFAULT_TOKENS_PER_BLOCK)
     e.add_argument("--max-beam-width", type=_int_at_least(1), default=DEFAULT_MAX_BEAM_WIDTH)
     e.add_argument("--max-num-batched-tokens", type=_int_at_least(1), default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    e.add_argument("--catalogue", type=catalogue_spec, action="append", default=[], metavar="NAME=PATH",
+                   help="register a catalogue (generative retrieval) rows name in their `catalogue` field: a .jsonl "
+                        "(token-id lists or strings), .npy or .parquet file (repeatable)")
     e.add_argument("--max-in-flight", type=_int_at_least(1), default=DEFAULT_MAX_IN_FLIGHT,
                    help=f"requests each engine holds queued or running (default {DEFAULT_MAX_IN_FLIGHT})")
     r = p.add_argument_group("scale-out on Ray Data (pip install 'widebeam[ray]')")
@@ -63,8 +72,10 @@ def add_batch_parser(sub) -> argparse.ArgumentParser:
 
 
 def defaults_from(args: argparse.Namespace) -> dict:
-    names = ("beam_width", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "length_penalty", "catalogue")
+    names = ("beam_width", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "length_penalty")
     defaults = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    if args.default_catalogue is not None:
+        defaults["catalogue"] = args.default_catalogue
     if args.stop:
         defaults["stop"] = tuple(args.stop)
     return defaults
@@ -83,6 +94,10 @@ def _cmd_batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         engine_kwargs.update(prefix_cache_kwargs(args))
     except argparse.ArgumentTypeError as exc:
         parser.error(f"argument --pin-prefix: {exc}")
+    try:
+        engine_kwargs.update(catalogues_kwargs(args))
+    except argparse.ArgumentTypeError as exc:
+        parser.error(f"argument --catalogue: {exc}")
     try:
         summary = run(args.input, args.output, args.model, defaults=defaults_from(args), replicas=args.replicas or 0,
                       ray_address=args.ray_address, max_in_flight=args.max_in_flight,
