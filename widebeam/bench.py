@@ -25,7 +25,12 @@ from widebeam import memstats
 from widebeam.argtypes import byte_size, int_at_least
 from widebeam.defaults import DEFAULT_MODEL, DEFAULT_TOKENS_PER_BLOCK
 from widebeam.memstats import rss_bytes
-from widebeam.server.serve_cli import add_speculative_arguments, speculative_kwargs
+from widebeam.server.serve_cli import (
+    add_prefix_cache_arguments,
+    add_speculative_arguments,
+    prefix_cache_kwargs,
+    speculative_kwargs,
+)
 from widebeam.units import format_bytes
 
 # torch and transformers are imported where used: `widebeam plan` builds this parser too, and stays quick.
@@ -55,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"JSON path; the plot goes next to it (default {DEFAULT_OUT})")
     # widebeam's side only (transformers runs plain beam search); beam search stays exact with speculation
     add_speculative_arguments(parser)
+    # every run computes its whole prompt either way (the cache is emptied before it, see run_widebeam);
+    # --no-prefix-caching measures the engine without the cache's bookkeeping
+    add_prefix_cache_arguments(parser, pins=False)
 
 
 def peak_rss_bytes() -> int:
@@ -138,6 +146,9 @@ def run_widebeam(llm, prompt_ids: list[int], width: int, new_tokens: int) -> dic
 
     # min_new_tokens = N bans EOS until the end, exactly as transformers is run below
     params = BeamSearchParams(beam_width=width, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+    # The points' prompts share their starts (make_prompt) and a width repeats the previous point's
+    # prompt: a cached prefix would skip the prefill transformers and the floors count, so none is kept.
+    llm.engine.reset_prefix_cache()
     reset_peak_rss()
     start = time.perf_counter()
     (out,) = llm.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)
@@ -145,7 +156,7 @@ def run_widebeam(llm, prompt_ids: list[int], width: int, new_tokens: int) -> dic
     spec = llm.engine.cache["self"].spec
     return {"wall_s": elapsed, "peak_rss_bytes": peak_rss_bytes(),
             "peak_kv_bytes": out.peak_blocks["self"] * spec.bytes_per_block(llm.engine.cache.tokens_per_block),
-            "best": out.outputs[0].token_ids}
+            "best": out.outputs[0].token_ids, "num_cached_tokens": out.num_cached_tokens}
 
 
 def hf_kv_bytes(hf_model, num_tokens: int) -> int:
@@ -182,7 +193,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         points += [(w, p) for p in args.wide_prompt_lens for w in args.wide_widths if (w, p) not in points]
     llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
               max_beam_width=max(w for w, _ in points), tokens_per_block=args.tokens_per_block,
-              **speculative_kwargs(args))
+              **speculative_kwargs(args), **prefix_cache_kwargs(args))
     dtype = llm.engine.model.lm_head.weight.dtype
     hf = AutoModelForCausalLM.from_pretrained(str(llm.engine.source.path), dtype=dtype).eval()
     eos_id = min(llm.engine.eos_token_ids)

@@ -235,7 +235,7 @@ def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         result = plan(arch, inputs, draft_arch)
     except PlanError as exc:
-        parser.error(f"argument --memory: {exc}")
+        parser.error(f"argument {exc.argument}: {exc}")
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -262,15 +262,30 @@ def _plan_pins(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tup
 
 
 def _plan_tokenizer(model: str, parser: argparse.ArgumentParser):
-    from widebeam.model.loader import resolve_model
+    """The tokenizer the engine would encode a text pin with: a model directory's own (or the one
+    beside a config.json: plan needs no weights), else an alias's (resolved as the engine does)."""
+    from pathlib import Path
+
+    from widebeam.model.arch import BUILTIN_CONFIGS
+    from widebeam.model.loader import ModelSource, _has_tokenizer, resolve_model
     from widebeam.model.registry import load_tokenizer
 
+    path = Path(model).expanduser()
+    directory = path.parent if path.is_file() and path.suffix == ".json" else path if path.is_dir() else None
     try:
-        tokenizer = load_tokenizer(resolve_model(model))
-    except (OSError, ValueError) as exc:
+        if directory is not None:
+            source = ModelSource(name=model, path=directory, has_tokenizer=_has_tokenizer(directory))
+        else:
+            source = resolve_model(model)
+        tokenizer = load_tokenizer(source)
+    except (OSError, ValueError) as exc:  # ModelNotFoundError is a FileNotFoundError, ModelFormatError a ValueError
+        if directory is None and model in BUILTIN_CONFIGS:  # a shape only (llama-3-8b): no files at all
+            parser.error(f"argument --pin-prefix: {model} is a built-in shape without a tokenizer; give the "
+                         "prefix as token ids in a .json file, or --model a directory with its tokenizer")
         parser.error(f"argument --pin-prefix: cannot load {model}'s tokenizer ({exc}); give token ids in a .json file")
     if tokenizer is None:
-        parser.error(f"argument --pin-prefix: {model} has no tokenizer; give token ids in a .json file")
+        parser.error(f"argument --pin-prefix: {model} has no tokenizer files (tokenizer.json, tokenizer.model, "
+                     "vocab.json); give token ids in a .json file")
     return tokenizer
 
 
@@ -390,7 +405,8 @@ def _print_plan(result: dict) -> None:
     pools = Table(title=f"request: {source}prompt {req['prompt_len']}, new {req['max_new_tokens']}, "
                         f"beam {req['beam_width']}{speculative}")
     columns = ["pool", "kind", "layers", "bytes/token", "required blocks", "capacity blocks", "fits", "at once"]
-    if pins:
+    if pins:  # capacity is then what requests may use: the pool less its pinned blocks
+        columns[5] = "capacity blocks (less pinned)"
         columns.insert(6, "pinned blocks")
     for column in columns:
         pools.add_column(column, justify="right" if column not in ("pool", "kind") else "left")

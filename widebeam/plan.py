@@ -107,7 +107,12 @@ class PlanInputs:
 
 
 class PlanError(ValueError):
-    """The inputs leave nothing for the KV cache."""
+    """The inputs leave nothing for the KV cache, or pinned prefixes the engine would refuse;
+    `argument`: the command-line flag to blame."""
+
+    def __init__(self, message: str, argument: str = "--memory"):
+        super().__init__(message)
+        self.argument = argument
 
 
 def scoped_pool_name(prefix: str, local_name: str) -> str:
@@ -171,7 +176,7 @@ def plan(arch: ModelArch, inputs: PlanInputs, draft_arch: ModelArch | None = Non
     sizing = size_pools(specs, kv_cache_bytes, t, arch.max_position_embeddings, max_encoder_tokens, chunk)
     blocks_per_pool = [sizing.blocks_per_pool[s.name] for s in specs]
     cache = KVCache(list(zip(specs, blocks_per_pool)), t, chunk, enable_prefix_caching=True)
-    pinned_blocks = _reserve_pins(cache, inputs.pinned_prefixes)
+    pinned_blocks = _reserve_pins(cache, inputs.pinned_prefixes, arch)
     # The start-up bound is the token capacity of the full-attention pool, never divided by W.
     bound_tokens = sizing.capacity_tokens
     capacity_blocks = blocks_per_pool[0] if bound_tokens is None else bound_tokens // t
@@ -188,8 +193,9 @@ def plan(arch: ModelArch, inputs: PlanInputs, draft_arch: ModelArch | None = Non
             "num_layers": cache[b.pool].spec.num_layers,
             "bytes_per_token": cache[b.pool].spec.bytes_per_token,
             "required_blocks": b.required_blocks,
-            "capacity_blocks": b.capacity_blocks,
+            "total_blocks": cache[b.pool].pool.num_blocks,
             "pinned_blocks": pinned_blocks.get(b.pool, 0),
+            "capacity_blocks": b.capacity_blocks,  # what requests may use: the pool less its pinned blocks
             "fits": b.fits,
             "max_concurrent_requests": b.capacity_blocks // b.required_blocks,
             **cache[b.pool].fit_hints(request),
@@ -253,18 +259,30 @@ def plan(arch: ModelArch, inputs: PlanInputs, draft_arch: ModelArch | None = Non
     }
 
 
-def _reserve_pins(cache: KVCache, prefixes: tuple[tuple[int, ...], ...]) -> dict[str, int]:
+def _reserve_pins(cache: KVCache, prefixes: tuple[tuple[int, ...], ...], arch: ModelArch) -> dict[str, int]:
     """Hold, in the plan's cache, the blocks pinning these prefixes would hold in the engine's (the
-    same names, shared where prefixes share blocks), so every pool's capacity shows them gone."""
-    for token_ids in prefixes:
+    same names, shared where prefixes share blocks), so every pool's capacity shows them gone.
+    Refuses what the engine refuses at start-up (widebeam/pinning.py), as a PlanError on --pin-prefix."""
+    if prefixes and arch.is_encoder_decoder:
+        raise PlanError(f"{arch.name} is an encoder-decoder model: its source is encoded whole per request, "
+                        "so there is no prefix to pin", argument="--pin-prefix")
+    t = cache.tokens_per_block
+    for index, token_ids in enumerate(prefixes):
+        if len(token_ids) < t:
+            raise PlanError(f"prefix {index} has {len(token_ids)} tokens, fewer than one block ({t}): "
+                            "nothing to pin", argument="--pin-prefix")
+        outside = [token for token in token_ids if not 0 <= token < arch.vocab_size]
+        if outside:
+            raise PlanError(f"prefix {index} holds token id {outside[0]}, outside the vocabulary "
+                            f"[0, {arch.vocab_size})", argument="--pin-prefix")
         for name, block_hashes in cache.prefix_blocks(cache.prefix_key(token_ids)).items():
             pool = cache[name].pool
             for block_hash in block_hashes:
-                if pool.lookup(block_hash) is not None:
+                if pool.lookup(block_hash) is not None:  # shared with an earlier pin: held once
                     continue
                 if not pool.num_free_blocks:
                     raise PlanError(f"the pinned prefixes need more than the {pool.num_blocks} blocks of pool "
-                                    f"'{name}'; pin less or raise --memory")
+                                    f"'{name}'; pin less or raise --memory", argument="--pin-prefix")
                 block_id = pool.allocate()
                 pool.register(block_id, block_hash)
                 pool.pin(block_id)

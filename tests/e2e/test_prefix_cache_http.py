@@ -1,6 +1,8 @@
 """Prefix reuse over HTTP with the official `openai` client: `usage.prompt_tokens_details.cached_tokens`
-on a repeated prompt (sampled and beam search), the /metrics hit counters and block gauges, a server
-started with `--no-prefix-caching`, and one with `--pin-prefix` whose first request already hits."""
+on a repeated prompt (completions and chat, whole and streamed, sampled and beam search), the /metrics
+hit counters (equal to what the responses reported) and block gauges, a server started with
+`--no-prefix-caching`, and one with two `--pin-prefix` files (token ids, text) whose first requests
+already hit."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ openai = pytest.importorskip("openai")
 
 SYSTEM = ("You are a careful assistant that answers questions about colours, shapes and numbers. "
           "Keep every answer short and polite. ") * 3
+TEXT_PIN = ("Examples. Q: What colour is the sky on a clear day? A: Blue. Q: How many sides has a square? "
+            "A: Four. Q: What is two plus two? A: Four. ") * 2
 OPTIONS = ["--kv-cache-memory", "4MiB", "--tokens-per-block", "16", "--max-seq-len", "1024"]
 
 
@@ -34,15 +38,44 @@ def test_a_repeated_prompt_reports_cached_tokens_and_the_metrics_count_them(tiny
         assert first.usage.prompt_tokens_details.cached_tokens == 0
         cached = second.usage.prompt_tokens_details.cached_tokens
         assert cached > 0 and cached % 16 == 0 and cached < second.usage.prompt_tokens
+        # the same prompt again: every whole block but the one holding its last token, same text
+        assert again.usage.prompt_tokens_details.cached_tokens == (again.usage.prompt_tokens - 1) // 16 * 16
         assert again.choices[0].text == first.choices[0].text  # reuse changes nothing but the work
         beams = c.completions.create(model=model, prompt=SYSTEM + "Name a number.", max_tokens=5, n=3,
                                      extra_body={"use_beam_search": True, "beam_width": 3})
         assert beams.usage.prompt_tokens_details.cached_tokens >= cached and len(beams.choices) == 3
+        responses = [first, second, again, beams]
         metrics = server.wait_idle()
-        assert metrics["widebeam_prefix_cache_hit_tokens_total"] > 0
+        # the counters are the responses' own figures, summed (one engine request each)
+        assert metrics["widebeam_prefix_cache_hit_tokens_total"] == sum(
+            r.usage.prompt_tokens_details.cached_tokens for r in responses)
+        assert metrics["widebeam_prefix_cache_queried_tokens_total"] == sum(r.usage.prompt_tokens for r in responses)
+        assert metrics["widebeam_prefix_cache_hit_rate"] == pytest.approx(
+            metrics["widebeam_prefix_cache_hit_tokens_total"] / metrics["widebeam_prefix_cache_queried_tokens_total"])
         assert 0 < metrics["widebeam_prefix_cache_hit_rate"] < 1
         assert metrics['widebeam_kv_blocks_evictable{pool="self"}'] > 0
         assert metrics['widebeam_kv_blocks_pinned{pool="self"}'] == 0
+    finally:
+        server.stop()
+
+
+def test_chat_reports_cached_tokens_whole_and_in_the_streamed_usage_chunk(tiny_chat_model_dir, tmp_path):
+    server = start(tiny_chat_model_dir, tmp_path, "chat")
+    try:
+        c, model = client(server), str(tiny_chat_model_dir)
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name a colour."}]
+        whole = c.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0)
+        assert whole.usage.prompt_tokens_details.cached_tokens == 0
+        chunks = list(c.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}))
+        usage = chunks[-1].usage
+        assert usage.prompt_tokens == whole.usage.prompt_tokens
+        assert usage.prompt_tokens_details.cached_tokens == (usage.prompt_tokens - 1) // 16 * 16 > 0
+        streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        assert streamed == whole.choices[0].message.content
+        beams = c.chat.completions.create(model=model, messages=messages, max_tokens=4, n=2,
+                                          extra_body={"use_beam_search": True, "beam_width": 2})
+        assert beams.usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens_details.cached_tokens
     finally:
         server.stop()
 
@@ -54,7 +87,9 @@ def test_no_prefix_caching_recomputes_every_prompt(tiny_chat_model_dir, tmp_path
         for _ in range(2):
             out = c.completions.create(model=model, prompt=SYSTEM + "Hi.", max_tokens=4, temperature=0)
             assert out.usage.prompt_tokens_details.cached_tokens == 0
-        assert server.metrics()['widebeam_kv_blocks_evictable{pool="self"}'] == 0
+        metrics = server.wait_idle()
+        assert metrics['widebeam_kv_blocks_evictable{pool="self"}'] == 0
+        assert metrics["widebeam_prefix_cache_hit_tokens_total"] == 0
     finally:
         server.stop()
 
@@ -64,15 +99,23 @@ def test_a_pinned_prefix_is_there_before_the_first_request(tiny_chat_model_dir, 
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_chat_model_dir))
     system_ids = tokenizer.encode(SYSTEM)
+    text_ids = tokenizer.encode(TEXT_PIN)  # as the engine encodes a text pin
     pin = tmp_path / "system.json"
     pin.write_text(json.dumps(system_ids))
-    server = start(tiny_chat_model_dir, tmp_path, "pinned", "--pin-prefix", str(pin))
+    text_pin = tmp_path / "examples.txt"
+    text_pin.write_text(TEXT_PIN, encoding="utf-8")
+    server = start(tiny_chat_model_dir, tmp_path, "pinned", "--pin-prefix", str(pin), "--pin-prefix", str(text_pin))
     try:
         pinned = server.metrics()['widebeam_kv_blocks_pinned{pool="self"}']
-        assert pinned == len(system_ids) // 16
-        out = client(server).completions.create(model=str(tiny_chat_model_dir), prompt=system_ids + [42, 43],
-                                                max_tokens=4, temperature=0)
-        assert out.usage.prompt_tokens_details.cached_tokens == pinned * 16
-        assert server.metrics()['widebeam_kv_blocks_pinned{pool="self"}'] == pinned
+        assert pinned == len(system_ids) // 16 + len(text_ids) // 16 > 0
+        c, model = client(server), str(tiny_chat_model_dir)
+        out = c.completions.create(model=model, prompt=system_ids + [42, 43], max_tokens=4, temperature=0)
+        assert out.usage.prompt_tokens_details.cached_tokens == len(system_ids) // 16 * 16
+        out = c.completions.create(model=model, prompt=text_ids + [42, 43], max_tokens=4, temperature=0)
+        assert out.usage.prompt_tokens_details.cached_tokens == len(text_ids) // 16 * 16
+        metrics = server.metrics()  # (not wait_idle: pinned blocks are never free)
+        assert metrics['widebeam_kv_blocks_pinned{pool="self"}'] == pinned
+        # the pins' own computation is not counted as traffic
+        assert metrics["widebeam_prefix_cache_queried_tokens_total"] == len(system_ids) + len(text_ids) + 4
     finally:
         server.stop()

@@ -39,6 +39,8 @@ SPECULATIVE_FLAG_NAMES = {"speculative_model": "--speculative-model",
                           "num_speculative_tokens": "--num-speculative-tokens",
                           "speculative_method": "--speculative-method",
                           "speculative_dtype": "--speculative-dtype"}
+# The same for the prefix cache's settings (CacheConfig's errors name `pinned_prefixes`).
+PREFIX_CACHE_FLAG_NAMES = {"pinned_prefixes": "--pin-prefix", "enable_prefix_caching": "--no-prefix-caching"}
 API_KEY_ENV = "WIDEBEAM_API_KEY"
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 EXIT_INTERRUPTED = 130
@@ -101,18 +103,21 @@ def speculative_kwargs(args: argparse.Namespace) -> dict:
             "speculative_dtype": getattr(args, "speculative_dtype", None)}
 
 
-def add_prefix_cache_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """`--no-prefix-caching` and `--pin-prefix FILE` (serve, generate, batch, plan)."""
+def add_prefix_cache_arguments(p: argparse.ArgumentParser, pins: bool = True) -> argparse.ArgumentParser:
+    """`--no-prefix-caching` and `--pin-prefix FILE` (serve, generate, batch, plan; bench takes only
+    the first: its prompts are synthetic, nothing there is worth pinning)."""
     g = p.add_argument_group("prefix caching (on by default: prompt blocks are reused across requests)")
     g.add_argument("--no-prefix-caching", action="store_true", help="recompute every prompt")
-    g.add_argument("--pin-prefix", action="append", default=[], metavar="FILE",
-                   help="a prefix computed at start-up and never evicted (a system prompt): the file's text, "
-                        "or token ids as a JSON list in a .json file (repeatable)")
+    if pins:
+        g.add_argument("--pin-prefix", action="append", default=[], metavar="FILE",
+                       help="a prefix computed at start-up and never evicted (a system prompt): the file's text "
+                            "(UTF-8), or token ids as a JSON list in a .json file (repeatable)")
     return p
 
 
 def read_pinned_prefix(path: str) -> str | list[int]:
-    """A `--pin-prefix` file: text (UTF-8), or a JSON list of token ids in a .json file."""
+    """A `--pin-prefix` file: text (UTF-8), or a JSON list of token ids in a .json file. Raises
+    `argparse.ArgumentTypeError` naming the file when it cannot be read or holds no prefix."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -122,8 +127,10 @@ def read_pinned_prefix(path: str) -> str | list[int]:
             token_ids = json.loads(text)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(f"{path} is not JSON: {exc}") from None
-        if not (isinstance(token_ids, list) and token_ids and all(isinstance(t, int) for t in token_ids)):
-            raise argparse.ArgumentTypeError(f"{path} must hold a non-empty JSON list of token ids")
+        # bool is an int to Python and JSON's true would pass as token 1: refuse it like a negative id
+        if not (isinstance(token_ids, list) and token_ids and all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in token_ids)):
+            raise argparse.ArgumentTypeError(f"{path} must hold a non-empty JSON list of token ids (integers >= 0)")
         return token_ids
     if not text:
         raise argparse.ArgumentTypeError(f"{path} is empty")
@@ -142,13 +149,14 @@ def prefix_cache_kwargs(args: argparse.Namespace) -> dict:
 
 def error_message(exc: Exception, missing_file_param: str | None = None) -> str:
     """One line for an engine start-up error: the argument it names (`missing_file_param` for a
-    FileNotFoundError without one), then the message, the speculative parameters called by their flags."""
+    FileNotFoundError without one), then the message, start-up parameters called by their flags."""
     name = getattr(exc, "param", None) or (missing_file_param if isinstance(exc, FileNotFoundError) else None)
-    # only SpeculativeConfig's own errors are re-rendered: others may carry context in their args
-    # (`LLM.generate` prefixes which prompt of the batch failed)
-    message = exc.render(SPECULATIVE_FLAG_NAMES) if name in SPECULATIVE_FLAG_NAMES and hasattr(exc, "render") \
-        else str(exc)
-    return f"{'argument --' + name.replace('_', '-') + ': ' if name else ''}{message}"
+    # only the start-up settings' own errors are re-rendered (SpeculativeConfig, CacheConfig, pinning):
+    # others may carry context in their args (`LLM.generate` prefixes which prompt of the batch failed)
+    flags = {**SPECULATIVE_FLAG_NAMES, **PREFIX_CACHE_FLAG_NAMES}
+    message = exc.render(flags) if name in flags and hasattr(exc, "render") else str(exc)
+    flag = flags.get(name) or ("--" + name.replace("_", "-") if name else None)
+    return f"{'argument ' + flag + ': ' if flag else ''}{message}"
 
 
 def model_aliases(model: str) -> tuple[str, ...]:
