@@ -38,7 +38,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    llm = LLM(dtype=args.dtype, kv_cache_memory="1GiB", max_beam_width=args.beam_width)
+    llm = LLM(dtype=args.dtype, kv_cache_memory="1GiB", max_beam_width=args.beam_width,
+              enable_prefix_caching=False)  # every run computes its prompts
     prompts = [llm.engine.apply_chat_template(f"Write one sentence about {TOPICS[i % len(TOPICS)]}.")
                for i in range(args.requests)]
     params = BeamSearchParams(beam_width=args.beam_width, max_new_tokens=args.max_new_tokens, ignore_eos=True)

@@ -348,7 +348,9 @@ def main() -> None:
     t_all = time.perf_counter()
 
     start = time.perf_counter()
-    llm = LLM(MODEL, dtype="float32", kv_cache_memory=args.kv_cache_memory, max_beam_width=max(args.widths))
+    # repeated prompts must be computed each time, as transformers computes them
+    llm = LLM(MODEL, dtype="float32", kv_cache_memory=args.kv_cache_memory, max_beam_width=max(args.widths),
+              enable_prefix_caching=False)
     engine_s = time.perf_counter() - start
     vocab_size = llm.engine.arch.vocab_size
     eos_ids = sorted(llm.engine.eos_token_ids)

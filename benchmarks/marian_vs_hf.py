@@ -56,7 +56,8 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         save_random_opus_mt(Path(tmp))
-        llm = LLM(tmp, dtype="float32", kv_cache_memory="1GiB", max_beam_width=max(args.widths))
+        llm = LLM(tmp, dtype="float32", kv_cache_memory="1GiB", max_beam_width=max(args.widths),
+                  enable_prefix_caching=False)  # each source encoded every time, as transformers does
         hf = MarianMTModel.from_pretrained(tmp, dtype=torch.float32).eval()
     cache = llm.engine.cache
     t = cache.tokens_per_block

@@ -208,8 +208,9 @@ def main() -> None:
     build = {}
     for label, kwargs in configs:
         rss0, start = rss_bytes(), time.perf_counter()
+        # repeats run the same prompts: each must compute them, so no prefix cache
         engines[label] = LLM(MODEL, dtype="float32", kv_cache_memory=args.kv_cache_memory,
-                             max_beam_width=max_width, **kwargs)
+                             max_beam_width=max_width, enable_prefix_caching=False, **kwargs)
         build[label] = {"kwargs": kwargs, "build_s": round(time.perf_counter() - start, 2),
                         "rss_added_bytes": (rss_bytes() or 0) - (rss0 or 0)}
         print(f"built {label}: {build[label]['build_s']} s, +{build[label]['rss_added_bytes'] / MIB:.0f} MiB RSS",

@@ -30,7 +30,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    llm = LLM(dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, max_beam_width=args.beam_width)
+    llm = LLM(dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, max_beam_width=args.beam_width,
+              enable_prefix_caching=False)  # every run computes its prompt
     tokenizer = llm.tokenizer
     text = " ".join(f"Item {i} is a {'red' if i % 2 else 'blue'} box." for i in range(args.prompt_len))
     prompt_ids = tokenizer.encode(text)[: args.prompt_len]
