@@ -23,6 +23,7 @@ from widebeam.server.serve_cli import (
     add_prefix_cache_arguments,
     catalogue_spec,
     catalogues_kwargs,
+    error_message,
     prefix_cache_kwargs,
 )
 
@@ -103,7 +104,7 @@ def _cmd_batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
                       ray_address=args.ray_address, max_in_flight=args.max_in_flight,
                       cpus_per_replica=args.cpus_per_replica, progress=not args.no_progress, **engine_kwargs)
     except (WidebeamError, ValueError, OSError) as exc:
-        print(f"widebeam batch: error: {exc}", file=sys.stderr)
+        print(f"widebeam batch: error: {error_message(exc)}", file=sys.stderr)
         return 1
     except ImportError as exc:
         print(f"widebeam batch: error: --replicas needs Ray ({exc.name} is missing): pip install 'widebeam[ray]'",
