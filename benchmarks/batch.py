@@ -5,8 +5,9 @@ the same rows and weights, in one process.
     python benchmarks/batch.py --quick         # 8 rows, N=4
 
 On this 2-core machine, replicas share the same two cores (each replica gets one CPU slot and one
-thread; the in-process engine gets both threads), so the figures show the overhead and the scaling
-of the Ray path, not a cluster's throughput. On a cluster the same command line runs with
+thread; the in-process engine runs with --threads and with one thread), so the figures show the
+overhead and the scaling of the Ray path, not a cluster's throughput. Wall times include each
+job's engine start-up (the model is converted once into the cache before the first). On a cluster the same command line runs with
 `--replicas N --ray-address auto`, one GPU per replica where there are GPUs (see README: Batch
 jobs and Ray). Every configuration's beams are checked against the in-process run's.
 
@@ -59,14 +60,17 @@ def main(argv=None) -> int:
     write_rows(source, args.num_rows)
     defaults = {"beam_width": args.beam_width, "max_new_tokens": args.max_new_tokens, "ignore_eos": True}
     engine = {"device": "cpu", "kv_cache_memory": args.kv_cache_memory}
-    configs = [("in-process", 0)] + [(f"ray x{n}", n) for n in args.replicas]
+    # (label, replicas, torch threads of the in-process engine)
+    configs = [(f"in-process, {args.threads} threads", 0, args.threads), ("in-process, 1 thread", 0, 1)]
+    configs += [(f"ray x{n}", n, 1) for n in args.replicas]
     results, reference = [], None
     import ray
 
-    for name, replicas in configs:
+    for name, replicas, threads in configs:
+        torch.set_num_threads(threads)
         if replicas and not ray.is_initialized():
             ray.init(num_cpus=max(args.replicas), include_dashboard=False, log_to_driver=False)
-        out = work / f"{name.replace(' ', '-')}.jsonl"
+        out = work / f"{name.replace(' ', '-').replace(',', '')}.jsonl"
         start = time.perf_counter()
         summary = run(source, out, MODEL, defaults=defaults, replicas=replicas, progress=False, **engine)
         wall = time.perf_counter() - start  # engine start-up included: a job pays it
