@@ -8,6 +8,10 @@ on this machine in the same run, with each engine's time as a multiple of it. A 
 attention's own products (the prompt's causal attention, then every beam's queries against P + n keys
 per step), which dominate long prompts and no engine can skip.
 
+`--peers transformers ctranslate2` adds CTranslate2 (float32 and int8 rows, the same weights converted
+once; `widebeam/bench_ct2.py`) at every point, with widebeam's speed-up over it and whether its best
+beam is widebeam's.
+
 Two sweeps: W in {1, 4, 16, 64} at P=512 (both engines), and a wide one, W in {64, 128, 256} x
 P in {512, 2048, 4096}, where transformers is skipped, with the reason, when its KV for W x (P + N)
 tokens would exceed `--hf-kv-limit`.
@@ -57,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(default {DEFAULT_TOKENS_PER_BLOCK})")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int_at_least(1), default=2)
+    parser.add_argument("--peers", nargs="+", choices=["transformers", "ctranslate2"], default=["transformers"],
+                        help="engines beside widebeam (ctranslate2: pip install ctranslate2; float32 and int8, the "
+                             "model converted once into the cache; transformers is always run for the floors)")
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"JSON path; the plot goes next to it (default {DEFAULT_OUT})")
     # widebeam's side only (transformers runs plain beam search); beam search stays exact with speculation
     add_speculative_arguments(parser)
@@ -199,9 +206,18 @@ def run(args: argparse.Namespace) -> list[dict]:
     eos_id = min(llm.engine.eos_token_ids)
 
     vocab_size = llm.engine.model.arch.vocab_size
+    ct2 = {}
+    if "ctranslate2" in args.peers:
+        from widebeam.bench_ct2 import COMPUTE_TYPES, CT2Peer
+        from widebeam.model.loader import default_cache_dir
+
+        ct2 = {f"ctranslate2 {t}": CT2Peer(llm.engine.source.path, t, args.threads, default_cache_dir(),
+                                           llm.tokenizer) for t in COMPUTE_TYPES}
     warm = make_prompt(llm.tokenizer, 64, vocab_size)
     run_widebeam(llm, warm, 2, 4)
     run_hf(hf, warm, 2, 4, eos_id)
+    for peer in ct2.values():
+        peer.run(warm, 2, 4, eos_id)
 
     out_path = Path(args.out)
     # the speculative settings a point ran with (none without speculation)
@@ -229,7 +245,11 @@ def run(args: argparse.Namespace) -> list[dict]:
             row["transformers"] = {k: v for k, v in ref.items() if k != "best"}
             row["same_best_sequence"] = wb["best"] == ref["best"]
             row["speedup"] = ref["wall_s"] / wb["wall_s"]
-        for side in ("widebeam", "transformers"):
+        for name, peer in ct2.items():
+            result = peer.run(prompt_ids, width, n, eos_id)
+            row[name] = {"wall_s": result["wall_s"], "same_best_sequence": result["best"] == wb["best"],
+                         "widebeam_speedup": result["wall_s"] / wb["wall_s"]}
+        for side in ("widebeam", "transformers", *ct2):
             if "wall_s" in row[side]:
                 row[side]["beam_tokens_per_s"] = width * n / row[side]["wall_s"]
                 row[side]["x_compute_floor"] = row[side]["wall_s"] / row["compute_floor_s"]
@@ -249,19 +269,27 @@ def print_table(rows: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="beam search: widebeam vs transformers (same run)")
-    for column in ("W", "P", "widebeam s", "hf s", "speed-up", "same best", "KV widebeam", "KV hf",
-                   "widebeam x floor", "x floor+attn"):
+    peers = [name for name in rows[0] if name.startswith("ctranslate2")] if rows else []
+    table = Table(title="beam search: widebeam vs transformers" + (" and CTranslate2" if peers else "") + " (same run)")
+    columns = ["W", "P", "widebeam s", "hf s", "speed-up", "same best"]
+    for name in peers:  # its time, widebeam's speed-up over it, and whether its best beam is widebeam's
+        columns += [f"{name.removeprefix('ctranslate2 ')} CT2 s", "x", "same"]
+    columns += ["KV widebeam", "KV hf", "widebeam x floor", "x floor+attn"]
+    for column in columns:
         table.add_column(column, justify="right")
     for r in rows:
         wb, hf = r["widebeam"], r["transformers"]
-        table.add_row(str(r["beam_width"]), str(r["prompt_len"]), f"{wb['wall_s']:.2f}",
-                      f"{hf['wall_s']:.2f}" if "wall_s" in hf else "skipped",
-                      f"{r['speedup']:.2f}x" if "speedup" in r else "-",
-                      ("yes" if r["same_best_sequence"] else "NO") if "same_best_sequence" in r else "-",
-                      format_bytes(wb["peak_kv_bytes"]),
-                      format_bytes(hf["peak_kv_bytes"]) if "peak_kv_bytes" in hf else "-",
-                      f"{wb['x_compute_floor']:.2f}", f"{wb['x_compute_and_attention_floor']:.2f}")
+        cells = [str(r["beam_width"]), str(r["prompt_len"]), f"{wb['wall_s']:.2f}",
+                 f"{hf['wall_s']:.2f}" if "wall_s" in hf else "skipped",
+                 f"{r['speedup']:.2f}x" if "speedup" in r else "-",
+                 ("yes" if r["same_best_sequence"] else "NO") if "same_best_sequence" in r else "-"]
+        for name in peers:
+            peer = r[name]
+            cells += [f"{peer['wall_s']:.2f}", f"{peer['widebeam_speedup']:.2f}x",
+                      "yes" if peer["same_best_sequence"] else "NO"]
+        cells += [format_bytes(wb["peak_kv_bytes"]), format_bytes(hf["peak_kv_bytes"]) if "peak_kv_bytes" in hf else "-",
+                  f"{wb['x_compute_floor']:.2f}", f"{wb['x_compute_and_attention_floor']:.2f}"]
+        table.add_row(*cells)
     console = Console()
     # a pipe or log file reports 80 columns, which would fold every figure in two
     Console(width=max(console.width, 130)).print(table)
