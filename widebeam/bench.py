@@ -20,6 +20,7 @@ tokens would exceed `--hf-kv-limit`.
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import time
@@ -59,7 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens-per-block", type=int_at_least(1), default=DEFAULT_TOKENS_PER_BLOCK,
                         help="KV block size T: smaller blocks share more of the beams' common tokens "
                              f"(default {DEFAULT_TOKENS_PER_BLOCK})")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int8"],
+                        help="int8: int8 linear weights (widebeam and transformers alike), float32 activations")
     parser.add_argument("--threads", type=int_at_least(1), default=2)
     parser.add_argument("--peers", nargs="+", choices=["transformers", "ctranslate2"], default=["transformers"],
                         help="engines beside widebeam (ctranslate2: pip install ctranslate2; float32 and int8, the "
@@ -201,8 +203,12 @@ def run(args: argparse.Namespace) -> list[dict]:
     llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
               max_beam_width=max(w for w, _ in points), tokens_per_block=args.tokens_per_block,
               **speculative_kwargs(args), **prefix_cache_kwargs(args))
-    dtype = llm.engine.model.lm_head.weight.dtype
-    hf = AutoModelForCausalLM.from_pretrained(str(llm.engine.source.path), dtype=dtype).eval()
+    from widebeam.model.registry import model_dtype, quantize_int8
+
+    dtype = model_dtype(llm.engine.model)
+    hf = floor_model = AutoModelForCausalLM.from_pretrained(str(llm.engine.source.path), dtype=dtype).eval()
+    if args.dtype == "int8":  # transformers with the same int8 linears: the same kernels, a fair peer
+        hf = quantize_int8(copy.deepcopy(floor_model), torch.device("cpu"))
     eos_id = min(llm.engine.eos_token_ids)
 
     vocab_size = llm.engine.model.arch.vocab_size
@@ -231,8 +237,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         n = args.max_new_tokens
         row = {"beam_width": width, "prompt_len": len(prompt_ids), "max_new_tokens": n, "dtype": args.dtype,
                "threads": args.threads, "tokens_per_block": args.tokens_per_block, **speculative,
-               "compute_floor_s": compute_floor_s(hf, len(prompt_ids), width, n, dtype),
-               "attention_floor_s": attention_floor_s(hf, len(prompt_ids), width, n, dtype)}
+               "compute_floor_s": compute_floor_s(floor_model, len(prompt_ids), width, n, dtype),
+               "attention_floor_s": attention_floor_s(floor_model, len(prompt_ids), width, n, dtype)}
         wb = run_widebeam(llm, prompt_ids, width, n)
         row["widebeam"] = {k: v for k, v in wb.items() if k != "best"}
         hf_kv = hf_kv_bytes(hf, width * (len(prompt_ids) + n))

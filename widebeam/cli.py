@@ -27,7 +27,7 @@ from widebeam.server.serve_cli import (
 )
 from widebeam.units import format_bytes
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16", "int8")  # int8: int8 linear weights, float32 activations and KV
 PLAN_MAX_NEW_TOKENS = 128
 PLAN_CATALOGUE_ITEM_TOKENS = 4  # semantic-ID items are 3 to 8 tokens; 4 is the common choice
 GENERATE_MAX_NEW_TOKENS = 32

@@ -32,7 +32,7 @@ from widebeam.kv.sizing import size_pools
 from widebeam.model.activation import estimate_activation_peak_bytes
 from widebeam.model.families import GenerationSettings, generation_settings
 from widebeam.model.loader import load_config, resolve_model
-from widebeam.model.registry import load_model, load_tokenizer
+from widebeam.model.registry import activation_dtype, load_model, load_tokenizer, model_dtype
 from widebeam.model.runner import SequenceInput
 from widebeam.model.warmup import measure_activation_peak_bytes
 from widebeam.outputs import RequestDelta, RequestOutput
@@ -90,13 +90,14 @@ class LLMEngine:
         if cache_config.kv_cache_memory is None:
             # the pools take what is left, so measure what the largest steps really need
             self.activation_peak_bytes = sum(
-                measure_activation_peak_bytes(w.model, self.device, w.model.lm_head.weight.dtype, t, chunk,
+                measure_activation_peak_bytes(w.model, self.device, model_dtype(w.model), t, chunk,
                                               step_rows) for w in self.workers)
         else:
             # the user sized the cache: a shape-based bound is enough to check it leaves room
             # (a measured warm-up costs seconds per engine on a CPU)
             self.activation_peak_bytes = sum(
-                estimate_activation_peak_bytes(w.arch, chunk, step_rows, self.dtype) for w in self.workers)
+                estimate_activation_peak_bytes(w.arch, chunk, step_rows, activation_dtype(self.dtype))
+                for w in self.workers)
         free_bytes = max(available_memory_bytes(self.device) - self.activation_peak_bytes, 0)
         kv_cache_bytes = int(free_bytes * cache_config.kv_cache_fraction)
         if cache_config.kv_cache_memory is not None:

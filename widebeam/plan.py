@@ -29,7 +29,7 @@ from widebeam.kv.budget import (
 )
 from widebeam.kv.cache import KVCache
 from widebeam.kv.sizing import size_pools
-from widebeam.kv.spec import PoolSpec
+from widebeam.kv.spec import PoolSpec, kv_dtype
 from widebeam.model.activation import estimate_activation_peak_bytes
 from widebeam.model.arch import CROSS_POOL, ModelArch
 
@@ -147,12 +147,12 @@ def plan(arch: ModelArch, inputs: PlanInputs, draft_arch: ModelArch | None = Non
     weight_bytes = arch.weight_bytes(inputs.dtype)
     # the engine's own estimate, for an engine whose widest request is this one (summed over its workers)
     reserve_bytes = estimate_activation_peak_bytes(arch, inputs.max_num_batched_tokens, inputs.beam_width,
-                                                   inputs.dtype)
+                                                   kv_dtype(inputs.dtype))
     draft_weight_bytes = draft_reserve_bytes = 0
     if draft_arch is not None:
         draft_weight_bytes = draft_arch.weight_bytes(inputs.dtype)
         draft_reserve_bytes = estimate_activation_peak_bytes(draft_arch, inputs.max_num_batched_tokens,
-                                                             inputs.beam_width, inputs.dtype)
+                                                             inputs.beam_width, kv_dtype(inputs.dtype))
         weight_bytes += draft_weight_bytes
         reserve_bytes += draft_reserve_bytes
     catalogue_bytes = inputs.catalogue.nbytes if inputs.catalogue is not None else 0
@@ -168,7 +168,8 @@ def plan(arch: ModelArch, inputs: PlanInputs, draft_arch: ModelArch | None = Non
     kv_cache_bytes = int(left_bytes * inputs.kv_cache_fraction)
     t = inputs.tokens_per_block
 
-    specs = arch.kv_pool_specs(inputs.dtype) + (_draft_specs(draft_arch, inputs.dtype) if draft_arch else [])
+    kv = kv_dtype(inputs.dtype)  # int8 weights keep float32 KV
+    specs = arch.kv_pool_specs(kv) + (_draft_specs(draft_arch, kv) if draft_arch else [])
     chunk = inputs.max_num_batched_tokens
     request = inputs.request(arch)
     # cross pools are sized for the longest source the model takes (its position limit)

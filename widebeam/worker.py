@@ -13,6 +13,7 @@ from dataclasses import replace
 import torch
 
 from widebeam.kv.spec import PoolSpec
+from widebeam.model.registry import activation_dtype, model_dtype
 from widebeam.model.runner import ModelRunner, SequenceInput
 
 
@@ -25,7 +26,7 @@ class Worker:
         # Model pool name -> engine pool name, and each pool's spec under its engine name.
         self.specs: list[PoolSpec] = []
         self.pool_names: dict[str, str] = {}
-        for spec in self.arch.kv_pool_specs(dtype):
+        for spec in self.arch.kv_pool_specs(activation_dtype(dtype)):  # int8 weights keep float KV
             scoped = scoped_pool_name(prefix, spec.name)
             self.pool_names[spec.name] = scoped
             self.specs.append(_renamed(spec, scoped))
@@ -35,7 +36,7 @@ class Worker:
               attention_backend: str | None = None) -> None:
         """Allocate the K/V tensors for the blocks sizing gave this worker's pools."""
         local_blocks = {local: blocks_per_pool[scoped] for local, scoped in self.pool_names.items()}
-        self.runner = ModelRunner(self.model, local_blocks, tokens_per_block, device, self.model.lm_head.weight.dtype,
+        self.runner = ModelRunner(self.model, local_blocks, tokens_per_block, device, model_dtype(self.model),
                                   attention_backend)
 
     def copy_blocks(self, copies_by_pool: dict[str, list[tuple[int, int]]]) -> None:

@@ -27,7 +27,7 @@ from widebeam.server.serve_cli import (
     prefix_cache_kwargs,
 )
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16", "int8")  # int8: int8 linear weights, float32 activations and KV
 
 
 def add_batch_parser(sub) -> argparse.ArgumentParser:

@@ -10,11 +10,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+# Weight-only dtypes: a model's linear weights in that type, its activations and KV in a float type.
+WEIGHT_ONLY_DTYPES = {"int8": "float32"}
+
+
+def kv_dtype(dtype: str) -> str:
+    """The KV (and activation) dtype of a model dtype: int8 weights keep float32 KV."""
+    return WEIGHT_ONLY_DTYPES.get(dtype, dtype)
+
+
 DTYPE_BYTES = {
     "float32": 4,
     "float16": 2,
     "bfloat16": 2,
     "fp8": 1,
+    "int8": 1,  # weights only (WEIGHT_ONLY_DTYPES): a model's weight bytes, never a pool's
 }
 
 

@@ -32,7 +32,8 @@ from widebeam.defaults import (
     DEFAULT_TOKENS_PER_BLOCK,
 )
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16", "int8")  # int8: int8 linear weights, float32 activations and KV
+DRAFT_DTYPES = DTYPES[:3]
 MAX_NUM_SPECULATIVE_TOKENS = 64  # SpeculativeConfig's bound on D
 # The engine's parameter names as the command line spells them, for the errors SpeculativeConfig raises.
 SPECULATIVE_FLAG_NAMES = {"speculative_model": "--speculative-model",
@@ -90,7 +91,7 @@ def add_speculative_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default=None,
                    help="draft: a second model (--speculative-model); ngram: copy from the request's own prompt "
                         "and output, no draft model (default: draft when --speculative-model is given)")
-    g.add_argument("--speculative-dtype", choices=DTYPES, default=None,
+    g.add_argument("--speculative-dtype", choices=DRAFT_DTYPES, default=None,
                    help="the draft model's dtype (default: the target's); e.g. the target's own checkpoint "
                         "in bfloat16 as its draft")
     return p

@@ -1,0 +1,59 @@
+"""int8 weights (`dtype="int8"`): every linear layer, lm_head included, through PyTorch's dynamic
+int8 quantization, activations and KV in float32. The reference is transformers' model quantized
+the same way (`quantize_int8`): greedy tokens and beam search sequences and scores equal, one
+request at a time (activations are quantized per call with one scale per tensor, so a batch's rows
+share a scale: outputs depend on what a request is batched with, as they do in transformers)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from beam_checks import assert_beams_match, hf_beam_search
+
+from widebeam.engine import LLM
+from widebeam.model.registry import quantize_int8
+from widebeam.params import BeamSearchParams, SamplingParams
+
+PROMPTS = [[(i * 31 + k) % 120 + 3 for i in range(n)] for k, n in ((1, 9), (5, 23), (11, 40))]
+
+
+@pytest.fixture(scope="module")
+def models(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(str(tiny_llama_dir), dtype="int8", device="cpu", kv_cache_memory="2MiB", enable_prefix_caching=False)
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
+    return llm, quantize_int8(hf, torch.device("cpu"))
+
+
+def test_the_linear_layers_hold_int8_weights_and_kv_stays_float32(models):
+    llm, _ = models
+    linears = [m for m in llm.engine.model.modules() if type(m).__name__ == "Linear"]
+    assert linears and all(m.weight().dtype == torch.qint8 for m in linears)
+    assert type(llm.engine.model.lm_head).__module__.startswith("torch.ao.nn.quantized.dynamic")
+    assert llm.engine.cache["self"].spec.dtype == "float32"
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_equals_transformers_int8(models, prompt):
+    llm, hf = models
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_new_tokens=16, temperature=0,
+                                                                         ignore_eos=True), use_tqdm=False)
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)[0, len(prompt):].tolist()
+    assert out.outputs[0].token_ids == expected
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_beam_search_equals_transformers_int8(models, prompt):
+    llm, hf = models
+    params = BeamSearchParams(beam_width=4, max_new_tokens=12, length_penalty=1.0)
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    expected = hf_beam_search(hf, prompt, params, eos=2, pad=0)
+    assert_beams_match(out, expected, len(prompt), pad=0, eos=2, beam_width=4, label="int8")
+
+
+def test_int8_needs_a_cpu():
+    with pytest.raises(ValueError, match="CPU"):
+        quantize_int8(torch.nn.Linear(2, 2), torch.device("meta"))
