@@ -1,8 +1,8 @@
-"""int8 weights (`dtype="int8"`): every linear layer, lm_head included, through PyTorch's dynamic
-int8 quantization, activations and KV in float32. The reference is transformers' model quantized
-the same way (`quantize_int8`): greedy tokens and beam search sequences and scores equal, one
-request at a time (activations are quantized per call with one scale per tensor, so a batch's rows
-share a scale: outputs depend on what a request is batched with, as they do in transformers)."""
+"""int8 weights (`dtype="int8"`): every linear layer, lm_head included, an `Int8Linear` (int8
+weights per output channel, activations quantized per row on each call, `torch._int_mm`), KV in
+float32. The reference is transformers' model quantized the same way (`quantize_int8`): greedy
+tokens and beam search sequences and scores equal. Per-row activation scales keep a request's
+outputs independent of what it is batched with."""
 
 from __future__ import annotations
 
@@ -27,11 +27,30 @@ def models(tiny_llama_dir):
 
 
 def test_the_linear_layers_hold_int8_weights_and_kv_stays_float32(models):
+    from widebeam.model.registry import Int8Linear
+
     llm, _ = models
-    linears = [m for m in llm.engine.model.modules() if type(m).__name__ == "Linear"]
-    assert linears and all(m.weight().dtype == torch.qint8 for m in linears)
-    assert type(llm.engine.model.lm_head).__module__.startswith("torch.ao.nn.quantized.dynamic")
+    model = llm.engine.model
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    assert layers and all(m.weight_t.dtype == torch.int8 for m in layers)
+    assert isinstance(model.lm_head, Int8Linear)
     assert llm.engine.cache["self"].spec.dtype == "float32"
+
+
+def test_int8_linear_is_close_to_float32_with_outliers():
+    """Per-row and per-channel scales: an outlier row or channel does not flatten the others."""
+    from widebeam.model.registry import Int8Linear
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 48)
+    with torch.no_grad():
+        linear.weight[3] *= 50  # an outlier output channel
+    x = torch.randn(5, 64)
+    x[2] *= 100  # an outlier row
+    exact, approx = linear(x), Int8Linear(linear)(x)
+    for row in range(5):
+        assert (approx[row] - exact[row]).norm() / exact[row].norm() < 0.03
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
