@@ -29,6 +29,7 @@ from widebeam.device import available_memory_bytes, default_device
 from widebeam.errors import InvalidParameterError
 from widebeam.kv.cache import KVCache
 from widebeam.kv.sizing import size_pools
+from widebeam.logprobs import execute_step
 from widebeam.model.activation import estimate_activation_peak_bytes
 from widebeam.model.families import GenerationSettings, generation_settings
 from widebeam.model.loader import load_config, resolve_model
@@ -181,7 +182,10 @@ class LLMEngine:
                     raise InvalidParameterError("prompt", "the source is empty: give at least one token")
                 # the prompt is the source; the decoder starts from its start token alone
                 encoder_token_ids, token_ids = token_ids, [self.decoder_start_token_id]
-            key = self.cache.prefix_key(token_ids, encoder_token_ids) if self.cache.enable_prefix_caching else None
+            if self.speculative and params.prompt_logprobs is not None:
+                raise InvalidParameterError("prompt_logprobs", "{prompt_logprobs} needs an engine without speculation")
+            caching = self.cache.enable_prefix_caching and params.prompt_logprobs is None  # those compute every token
+            key = self.cache.prefix_key(token_ids, encoder_token_ids) if caching else None
             admission = admit_check(self.cache, self.max_seq_len, len(token_ids), params.max_new_tokens,
                                     params.beam_width, encoder_tokens=len(encoder_token_ids or ()),
                                     max_encoder_tokens=self.max_encoder_tokens,
@@ -209,17 +213,14 @@ class LLMEngine:
                  extra_processors: Sequence[LogitsProcessor] = (),
                  catalogue: Catalogue | None = None,
                  prompt_token_ids: Sequence[int] = ()) -> SamplingDecoder | BeamDecoder:
-        """The request's decoder and its logits processors, in HF's order, the caller's after them
-        (a forced EOS still has the last word): penalties (repetition, as early as in HF's
-        `_get_logits_processor`, then presence / frequency, after it as in vLLM), min_new_tokens,
-        suppressed tokens, a catalogue, the caller's, a forced EOS. `prompt_token_ids`: the tokens the
-        decoder starts from (HF's `input_ids`), which the repetition penalty counts."""
+        """The request's decoder and its logits processors, in HF's order, the caller's after them (a forced
+        EOS has the last word): penalties (repetition as early as in HF, then presence / frequency as in vLLM),
+        min_new_tokens, suppressed tokens, a catalogue, the caller's, a forced EOS. `prompt_token_ids`: what
+        the decoder starts from (HF's `input_ids`: the repetition penalty counts it)."""
         processors = []
-        penalties = None
         if TokenPenalties.wanted(params.repetition_penalty, params.presence_penalty, params.frequency_penalty):
-            penalties = TokenPenalties(prompt_token_ids, params.repetition_penalty, params.presence_penalty,
-                                       params.frequency_penalty)
-            processors.append(penalties)
+            processors.append(TokenPenalties(prompt_token_ids, params.repetition_penalty, params.presence_penalty,
+                                             params.frequency_penalty))
         if isinstance(params, SamplingParams) and params.min_new_tokens:
             # beam search bans EOS before min_new_tokens itself, on its candidates
             banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
@@ -232,12 +233,8 @@ class LLMEngine:
         processors.extend(extra_processors)
         if self.forced_eos_token_id is not None:
             processors.append(ForceEOSAtEnd(self.forced_eos_token_id, max_new_tokens))
-        if isinstance(params, BeamSearchParams):
-            return BeamDecoder(params, max_new_tokens, self.eos_token_ids, processors)  # penalties follow reorder()
-        decoder = SamplingDecoder(params, max_new_tokens, self.eos_token_ids, processors)
-        if penalties is not None:
-            penalties.follow(decoder.token_ids)  # one sequence: its generated tokens, a live list
-        return decoder
+        decoder_class = BeamDecoder if isinstance(params, BeamSearchParams) else SamplingDecoder
+        return decoder_class(params, max_new_tokens, self.eos_token_ids, processors, prompt_token_ids)
 
     def abort(self, request_id: str) -> None:
         """Stop a request wherever it is and free all its blocks."""
@@ -311,7 +308,7 @@ class LLMEngine:
         greedy_rows = [start for request, start, _ in rows
                        if request.prompt_done and isinstance(request.decoder, SamplingDecoder)
                        and request.decoder.batched_greedy]
-        scores = StepScores(worker.execute(inputs), greedy_rows)  # a failure here fails the whole batch
+        scores = StepScores(execute_step(worker, inputs, rows), greedy_rows)  # a failure fails the whole batch
         for request, start, end in rows:
             self._collect(deltas, request, request.advance, scores.rows(start, end))
         return deltas

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from widebeam.logprobs import TokenLogprobs
+
 
 @dataclass
 class CompletionOutput:
@@ -13,6 +15,8 @@ class CompletionOutput:
     cumulative_logprob: float
     finish_reason: str | None  # "stop", "length", or None while running
     score: float | None = None  # beam search: the length-penalised score transformers reports
+    # With `logprobs=k`: one dict per generated token (see widebeam/logprobs.py for what they are).
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass
@@ -28,6 +32,8 @@ class RequestOutput:
     # Prompt tokens whose K/V came from the prefix cache (an encoder-decoder's: source tokens whose
     # encoder output was cached), not computed for this request.
     num_cached_tokens: int = 0
+    # With `prompt_logprobs=k`: one dict per prompt token, None for the first (widebeam/logprobs.py).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
@@ -40,6 +46,7 @@ class RequestDelta:
     `new_text` is the final text). Beam requests report `num_generated_tokens` only: their beams are
     reordered every step, so their text is final only at the end. `first_token` is True on the step
     that produced the request's first generated token; `output` is set on the step it finished.
+    With `logprobs=k`, a sampled request's `new_logprobs` holds one entry per new token id.
 
     A request whose own processing failed in the step (a logits processor, sampling, the beam step,
     stop handling, detokenization) is aborted alone, its blocks freed: its delta has `finished` set,
@@ -54,3 +61,5 @@ class RequestDelta:
     finished: bool = False
     output: RequestOutput | None = None
     error: str | None = None
+    # Sampled requests with `logprobs=k`: the entries of `new_token_ids`, one each (no decoded_token).
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)

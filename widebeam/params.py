@@ -75,6 +75,19 @@ def _check_penalties(params) -> None:
                  limit=MAX_ABS_PRESENCE_FREQUENCY_PENALTY, value=value)
 
 
+MAX_LOGPROBS = 20  # alternatives per token at most (vLLM's default max_logprobs; OpenAI chat's top_logprobs limit)
+
+
+def _check_logprobs(params) -> None:
+    """`logprobs` / `prompt_logprobs`: None (off) or how many most likely alternatives to report with
+    each token's own log-prob, in [0, MAX_LOGPROBS] (see widebeam/logprobs.py for what they are)."""
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        _require(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS), name,
+                 "must be None (off) or an integer in [0, {limit}] (alternatives per token), got {value!r}",
+                 limit=MAX_LOGPROBS, value=value)
+
+
 def _check_stop_token_ids(token_ids: tuple[int, ...]) -> None:
     """Negative ids are wrong in every mode; the upper bound (the vocabulary) is the engine's check."""
     _require(all(t >= 0 for t in token_ids), "stop_token_ids", "must hold only token ids >= 0, got {value!r}",
@@ -100,6 +113,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # Log-probs (widebeam/logprobs.py): None = off, k = each token's log-prob and the k most likely
+    # alternatives; `prompt_logprobs` the same for every prompt token (computed in the prefill).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         _as_tuple(self, "stop", str)
@@ -125,6 +142,7 @@ class SamplingParams:
         _require(all(s for s in self.stop), "stop", "must not contain empty strings")
         _check_stop_token_ids(self.stop_token_ids)
         _check_penalties(self)
+        _check_logprobs(self)
 
     @property
     def greedy(self) -> bool:
@@ -176,6 +194,9 @@ class BeamSearchParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # Per beam: each token's log-prob and the k most likely alternatives of its parent at that step.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     @property
     def constrained(self) -> bool:
@@ -222,6 +243,7 @@ class BeamSearchParams:
         _require(isinstance(self.ignore_eos, bool), "ignore_eos", "must be true or false, got {value!r}",
                  value=self.ignore_eos)
         _check_penalties(self)
+        _check_logprobs(self)
 
     def replace(self, **changes) -> BeamSearchParams:
         """A copy with `changes` applied. A `num_return_sequences` equal to `beam_width` (the default, all

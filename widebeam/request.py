@@ -20,6 +20,7 @@ from widebeam.decoding.stop import held_back_chars, stop_string_cut
 from widebeam.detokenizer import IncrementalDetokenizer
 from widebeam.kv.prefix import PrefixHit
 from widebeam.kv.request_kv import RequestKV
+from widebeam.logprobs import with_token_text
 from widebeam.model.runner import SequenceInput
 from widebeam.outputs import CompletionOutput, RequestDelta, RequestOutput
 from widebeam.sched.admission import Admission
@@ -235,6 +236,8 @@ class Request:
         one (`held_back_chars`), so each step searches the unsent text alone, whose length is
         bounded by the longest stop string plus the step's new characters."""
         delta.new_token_ids.extend(token_ids)
+        if self.decoder.logprobs is not None:  # with logprobs=k: one entry per new token
+            delta.new_logprobs.extend(self.decoder.logprobs[len(self.decoder.logprobs) - len(token_ids):])
         if self._detokenizer is None:
             return
         self._unsent += self._detokenizer.add(token_ids)
@@ -275,7 +278,7 @@ class Request:
         decoder = self.decoder
         if isinstance(decoder, SamplingDecoder):
             return [CompletionOutput(0, "".join(self._sent), list(decoder.token_ids), decoder.cumulative_logprob,
-                                     decoder.finish_reason)]
+                                     decoder.finish_reason, logprobs=with_token_text(decoder.logprobs, self.tokenizer))]
         completions = []
         for index, hyp in enumerate(decoder.finalize()):
             text = ""
@@ -285,7 +288,8 @@ class Request:
                 if cut is not None:
                     text = text[:cut]
             completions.append(CompletionOutput(index, text, list(hyp.token_ids), hyp.cumulative_logprob,
-                                                hyp.finish_reason, hyp.score))
+                                                hyp.finish_reason, hyp.score,
+                                                with_token_text(hyp.annotations, self.tokenizer)))
         return completions
 
     @property
@@ -297,4 +301,5 @@ class Request:
         return RequestOutput(self.request_id, self.prompt, self.source_token_ids, list(self.outputs or []),
                              self.finished, peak_blocks=self.kv.peak_blocks(),
                              required_blocks=dict(self.admission.required_blocks),
-                             num_cached_tokens=self.kv.num_cached_tokens)
+                             num_cached_tokens=self.kv.num_cached_tokens,
+                             prompt_logprobs=with_token_text(self.decoder.prompt_logprobs, self.tokenizer))

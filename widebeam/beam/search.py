@@ -32,7 +32,7 @@ What that algorithm does, and what this module therefore does:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -89,6 +89,13 @@ class Hypothesis:
     cumulative_logprob: float
     score: float
     finish_reason: str  # "stop" (EOS / stop token / stop string) or "length"
+    # One per token when the steps were annotated (`step(annotate=...)`): the beam's own history.
+    annotations: list | None = None
+
+
+# Called once per step with the (parent row, token) pairs the step kept (new live beams and newly
+# finished hypotheses), returns one annotation per pair (the decoder's per-token log-probs).
+Annotate = Callable[[Sequence[int], Sequence[int]], list]
 
 
 @dataclass(frozen=True)
@@ -116,6 +123,7 @@ class _Finished:
     node: int  # last node of the tokens already in the tree
     extra_token: int | None  # a final token that has no node of its own
     finish_reason: str
+    extra_annotation: object = None  # the extra token's annotation
 
 
 class BeamSearchState:
@@ -168,6 +176,7 @@ class BeamSearchState:
         # Token tree: node i holds one generated token and the node before it (_NO_NODE: the prompt).
         self._node_token: list[int] = []
         self._node_parent: list[int] = []
+        self._node_annotation: list | None = None  # per node, once a step is annotated
         self._live_nodes: list[int] = [_NO_NODE]
         self._live_scores: list[float] = [0.0]  # cumulative log-probs (float32 values)
         self._live_tokens_cache: list[list[int]] | None = None
@@ -212,13 +221,15 @@ class BeamSearchState:
     # -- the search --------------------------------------------------------------------------------------
 
     def step(self, logprobs: torch.Tensor, mask_min_length_eos: bool = True,
-             allowed: tuple[torch.Tensor, torch.Tensor] | None = None) -> StepResult:
+             allowed: tuple[torch.Tensor, torch.Tensor] | None = None, annotate: Annotate | None = None) -> StepResult:
         """Consume the live beams' next-token log-probs `[num_live_beams, vocab]`; return the next live beams.
 
         `mask_min_length_eos=False` lets EOS through before `min_new_tokens` (a caller forcing EOS).
         `allowed` = (rows, tokens): the only (beam, token) pairs this step may take (a catalogue);
         the search then ranks just those, never the whole [beams, vocab] (the same result as
         masking every other score to -inf, without writing or scanning it).
+        `annotate(parent_rows, tokens)`: called once with the pairs the step kept; each result is
+        stored with its token and comes back in `Hypothesis.annotations`, following the beams.
 
         Returns an empty `StepResult` when the search is done (then `done` is True).
         """
@@ -267,6 +278,7 @@ class BeamSearchState:
         out_parents: list[int] = []
         out_tokens: list[int] = []
         new_finished: list[_Finished] = []
+        finished_rows: list[int] = []  # the parent row of each new finished entry
         best_running = None
         for rank in range(num_candidates):
             token = tokens_l[rank]
@@ -279,6 +291,7 @@ class BeamSearchState:
                 if rank < width and not dummy and finished_l[rank] > _IMPOSSIBLE:
                     new_finished.append(_Finished(finished_l[rank], values_l[rank], self._live_nodes[parent],
                                                   token, "stop" if hits_eos else "length"))
+                    finished_rows.append(parent)
                 continue
             if len(out_tokens) < width and values_l[rank] > _IMPOSSIBLE and not (first and width > 1
                                                                                  and parents_l[rank] != 0):
@@ -290,13 +303,23 @@ class BeamSearchState:
                 out_parents.append(parent)
                 out_tokens.append(token)
                 new_scores.append(values_l[rank])
+        annotations = None
+        if annotate is not None:
+            annotations = annotate(finished_rows + out_parents, [f.extra_token for f in new_finished] + out_tokens)
+            for entry, annotation in zip(new_finished, annotations):
+                entry.extra_annotation = annotation
+            annotations = annotations[len(new_finished):]
+            if self._node_annotation is None:
+                self._node_annotation = [None] * len(self._node_token)
         self._merge_finished(new_finished)
 
         if last or not out_tokens:
             return self._finish()
-        for parent, token in zip(out_parents, out_tokens):
+        for i, (parent, token) in enumerate(zip(out_parents, out_tokens)):
             self._node_token.append(token)
             self._node_parent.append(self._live_nodes[parent])
+            if self._node_annotation is not None:
+                self._node_annotation.append(None if annotations is None else annotations[i])
             new_nodes.append(len(self._node_token) - 1)
         self._live_nodes = new_nodes
         self._live_scores = new_scores
@@ -459,14 +482,21 @@ class BeamSearchState:
 
     def _hypothesis(self, entry: _Finished) -> Hypothesis:
         tokens = self._path(entry.node)
+        annotations = None
+        if self._node_annotation is not None:
+            annotations = self._path(entry.node, self._node_annotation)
         if entry.extra_token is not None:
             tokens.append(entry.extra_token)
-        return Hypothesis(tokens, entry.cumulative_logprob, entry.score, entry.finish_reason)
+            if annotations is not None:
+                annotations.append(entry.extra_annotation)
+        return Hypothesis(tokens, entry.cumulative_logprob, entry.score, entry.finish_reason, annotations)
 
-    def _path(self, node: int) -> list[int]:
+    def _path(self, node: int, values: list | None = None) -> list:
+        """The tokens (or `values`, one per node) from the prompt to `node`."""
+        values = self._node_token if values is None else values
         tokens = []
         while node != _NO_NODE:
-            tokens.append(self._node_token[node])
+            tokens.append(values[node])
             node = self._node_parent[node]
         tokens.reverse()
         return tokens

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from widebeam.beam.search import BeamSearchState, Hypothesis
+from widebeam.decoding.penalties import TokenPenalties
 from widebeam.decoding.processors import (
     AllowedSetProcessor,
     BeamStateProcessor,
@@ -21,6 +22,7 @@ from widebeam.decoding.processors import (
     apply_processors,
     forcing_eos,
 )
+from widebeam.logprobs import PromptLogprobs, TokenLogprobs, token_logprobs
 from widebeam.params import BeamSearchParams, SamplingParams
 from widebeam.sampling import sample_token, verify_draft_token
 
@@ -63,11 +65,17 @@ class Advance:
     token_ids: list[int]
 
 
+def _prompt_logprobs(params, prompt_token_ids: Sequence[int]) -> PromptLogprobs | None:
+    """The collector the step fills during the prefill (`logprobs.execute_step`), if asked for."""
+    return None if params.prompt_logprobs is None else PromptLogprobs(prompt_token_ids, params.prompt_logprobs)
+
+
 class SamplingDecoder:
-    """Greedy or sampled decoding of one sequence."""
+    """Greedy or sampled decoding of one sequence. With `params.logprobs`, `logprobs` holds one entry
+    per generated token (widebeam/logprobs.py: the raw log-softmax of the row that chose it)."""
 
     def __init__(self, params: SamplingParams, max_new_tokens: int, eos_token_ids: frozenset[int],
-                 processors: Sequence[LogitsProcessor]):
+                 processors: Sequence[LogitsProcessor], prompt_token_ids: Sequence[int] = ()):
         self.params = params
         self.max_new_tokens = max_new_tokens
         self.eos_token_ids = eos_token_ids
@@ -76,6 +84,11 @@ class SamplingDecoder:
         self.token_ids: list[int] = []
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
+        self.logprobs: list[TokenLogprobs] | None = None if params.logprobs is None else []
+        self.prompt_logprobs = _prompt_logprobs(params, prompt_token_ids)
+        for processor in self.processors:  # penalties: one sequence, its generated tokens as a live list
+            if isinstance(processor, TokenPenalties):
+                processor.follow(self.token_ids)
 
     @property
     def num_generated_tokens(self) -> int:
@@ -99,7 +112,7 @@ class SamplingDecoder:
             token, logprob = sample_token(logits[0], self.params, self.generator)
         else:
             token, logprob = sample_token(scores.logits[0], self.params, self.generator, scores.logprobs[0])
-        return self._record(token, logprob)
+        return self._record(token, logprob, scores)
 
     def advance_with_draft(self, scores: RowScores, draft_token: int | None) -> tuple[Advance, bool]:
         """One row -> the next token, verifying a drafted one (speculative rejection sampling, see
@@ -110,9 +123,11 @@ class SamplingDecoder:
             logits = apply_processors(self.processors, logits.clone(), self.num_generated_tokens)
         token, logprob, accepted = verify_draft_token(logits[0], self.params, self.generator, draft_token,
                                                       None if self.processors else scores.logprobs[0])
-        return self._record(token, logprob), accepted
+        return self._record(token, logprob, scores), accepted
 
-    def _record(self, token: int, logprob: float) -> Advance:
+    def _record(self, token: int, logprob: float, scores: RowScores) -> Advance:
+        if self.logprobs is not None:
+            self.logprobs.extend(token_logprobs(scores.logprobs, [0], [token], self.params.logprobs))
         self.token_ids.append(token)
         self.cumulative_logprob += logprob
         params = self.params
@@ -130,13 +145,16 @@ class SamplingDecoder:
 
 
 class BeamDecoder:
-    """Beam search (transformers-exact, see beam/search.py) over the request's live beams."""
+    """Beam search (transformers-exact, see beam/search.py) over the request's live beams. With
+    `params.logprobs`, each hypothesis' `annotations` are its tokens' log-prob entries: the raw
+    log-softmax of its parent's row at each step (widebeam/logprobs.py)."""
 
     def __init__(self, params: BeamSearchParams, max_new_tokens: int, eos_token_ids: frozenset[int],
-                 processors: Sequence[LogitsProcessor]):
+                 processors: Sequence[LogitsProcessor], prompt_token_ids: Sequence[int] = ()):
         self.params = params
         self.processors = list(processors)
         self.search = BeamSearchState(params, max_new_tokens, eos_token_ids)
+        self.prompt_logprobs = _prompt_logprobs(params, prompt_token_ids)
 
     @property
     def num_generated_tokens(self) -> int:
@@ -153,10 +171,14 @@ class BeamDecoder:
     def advance(self, scores: RowScores) -> Advance:
         """One row per live beam -> the next live beams (none when the search ended)."""
         num_generated = self.num_generated_tokens
+        annotate = None
+        if self.params.logprobs is not None:
+            raw, num_top = scores.logprobs, self.params.logprobs
+            annotate = lambda rows, tokens: token_logprobs(raw, rows, tokens, num_top)
         if len(self.processors) == 1 and isinstance(self.processors[0], AllowedSetProcessor):
             # A catalogue alone: rank just its allowed (beam, token) pairs, no masked copy of the rows.
             allowed = self.processors[0].allowed(scores.logprobs.shape[0], num_generated)
-            result = self.search.step(scores.logprobs, allowed=allowed)
+            result = self.search.step(scores.logprobs, allowed=allowed, annotate=annotate)
         else:
             # HF's processors run after the log-softmax in beam search: no renormalisation. A forced
             # EOS (the last allowed token) overrides min_new_tokens' EOS ban, as in HF.
@@ -169,7 +191,8 @@ class BeamDecoder:
             else:
                 logprobs = scores.logprobs.clone() if self.processors else scores.logprobs
                 scores = apply_processors(self.processors, logprobs, num_generated)
-            result = self.search.step(scores, mask_min_length_eos=not forcing_eos(self.processors, num_generated))
+            result = self.search.step(scores, mask_min_length_eos=not forcing_eos(self.processors, num_generated),
+                                      annotate=annotate)
         for processor in self.processors:
             if isinstance(processor, BeamStateProcessor):  # per-beam state follows the beams
                 processor.reorder(result.parent_indices, result.token_ids)
