@@ -1,0 +1,154 @@
+"""The KV bound is reached through the engine's public path, not only on the bare allocator.
+
+A logits processor makes every beam diverge at the first step and then continue its own line to
+`max_new_tokens` (each row has one good token, so the best W candidates are one per row: no beam is
+pruned, none is forked again), so each beam owns its partial prompt block and every generated block.
+That is the worst case the bound describes, and the engine must reach it exactly, in the full
+(`self`), sliding-window and cross pools.
+
+What the engine writes: the prompt (P tokens, once), then one token per beam per decode step; the
+N-th generated token is chosen but never fed, so a beam's table ends at P + N - 1 tokens. The bound
+(`kv/budget.py`) counts N, so it is one block per beam above the peak exactly when the N-th token
+would open a new block ((P mod T + N - 1) mod T == 0), and at N = 1 (no decode step: the prompt
+alone). The table pins that slack to what the engine writes: the peak equals the bound evaluated on
+N - 1 written tokens (the bare allocator's exact figure for that trace), and equals `required_blocks`
+in every other configuration.
+"""
+
+from __future__ import annotations
+
+import pytest
+from tiny_models import save_tiny_marian, save_tiny_model
+
+from widebeam.engine import LLM
+from widebeam.kv.budget import cross_attention_blocks, full_attention_blocks, sliding_window_blocks
+from widebeam.params import BeamSearchParams
+
+
+def ceil_div(a, b):
+    return -(-a // b)
+
+
+def diverge(beam_width):
+    """Every beam diverges at the first step, then continues only itself."""
+    def processor(scores, num_generated_tokens):
+        scores.fill_(-1e4)
+        if num_generated_tokens == 0:  # one row: the prompt; W distinct children
+            for j in range(beam_width):
+                scores[0, 3 + j] = -0.01 * j
+        else:
+            for row in range(scores.shape[0]):
+                scores[row, 3 + (7 * row + num_generated_tokens) % 100] = 0.0
+    return processor
+
+
+def run(llm, prompt_token_ids, params):
+    engine = llm.engine
+    start = {name: pool["free_blocks"] for name, pool in llm.stats()["pools"].items()}
+    engine.add_request("tight", {"prompt_token_ids": prompt_token_ids}, params,
+                       logits_processors=[diverge(params.beam_width)])
+    output = None
+    while engine.has_unfinished():
+        for delta in engine.step():
+            if delta.finished:
+                output = delta.output
+    # every block comes back
+    assert {name: pool["free_blocks"] for name, pool in llm.stats()["pools"].items()} == start
+    assert len(output.outputs) == params.beam_width
+    assert all(len(beam.token_ids) == params.max_new_tokens for beam in output.outputs)
+    return output
+
+
+def written_bound(blocks, prompt_tokens, max_new_tokens, *args, prompt_only):
+    """The bound for the tokens the engine writes: N - 1 generated per beam; N = 1 is the prompt alone."""
+    if max_new_tokens <= 1:
+        return prompt_only
+    return blocks(prompt_tokens, max_new_tokens - 1, *args)
+
+
+WINDOW = 8
+# (P, N, W, T): prompt, max_new_tokens, beam width, tokens per block. Block boundaries on both sides,
+# prompts shorter and longer than the window, the issue's own P=40, N=30, W=4, T=4.
+CASES = [
+    (40, 30, 4, 4),
+    (5, 2, 3, 4),
+    (5, 4, 3, 4),  # the N-th token would open a block: bound one block per beam above the peak
+    (8, 9, 3, 4),
+    (8, 12, 3, 4),
+    (13, 12, 5, 4),
+    (13, 1, 3, 4),  # the prompt alone
+    (3, 20, 6, 4),
+    (21, 17, 2, 8),
+    (16, 16, 4, 8),
+    (9, 6, 8, 8),
+    (30, 11, 3, 2),
+]
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-gemma3-tight")
+    save_tiny_model(path, "gemma3_text", num_hidden_layers=2, tie_word_embeddings=True, head_dim=16,
+                    sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"])
+    return path
+
+
+@pytest.fixture(scope="module")
+def gemma3_llms(gemma3_dir):
+    llms = {}
+
+    def get(tokens_per_block):
+        if tokens_per_block not in llms:
+            llms[tokens_per_block] = LLM(str(gemma3_dir), device="cpu", tokens_per_block=tokens_per_block,
+                                         kv_cache_memory="4MiB", max_beam_width=16, enable_prefix_caching=False)
+        return llms[tokens_per_block]
+    return get
+
+
+@pytest.mark.parametrize("prompt_tokens,max_new_tokens,beam_width,tokens_per_block", CASES)
+def test_every_beam_diverging_reaches_the_bound_in_self_and_sliding_pools(
+        gemma3_llms, prompt_tokens, max_new_tokens, beam_width, tokens_per_block):
+    llm = gemma3_llms(tokens_per_block)
+    p, n, w, t = prompt_tokens, max_new_tokens, beam_width, tokens_per_block
+    output = run(llm, list(range(3, 3 + p)), BeamSearchParams(beam_width=w, max_new_tokens=n, ignore_eos=True))
+    sliding = f"sliding_{WINDOW}"
+    chunk = llm.engine.scheduler.max_num_batched_tokens
+    assert output.required_blocks["self"] == full_attention_blocks(p, n, w, t)
+    assert output.required_blocks[sliding] == sliding_window_blocks(p, n, w, t, WINDOW, chunk)
+
+    # the peak is the exact bound of what the engine writes ...
+    exact_self = written_bound(full_attention_blocks, p, n, w, t, prompt_only=ceil_div(p, t))
+    exact_sliding = written_bound(sliding_window_blocks, p, n, w, t, WINDOW, chunk,
+                                  prompt_only=sliding_window_blocks(p, 1, 1, t, WINDOW, chunk))
+    assert output.peak_blocks == {"self": exact_self, sliding: exact_sliding}
+    # ... which is `required_blocks` unless the N-th (never written) token would open a block
+    if n > 1 and (p % t + n - 1) % t != 0:
+        assert output.peak_blocks == output.required_blocks
+    elif n > 1:  # one block per beam
+        assert output.required_blocks["self"] - output.peak_blocks["self"] == w
+    else:  # the prompt alone: its partial block once, where the bound counts one per beam
+        assert output.required_blocks["self"] - output.peak_blocks["self"] == w - (p % t > 0)
+
+
+@pytest.fixture(scope="module")
+def marian_llm(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-marian-tight")
+    save_tiny_marian(path)
+    return LLM(str(path), device="cpu", tokens_per_block=4, kv_cache_memory="4MiB", max_beam_width=16,
+               enable_prefix_caching=False)
+
+
+# (E, N, W): source tokens, max_new_tokens, beam width; the decoder prompt is the start token (P = 1)
+MARIAN_CASES = [(7, 8, 4), (13, 5, 6), (4, 12, 3), (1, 3, 2)]
+
+
+@pytest.mark.parametrize("encoder_tokens,max_new_tokens,beam_width", MARIAN_CASES)
+def test_encoder_decoder_reaches_the_bound_in_self_and_cross_pools(marian_llm, encoder_tokens, max_new_tokens,
+                                                                   beam_width):
+    e, n, w, t = encoder_tokens, max_new_tokens, beam_width, 4
+    output = run(marian_llm, list(range(3, 3 + e)), BeamSearchParams(beam_width=w, max_new_tokens=n, ignore_eos=True))
+    assert output.required_blocks["cross"] == output.peak_blocks["cross"] == cross_attention_blocks(e, t)
+    assert output.required_blocks["self"] == full_attention_blocks(1, n, w, t)
+    assert output.peak_blocks["self"] == full_attention_blocks(1, n - 1, w, t)
+    if n % t != 0:  # (P mod T + N - 1) mod T with P = 1
+        assert output.peak_blocks == output.required_blocks
