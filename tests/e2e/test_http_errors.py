@@ -82,7 +82,7 @@ def test_malformed_bodies_are_400(server, path, content):
     ({"prompt": ""}, "prompt"),
     ({"prompt": []}, "prompt"),
     ({"prompt": [10**9]}, "prompt"),
-    ({"prompt": "x", "logprobs": 3}, "logprobs"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
     ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
     ({"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
     ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),

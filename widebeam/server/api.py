@@ -18,10 +18,12 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from widebeam.logprobs import TokenText
 from widebeam.outputs import RequestOutput
 from widebeam.server import protocol as p
 from widebeam.server.engine_loop import EngineLoop, Group
 from widebeam.server.metrics import CONTENT_TYPE, ServerMetrics
+from widebeam.server.render import ChoiceRenderer
 
 log = logging.getLogger("widebeam.server")
 
@@ -119,6 +121,7 @@ def create_app(engine, *, model_name: str, api_key: str | None = None,
     metrics = ServerMetrics(lambda: loop.snapshot)
     loop = EngineLoop(engine, metrics)
     created = p.now()
+    token_text = TokenText(getattr(engine, "tokenizer", None))
 
     @asynccontextmanager
     async def lifespan(app):
@@ -187,7 +190,12 @@ def create_app(engine, *, model_name: str, api_key: str | None = None,
             raise p.ApiError(404, f"model {req.model!r} is not served here; this server serves {model_name!r}",
                              param="model", code="model_not_found")
         plan = p.plan_request(req)
+        if req.stream and plan.echo and plan.num_top_logprobs is not None and not plan.beam:
+            raise p.invalid("echo", "echo with logprobs cannot be streamed for sampled choices (the prompt's "
+                                    "log-probs come with the final output): drop stream or logprobs")
         prompts = p.chat_prompts(engine.tokenizer, req) if chat else p.completion_prompts(req)
+        render = ChoiceRenderer(plan, chat, engine.tokenizer, token_text)
+        prompt_texts = [render.prompt_text(prompt) for prompt in prompts] if plan.echo else [""] * len(prompts)
         prompt_field = "messages" if chat else "prompt"
         if len(prompts) * plan.requests_per_prompt > p.MAX_ENGINE_REQUESTS_PER_CALL:
             raise p.invalid(prompt_field, f"too many prompts x choices in one call: at most "
@@ -202,7 +210,7 @@ def create_app(engine, *, model_name: str, api_key: str | None = None,
                                  max_tokens_name=p.max_tokens_field(req)[0]) from None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_stream(loop, group, plan, chat, call_id, len(prompts), include_usage),
+            return StreamingResponse(_stream(loop, group, plan, chat, call_id, prompt_texts, include_usage, render),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         outputs = await _collect(loop, group, request)
         if outputs is None:  # the client went away; its requests are aborted
@@ -215,14 +223,16 @@ def create_app(engine, *, model_name: str, api_key: str | None = None,
             cached_tokens += outs[0].num_cached_tokens
             for j, completion in enumerate(p.choices_of(outs, plan)):
                 completion_tokens += len(completion.token_ids)
-                choices.append(p.choice(chat, prompt_index * plan.n + j, completion.text, completion.finish_reason,
-                                        completion.score if plan.beam else None))
-        return JSONResponse({"id": call_id, "object": "chat.completion" if chat else "text_completion",
-                             "created": p.now(), "model": model_name, "choices": choices,
-                             "usage": p.usage(prompt_tokens, completion_tokens, cached_tokens)})
+                choices.append(render.whole(prompt_index * plan.n + j, outs[0], completion, prompt_texts[prompt_index]))
+        body = {"id": call_id, "object": "chat.completion" if chat else "text_completion", "created": p.now(),
+                "model": model_name, "choices": choices, "usage": p.usage(prompt_tokens, completion_tokens, cached_tokens)}
+        prompt_logprobs = render.chat_prompt_logprobs(outputs)
+        if prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs
+        return JSONResponse(body)
 
-    def _stream(loop: EngineLoop, group: Group, plan: p.Plan, chat: bool, call_id: str, num_prompts: int,
-                include_usage: bool) -> AsyncIterator[str]:
+    def _stream(loop: EngineLoop, group: Group, plan: p.Plan, chat: bool, call_id: str, prompt_texts: list[str],
+                include_usage: bool, render: ChoiceRenderer) -> AsyncIterator[str]:
         """Server-sent events: each step's new text of a sampled choice as it comes (the engine's deltas,
         already held back against stop strings), then a closing chunk per request with its finish reason;
         beam choices arrive whole in their closing chunks (their beams are reordered until the end)."""
@@ -242,15 +252,19 @@ def create_app(engine, *, model_name: str, api_key: str | None = None,
             remaining = len(group.request_ids)
             prompt_tokens = completion_tokens = cached_tokens = 0
             try:
+                num_choices = len(prompt_texts) * plan.n
                 if chat:
-                    yield event([p.chunk_choice(True, i, "", None, first=True) for i in range(num_prompts * plan.n)])
+                    yield event([p.chunk_choice(True, i, "", None, first=True) for i in range(num_choices)])
+                elif plan.echo and not plan.beam:  # a beam's prompt comes with its whole text
+                    yield event([render.echo_chunk(i, prompt_texts[i // plan.n]) for i in range(num_choices)])
                 while remaining:
                     k, kind, payload = await group.queue.get()
                     if kind == "error":  # the error event, then [DONE]; the group's other requests are aborted
                         yield f"data: {json.dumps(payload.body())}\n\n"
                         break
                     if kind == "text":
-                        yield event([p.chunk_choice(chat, choice_index(k), payload, None)])
+                        text, token_ids, entries = payload
+                        yield event([render.text_chunk(choice_index(k), text, token_ids, entries)])
                         continue
                     remaining -= 1
                     output: RequestOutput = payload
@@ -261,9 +275,9 @@ def create_app(engine, *, model_name: str, api_key: str | None = None,
                     chunks = []
                     for j, completion in enumerate(completions):
                         completion_tokens += len(completion.token_ids)
-                        text = completion.text if plan.beam else ""  # a sample's text went out as it came
-                        chunks.append(p.chunk_choice(chat, choice_index(k, j), text, completion.finish_reason,
-                                                     completion.score if plan.beam else None))
+                        # a sample's text and log-probs went out as they came
+                        chunks.append(render.closing_chunk(choice_index(k, j), output, completion,
+                                                           prompt_texts[k // plan.requests_per_prompt], plan.beam))
                     yield event(chunks)
                 else:
                     complete = True

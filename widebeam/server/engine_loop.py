@@ -40,8 +40,9 @@ def shutting_down(message: str) -> p.ApiError:
 
 class Group:
     """The engine requests of one API call and the queue their events arrive on:
-    (index, "text", new_text) for streams (the text a step added, held back against stop strings by the
-    engine), (index, "final", RequestOutput) and (index, "error", ApiError)."""
+    (index, "text", (new_text, new_token_ids, new_logprobs)) for streams (the text a step added, held back
+    against stop strings by the engine, and with logprobs its tokens' entries), (index, "final",
+    RequestOutput) and (index, "error", ApiError)."""
 
     def __init__(self, request_ids: list[str], stream: bool):
         self.request_ids = request_ids
@@ -266,8 +267,9 @@ class EngineLoop:
                 tracked.first_token_at = now
                 if self.metrics:
                     self.metrics.time_to_first_token.observe(now - tracked.arrival)
-            if tracked.group.stream and delta.new_text:
-                tracked.group.queue.put_nowait((tracked.index, "text", delta.new_text))
+            if tracked.group.stream and (delta.new_text or delta.new_logprobs):
+                tracked.group.queue.put_nowait((tracked.index, "text", (delta.new_text, delta.new_token_ids,
+                                                                        delta.new_logprobs)))
             if not delta.finished:
                 continue
             del self._tracked[delta.request_id]

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from widebeam.errors import InvalidParameterError, RequestTooLargeError
 from widebeam.outputs import CompletionOutput, RequestOutput
-from widebeam.params import BeamSearchParams, SamplingParams
+from widebeam.params import MAX_LOGPROBS, BeamSearchParams, SamplingParams
 
 # Sampled requests with n > 1 become n engine requests; a bound keeps one call from flooding the queue.
 MAX_ENGINE_REQUESTS_PER_CALL = 128
@@ -104,6 +104,8 @@ class _GenerationFields(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    # vLLM's extension: each prompt token's log-prob and its `prompt_logprobs` most likely alternatives
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # OpenAI fields accepted only at their neutral values.
     logit_bias: dict[str, float] | None = None
     # Bookkeeping a real client sends that changes nothing here: accepted, logged at debug, ignored.
@@ -122,8 +124,9 @@ class CompletionRequest(_GenerationFields):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
         ..., description="text, token ids, or a batch of either")
     max_tokens: int | None = Field(16, ge=1, description="null: up to the engine's max_seq_len")
-    echo: bool = False
-    logprobs: int | None = None
+    echo: bool = Field(False, description="the prompt before each choice's text (and its tokens' log-probs)")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="each token's log-prob and its "
+                                                                          "`logprobs` most likely alternatives")
     suffix: str | None = None
 
 
@@ -144,8 +147,9 @@ class ChatCompletionRequest(_GenerationFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="null: up to the engine's max_seq_len")
     max_completion_tokens: int | None = Field(None, ge=1, description="same as max_tokens")
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
+    logprobs: bool | None = Field(None, description="each generated token's log-prob")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="with logprobs: the most likely "
+                                                                             "alternatives per token")
 
 
 # -- responses (documented in the OpenAPI schema; the handlers write plain dicts) ------------------
@@ -175,7 +179,7 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: dict | None = Field(None, description="tokens, token_logprobs, top_logprobs, text_offset")
     beam_score: float | None = Field(None, description="beam search only: the length-penalised score")
 
 
@@ -197,6 +201,7 @@ class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     finish_reason: str | None
+    logprobs: dict | None = Field(None, description="content: [{token, logprob, bytes, top_logprobs}]")
     beam_score: float | None = None
 
 
@@ -232,6 +237,9 @@ class Plan:
     beam: bool
     n: int  # choices returned per prompt
     width_field: str  # the field the beam width came from, for error messages
+    num_top_logprobs: int | None = None  # alternatives per token in the response; None: no logprobs
+    echo: bool = False  # completions: the prompt (and its log-probs) before each choice
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs in the response
 
     @property
     def requests_per_prompt(self) -> int:
@@ -253,8 +261,7 @@ def _check_unsupported(req: _GenerationFields) -> None:
         raise invalid("tools", "tools (function calling) is not supported by this server")
     if req.tool_choice not in (None, "none"):
         raise invalid("tool_choice", f"tool_choice is not supported by this server (got {req.tool_choice!r})")
-    neutral = {"logit_bias": ({},),
-               "echo": (False,), "logprobs": (False, 0), "suffix": ("",), "top_logprobs": (0,)}
+    neutral = {"logit_bias": ({},), "suffix": ("",)}
     for name, allowed in neutral.items():
         value = getattr(req, name, None)
         if value is not None and value not in allowed:
@@ -275,16 +282,41 @@ def _penalties(req: _GenerationFields) -> dict:
             "repetition_penalty": 1.0 if req.repetition_penalty is None else req.repetition_penalty}
 
 
+def _logprobs_fields(req: _GenerationFields) -> tuple[int | None, int | None]:
+    """(alternatives per generated token, per prompt token) the engine computes; None: off.
+    Completions `logprobs: k`; chat `logprobs: true` with `top_logprobs: k` (0 without it); `echo` with
+    `logprobs` asks for the prompt's too; vLLM's `prompt_logprobs: k` on either."""
+    prompt = req.prompt_logprobs
+    if isinstance(req, ChatCompletionRequest):
+        if _given(req, "top_logprobs") and not req.logprobs:
+            raise invalid("top_logprobs", "top_logprobs needs logprobs: true")
+        return (req.top_logprobs or 0) if req.logprobs else None, prompt
+    if req.echo and req.logprobs is not None:
+        prompt = max(prompt or 0, req.logprobs)
+    return req.logprobs, prompt
+
+
 def plan_request(req: _GenerationFields) -> Plan:
     """Translate the request into engine parameters, or raise ApiError naming the bad field."""
     _check_unsupported(req)
+    num_top, num_prompt_top = _logprobs_fields(req)
     max_tokens_name, max_tokens = max_tokens_field(req)
     stop = tuple([req.stop] if isinstance(req.stop, str) else (req.stop or ()))
     stop_token_ids = tuple(req.stop_token_ids or ())
     if _given(req, "stream_options") and not req.stream:
         raise invalid("stream_options", "stream_options needs stream: true")
+    logprobs = {"logprobs": num_top, "prompt_logprobs": num_prompt_top}
     if req.use_beam_search:
-        return _beam_plan(req, max_tokens, stop, stop_token_ids, max_tokens_name)
+        plan = _beam_plan(req, max_tokens, stop, stop_token_ids, max_tokens_name, logprobs)
+    else:
+        plan = _sampling_plan(req, max_tokens, stop, stop_token_ids, max_tokens_name, logprobs)
+    plan.num_top_logprobs, plan.echo = num_top, bool(getattr(req, "echo", False))
+    plan.prompt_logprobs = req.prompt_logprobs
+    return plan
+
+
+def _sampling_plan(req, max_tokens, stop, stop_token_ids, max_tokens_name: str, logprobs: dict) -> Plan:
+    """n (or best_of) engine requests per prompt; the prompt's log-probs only in the first one."""
     for name in CATALOGUE_FIELDS:
         if _given(req, name):
             raise invalid(name, f"{name} constrains beam search: add use_beam_search: true")
@@ -307,11 +339,12 @@ def plan_request(req: _GenerationFields) -> Plan:
             SamplingParams, max_new_tokens=max_tokens, temperature=temperature,
             top_k=0 if req.top_k is None else req.top_k, top_p=1.0 if req.top_p is None else req.top_p,
             seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=req.ignore_eos,
-            min_new_tokens=req.min_tokens, _max_tokens_name=max_tokens_name, **_penalties(req)))
+            min_new_tokens=req.min_tokens, _max_tokens_name=max_tokens_name, **_penalties(req),
+            logprobs=logprobs["logprobs"], prompt_logprobs=logprobs["prompt_logprobs"] if i == 0 else None))
     return Plan(params, beam=False, n=req.n, width_field="n")
 
 
-def _beam_plan(req, max_tokens, stop, stop_token_ids, max_tokens_name: str = "max_tokens") -> Plan:
+def _beam_plan(req, max_tokens, stop, stop_token_ids, max_tokens_name: str, logprobs: dict) -> Plan:
     if req.temperature is not None and req.temperature > 0:
         raise invalid("temperature", f"beam search is deterministic: temperature must be 0 or absent, "
                                      f"got {req.temperature}")
@@ -334,7 +367,7 @@ def _beam_plan(req, max_tokens, stop, stop_token_ids, max_tokens_name: str = "ma
         early_stopping=False if req.early_stopping is None else req.early_stopping,
         num_return_sequences=req.n, min_new_tokens=req.min_tokens, stop_token_ids=stop_token_ids, stop=stop,
         ignore_eos=req.ignore_eos, catalogue=req.catalogue, allowed_sequences=allowed_sequences,
-        _width_field=width_field, _max_tokens_name=max_tokens_name, **_penalties(req))
+        _width_field=width_field, _max_tokens_name=max_tokens_name, **_penalties(req), **logprobs)
     return Plan([params], beam=True, n=req.n, width_field=width_field)
 
 
