@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from widebeam.engine import LLM
-from widebeam.params import BeamSearchParams, SamplingParams
+from widebeam.params import BeamSearchParams
 
 MODEL = "tiny-chat"
 PROMPT = "A list of fruits:"
@@ -105,11 +105,11 @@ def test_streamed_text_with_a_stop_string_equals_the_whole_answer(client, chat):
     greedy = {"model": MODEL, "max_tokens": 24, "temperature": 0}
     if chat:
         create, greedy["messages"] = client.chat.completions.create, [{"role": "user", "content": "Tell a story."}]
-        text_of = lambda choice: choice.message.content  # noqa: E731
-        piece_of = lambda choice: choice.delta.content or ""  # noqa: E731
+        text_of = lambda choice: choice.message.content
+        piece_of = lambda choice: choice.delta.content or ""
     else:
         create, greedy["prompt"] = client.completions.create, "Once upon a time"
-        text_of = piece_of = lambda choice: choice.text  # noqa: E731
+        text_of = piece_of = lambda choice: choice.text
     unstopped = text_of(create(**greedy).choices[0])
     stop = unstopped[len(unstopped) // 2:len(unstopped) // 2 + 3]
     whole = create(stop=[stop], **greedy).choices[0]
