@@ -7,6 +7,8 @@ engine), so a server that dropped or misread it would answer differently.
 
 from __future__ import annotations
 
+import itertools
+
 import httpx
 import openai
 import pytest
@@ -102,6 +104,7 @@ def test_streamed_beam_search_equals_the_whole_answer(client, picks):
 
 @pytest.mark.parametrize("chat", [False, True])
 def test_streamed_text_with_a_stop_string_equals_the_whole_answer(client, chat):
+    """The stop string starts inside one streamed piece and ends in the next."""
     greedy = {"model": MODEL, "max_tokens": 24, "temperature": 0}
     if chat:
         create, greedy["messages"] = client.chat.completions.create, [{"role": "user", "content": "Tell a story."}]
@@ -111,7 +114,11 @@ def test_streamed_text_with_a_stop_string_equals_the_whole_answer(client, chat):
         create, greedy["prompt"] = client.completions.create, "Once upon a time"
         text_of = piece_of = lambda choice: choice.text
     unstopped = text_of(create(**greedy).choices[0])
-    stop = unstopped[len(unstopped) // 2:len(unstopped) // 2 + 3]
+    pieces = [piece_of(c.choices[0]) for c in create(stream=True, **greedy) if c.choices]
+    assert "".join(pieces) == unstopped
+    # a stop string across a piece boundary: the stream must hold the first piece's end back
+    stop = next(a[-2:] + b[:1] for i, (a, b) in enumerate(itertools.pairwise(pieces))
+                if i >= 2 and len(a) >= 2 and b and unstopped.find(a[-2:] + b[:1]) == len("".join(pieces[:i + 1])) - 2)
     whole = create(stop=[stop], **greedy).choices[0]
     assert whole.finish_reason == "stop" and text_of(whole) == unstopped[:unstopped.index(stop)]
     chunks = list(create(stop=[stop], stream=True, **greedy))
