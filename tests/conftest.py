@@ -2,9 +2,47 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from tiny_models import save_tiny_model
+
+# Every engine a test builds is watched: when the test ends with nothing running or waiting on it, each
+# of its pools must have every block back (free or cached-evictable), pinned prefixes aside. A leak in
+# any path a test drives (finish, abort, stop strings, failures) fails that test, whatever it asserts.
+_ENGINES: weakref.WeakSet = weakref.WeakSet()
+
+
+def _watch_engines() -> None:
+    from widebeam.engine import LLMEngine
+
+    init = LLMEngine.__init__
+    if getattr(init, "_watched", False):
+        return
+
+    def watched_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        _ENGINES.add(self)
+
+    watched_init._watched = True
+    LLMEngine.__init__ = watched_init
+
+
+_watch_engines()
+
+
+@pytest.fixture(autouse=True)
+def _engines_end_with_every_block_back():
+    yield
+    for engine in list(_ENGINES):
+        cache = getattr(engine, "cache", None)
+        if cache is None or engine.has_unfinished():
+            continue  # a test that leaves requests in flight on purpose (or an engine that never started)
+        for name, pool in engine.stats()["pools"].items():
+            assert pool["free_blocks"] + pool["pinned_blocks"] == pool["total_blocks"], (
+                f"pool {name!r} of an idle engine holds blocks: {pool}")
+
 
 # One thread: the suite runs beside server processes it starts, and two threads on two busy cores
 # spin-wait on each other (measured 6x slower under load); tiny models gain nothing from two.
