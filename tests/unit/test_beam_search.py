@@ -391,6 +391,7 @@ def test_finish_live_beams_keeps_a_stop_hypothesis(stopped_index):
     assert len(stopped) == 1 and len(hyps) == 3
     assert stopped[0].token_ids == live[stopped_index]
     assert stopped[0].score == pytest.approx(scores[stopped_index])
+    assert stopped[0].cumulative_logprob == pytest.approx(scores[stopped_index])
     if stopped_index == 0:
         assert hyps[0] is stopped[0] and all(stopped[0].score > h.score for h in hyps[1:])
     params = params.replace(length_penalty=1.0)
