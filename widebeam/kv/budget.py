@@ -30,6 +30,12 @@ def full_attention_blocks(
     The full prompt blocks are stored once and shared by every beam. What a beam can make its own is
     the partial last prompt block (copied on first write) plus every block of generated tokens.
     For W = 1 this is `ceil((P + N + D)/T)`.
+
+    N counts every generated token as written. The engine writes N - 1 of them (the last token chosen
+    is never fed back), so through the engine the bound is reached exactly unless the N-th token would
+    open a block ((P mod T + N - 1) mod T == 0: one block per beam above the peak) or N = 1 (the
+    prompt alone, held once); tests/unit/test_kv_tightness_engine.py pins both. Counting N - 1 would
+    tighten admission by those blocks but change every stated figure and `max_new_tokens_that_fit`.
     """
     _check(prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens, extra_tokens=extra_tokens)
     if beam_width < 1 or tokens_per_block < 1:
