@@ -44,13 +44,33 @@ class CacheConfig:
                                         value=self.tokens_per_block)
 
 
+# Capacity policies (TensorRT-LLM's names): "guaranteed_no_evict" admits a request when its worst
+# case fits beside the running ones' (nothing is ever evicted); "max_utilization" admits on the next
+# step's blocks and preempts the most recently admitted request when a step runs short (it resumes
+# by recomputation; widebeam/sched/preemption.py).
+SCHEDULING_POLICIES = ("guaranteed_no_evict", "max_utilization")
+DEFAULT_MAX_PREEMPTIONS = 3
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_beam_width: int = DEFAULT_MAX_BEAM_WIDTH
     max_seq_len: int | None = None  # None: the model's limit bounded by the cache's capacity
+    scheduling_policy: str = "guaranteed_no_evict"
+    # max_utilization: a request preempted this many times next runs under the guaranteed policy's
+    # reservation (never preempted again), before any newer request is admitted
+    max_preemptions: int = DEFAULT_MAX_PREEMPTIONS
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise InvalidParameterError("scheduling_policy", "{scheduling_policy} must be one of "
+                                        f"{', '.join(SCHEDULING_POLICIES)}, got {{value!r}}",
+                                        value=self.scheduling_policy)
+        if isinstance(self.max_preemptions, bool) or not isinstance(self.max_preemptions, int) \
+                or self.max_preemptions < 0:
+            raise InvalidParameterError("max_preemptions", "{max_preemptions} must be an integer >= 0, got {value!r}",
+                                        value=self.max_preemptions)
         if self.max_beam_width < 1:
             raise InvalidParameterError("max_beam_width", "{max_beam_width} must be >= 1, got {value}",
                                         value=self.max_beam_width)
@@ -114,7 +134,8 @@ class EngineConfig:
                     speculative_model: str | None = None, num_speculative_tokens: int | None = None,
                     speculative_method: str | None = None, speculative_dtype: str | None = None,
                     speculative_adaptive: bool = True, enable_prefix_caching: bool = True,
-                    pinned_prefixes=()) -> EngineConfig:
+                    pinned_prefixes=(), scheduling_policy: str = "guaranteed_no_evict",
+                    max_preemptions: int = DEFAULT_MAX_PREEMPTIONS) -> EngineConfig:
         """The flat keyword arguments `LLMEngine` and `LLM` take, grouped. Speculation is on when
         `speculative_model` or `speculative_method` is given (the method defaults to "draft" with a
         model, and D to 4)."""
@@ -126,10 +147,15 @@ class EngineConfig:
         elif num_speculative_tokens is not None:
             raise InvalidParameterError("num_speculative_tokens", "{num_speculative_tokens} needs "
                                         "{speculative_model} or {speculative_method}")
+        if speculative is not None and scheduling_policy == "max_utilization":
+            raise InvalidParameterError("scheduling_policy", "{scheduling_policy}='max_utilization' needs an engine "
+                                        "without speculative decoding: drop the speculative options or use "
+                                        "'guaranteed_no_evict'")
         return cls(ModelConfig(model, dtype, device, attention_backend),
                    CacheConfig(kv_cache_memory, kv_cache_fraction, tokens_per_block, bool(enable_prefix_caching),
                                _pinned_prefixes(pinned_prefixes, enable_prefix_caching)),
-                   SchedulerConfig(max_num_batched_tokens, max_beam_width, max_seq_len), speculative)
+                   SchedulerConfig(max_num_batched_tokens, max_beam_width, max_seq_len, scheduling_policy,
+                                   max_preemptions), speculative)
 
 
 def _pinned_prefixes(prefixes, enable_prefix_caching: bool) -> tuple[str | tuple[int, ...], ...]:

@@ -29,7 +29,7 @@ from widebeam.device import available_memory_bytes, default_device
 from widebeam.errors import InvalidParameterError
 from widebeam.kv.cache import KVCache
 from widebeam.kv.sizing import size_pools
-from widebeam.logprobs import execute_step
+from widebeam.decoding.logprobs import execute_step
 from widebeam.model.activation import estimate_activation_peak_bytes
 from widebeam.model.families import GenerationSettings, generation_settings
 from widebeam.model.loader import load_config, resolve_model
@@ -41,10 +41,12 @@ from widebeam.params import BeamSearchParams, SamplingParams
 from widebeam.pinning import pin_prefixes
 from widebeam.request import Request
 from widebeam.sched.admission import admit_check
-from widebeam.sched.scheduler import Scheduler, SchedulerOutput
+from widebeam.sched.preemption import make_scheduler
+from widebeam.sched.scheduler import SchedulerOutput
 from widebeam.speculative.policy import DraftLength
 from widebeam.speculative.setup import start_drafter
 from widebeam.speculative.tree import branching_for_width
+from widebeam.structured.grammars import Grammars
 from widebeam.units import format_bytes, parse_bytes
 from widebeam.worker import Worker
 
@@ -130,10 +132,12 @@ class LLMEngine:
             worker.start(sizing.blocks_per_pool, t, self.device, config.model.attention_backend)
         generation = self._generation_settings()
         self.eos_token_ids = generation.eos_token_ids
+        self.grammars = Grammars(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)  # response_format
         self.decoder_start_token_id = generation.decoder_start_token_id
         self.suppress_token_ids = generation.suppress_token_ids
         self.forced_eos_token_id = generation.forced_eos_token_id
-        self.scheduler = Scheduler(self.cache, chunk, self.num_draft_tokens)
+        self.scheduler = make_scheduler(sched_config.scheduling_policy, self.cache, chunk, sched_config.max_preemptions,
+                                        self.num_draft_tokens)
         self.last_schedule: SchedulerOutput | None = None  # what the latest step ran (tests and benchmarks)
         self._requests: dict[str, Request] = {}
         self._num_rejected = 0
@@ -230,6 +234,8 @@ class LLMEngine:
         if catalogue is not None:
             eos = set(params.stop_token_ids) | set(self.eos_token_ids)
             processors.append(CatalogueConstraint(catalogue, eos, max_new_tokens))
+        grammar = self.grammars.constraint(params.response_format)  # None without a JSON format
+        processors.extend([grammar] if grammar is not None else [])
         processors.extend(extra_processors)
         if self.forced_eos_token_id is not None:
             processors.append(ForceEOSAtEnd(self.forced_eos_token_id, max_new_tokens))
@@ -259,6 +265,7 @@ class LLMEngine:
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "rejected": self._num_rejected,
+            "scheduling": self.scheduler.stats(),  # policy, preemptions, recomputed_tokens
             "prefix_cache": {"enabled": cache.enable_prefix_caching, "queried_tokens": cache.num_queried_tokens,
                              "hit_tokens": cache.num_hit_tokens,
                              "hit_rate": cache.num_hit_tokens / cache.num_queried_tokens if cache.num_queried_tokens

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field, fields
 
 from widebeam.errors import InvalidParameterError
+from widebeam.structured.formats import schema_of
 
 GREEDY_TEMPERATURE = 1e-5  # below this, sampling is argmax
 # Scores divide by generated_len ** length_penalty: within this range they stay finite for any length
@@ -117,6 +118,8 @@ class SamplingParams:
     # alternatives; `prompt_logprobs` the same for every prompt token (computed in the prefill).
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Structured output: OpenAI's response_format (widebeam/structured/: JSON mode, JSON schema).
+    response_format: object = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         _as_tuple(self, "stop", str)
@@ -143,6 +146,7 @@ class SamplingParams:
         _check_stop_token_ids(self.stop_token_ids)
         _check_penalties(self)
         _check_logprobs(self)
+        schema_of(self.response_format)
 
     @property
     def greedy(self) -> bool:
@@ -197,6 +201,8 @@ class BeamSearchParams:
     # Per beam: each token's log-prob and the k most likely alternatives of its parent at that step.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Structured output: every beam inside the grammar, its matcher forked with the beam.
+    response_format: object = field(default=None, compare=False)
 
     @property
     def constrained(self) -> bool:
@@ -244,6 +250,8 @@ class BeamSearchParams:
                  value=self.ignore_eos)
         _check_penalties(self)
         _check_logprobs(self)
+        _require(not (self.constrained and schema_of(self.response_format) is not None), "response_format",
+                 "and {catalogue} exclude each other: a catalogue already fixes every beam's tokens")
 
     def replace(self, **changes) -> BeamSearchParams:
         """A copy with `changes` applied. A `num_return_sequences` equal to `beam_width` (the default, all

@@ -54,6 +54,10 @@ class Request:
         self._unsent = ""  # decoded, not yet streamed: it could still be the start of a stop string
         self.last_round_steps = 0  # decoder steps the latest speculative round took
         self.draft_length: DraftLength | None = None  # set by a speculative engine
+        self.num_preemptions = 0  # times the scheduler took its blocks back (it resumed by recomputation)
+        self.max_feed_tokens: int | None = None  # after a preemption: the most tokens one re-feed step feeds
+        self._num_fed_tokens = 1  # tokens per sequence the latest decode step fed
+        self._earlier_peak_blocks: dict[str, int] = {}  # peaks held before the latest preemption
 
     @property
     def is_sampling(self) -> bool:
@@ -75,10 +79,19 @@ class Request:
     def num_live_sequences(self) -> int:
         return len(self.pending_token_ids)
 
+    @property
+    def num_feed_tokens(self) -> int:
+        """Tokens each live sequence feeds in its next decode step: all its pending ones, but
+        `max_feed_tokens` at a time in all (at least one each) while it re-feeds after a preemption."""
+        num_pending = len(self.pending_token_ids[0]) if self.pending_token_ids else 0
+        if self.max_feed_tokens is None:
+            return num_pending
+        return min(num_pending, max(1, self.max_feed_tokens // len(self.pending_token_ids)))
+
     def num_step_tokens(self, num_draft_tokens: int = 0) -> int:
-        """Tokens a decode step of this request feeds: every pending token of every live sequence,
-        and up to `num_draft_tokens` drafted ones each when speculating."""
-        return sum(len(pending) + num_draft_tokens for pending in self.pending_token_ids)
+        """Tokens a decode step of this request feeds: the pending tokens of every live sequence it
+        feeds now (`num_feed_tokens`), and up to `num_draft_tokens` drafted ones each when speculating."""
+        return sum(min(len(pending), self.num_feed_tokens) + num_draft_tokens for pending in self.pending_token_ids)
 
     def remaining_blocks(self) -> dict[str, int]:
         """Blocks this request may still take, per pool: its reservation in the scheduler."""
@@ -118,9 +131,11 @@ class Request:
 
     def decode_inputs(self) -> list[SequenceInput]:
         """One token per live sequence; the beams of a request form one group (shared prefix)."""
-        position = len(self.prompt_token_ids) + self.decoder.num_generated_tokens - 1
-        slots = self.kv.decode_slots()
-        return [self._input(pending, position, i, slots[i]) for i, pending in enumerate(self.pending_token_ids)]
+        num_fed = self._num_fed_tokens = self.num_feed_tokens
+        position = len(self.prompt_token_ids) + self.decoder.num_generated_tokens - len(self.pending_token_ids[0])
+        slots = self.kv.decode_slots(num_fed)
+        return [self._input(pending[:num_fed], position, i, slots[i])
+                for i, pending in enumerate(self.pending_token_ids)]
 
     def _input(self, token_ids: list[int], position: int, seq_index: int, slots: dict[str, list[int]]) -> SequenceInput:
         tables = self.kv.block_tables(seq_index)
@@ -135,6 +150,14 @@ class Request:
         prompt is still being prefilled (no token to choose yet)."""
         self.kv.register_computed(self.num_prefilled_tokens)  # before the prompt forks into beams
         if not self.prompt_done:
+            return None
+        if self.decoder.num_generated_tokens and not self.pending_token_ids:
+            self._resume()  # the prompt is back after a preemption; its logits chose a token long ago
+            return None
+        if self.pending_token_ids and self._num_fed_tokens < len(self.pending_token_ids[0]):
+            # re-feeding after a preemption: these tokens were chosen before; only the last one's
+            # logits are new, so nothing is scored (nor sampled: the generator is not touched)
+            self.pending_token_ids = [pending[self._num_fed_tokens:] for pending in self.pending_token_ids]
             return None
         num_generated = self.decoder.num_generated_tokens + 1  # every step generates one token per sequence
         step = self.decoder.advance(scores)
@@ -273,6 +296,35 @@ class Request:
         """Give back every block; safe to call twice (abort after finish)."""
         self.kv.free()
 
+    # -- preemption ----------------------------------------------------------------------------------
+    def preempt(self, max_feed_tokens: int | None = None) -> int:
+        """Give back every block and start again from the prompt. The decoder keeps its state
+        (beams, scores, histories, its random generator), so once the prompt is prefilled again
+        every live sequence re-feeds the tokens it generated, `max_feed_tokens` a step in all (None:
+        at once), choosing nothing, and decoding goes on where it stopped. Returns the tokens whose
+        K/V were dropped (computed again, less what the prefix cache still holds)."""
+        num_generated = self.decoder.num_generated_tokens
+        num_dropped = self.num_prefilled_tokens + sum(num_generated - len(p) for p in self.pending_token_ids)
+        self._earlier_peak_blocks = self._peak_blocks()
+        self.kv.free()
+        self.kv = self.kv.cache.new_request(self.kv.key)
+        self.num_prefilled_tokens = 0
+        self.pending_token_ids = []
+        self.max_feed_tokens = max_feed_tokens
+        self.num_preemptions += 1
+        return num_dropped
+
+    def _resume(self) -> None:
+        """The prompt is prefilled again: fork it into the live sequences, each to re-feed its tokens."""
+        decoder = self.decoder
+        histories = [list(decoder.token_ids)] if self.is_sampling else [list(t) for t in decoder.live_token_ids]
+        self.kv.reorder([0] * len(histories))
+        self.pending_token_ids = histories
+
+    def _peak_blocks(self) -> dict[str, int]:
+        """The most distinct blocks held at once per pool, over every run since admission."""
+        return {name: max(n, self._earlier_peak_blocks.get(name, 0)) for name, n in self.kv.peak_blocks().items()}
+
     # -- results -----------------------------------------------------------------------------------
     def _completions(self) -> list[CompletionOutput]:
         decoder = self.decoder
@@ -299,7 +351,7 @@ class Request:
 
     def output(self) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt, self.source_token_ids, list(self.outputs or []),
-                             self.finished, peak_blocks=self.kv.peak_blocks(),
+                             self.finished, peak_blocks=self._peak_blocks(),
                              required_blocks=dict(self.admission.required_blocks),
                              num_cached_tokens=self.kv.num_cached_tokens,
                              prompt_logprobs=with_token_text(self.decoder.prompt_logprobs, self.tokenizer))

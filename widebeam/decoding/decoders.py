@@ -14,15 +14,16 @@ from dataclasses import dataclass
 import torch
 
 from widebeam.beam.search import BeamSearchState, Hypothesis
-from widebeam.decoding.penalties import TokenPenalties
 from widebeam.decoding.processors import (
     AllowedSetProcessor,
     BeamStateProcessor,
     LogitsProcessor,
+    SequenceStateProcessor,
     apply_processors,
     forcing_eos,
 )
-from widebeam.logprobs import PromptLogprobs, TokenLogprobs, token_logprobs
+from widebeam.decoding.logprobs import PromptLogprobs, token_logprobs
+from widebeam.logprobs import TokenLogprobs
 from widebeam.params import BeamSearchParams, SamplingParams
 from widebeam.sampling import sample_token, verify_draft_token
 
@@ -86,8 +87,8 @@ class SamplingDecoder:
         self.finish_reason: str | None = None
         self.logprobs: list[TokenLogprobs] | None = None if params.logprobs is None else []
         self.prompt_logprobs = _prompt_logprobs(params, prompt_token_ids)
-        for processor in self.processors:  # penalties: one sequence, its generated tokens as a live list
-            if isinstance(processor, TokenPenalties):
+        for processor in self.processors:  # penalties, a grammar: its generated tokens as a live list
+            if isinstance(processor, SequenceStateProcessor):
                 processor.follow(self.token_ids)
 
     @property

@@ -32,6 +32,16 @@ class BeamStateProcessor(Protocol):
 
 
 @runtime_checkable
+class SequenceStateProcessor(Protocol):
+    """A processor with state for a single sequence (penalties, a grammar matcher): a sampling decoder
+    hands it its generated tokens as a live list once, read at each call."""
+
+    def __call__(self, scores: torch.Tensor, num_generated_tokens: int) -> None: ...
+
+    def follow(self, generated_token_ids: list[int]) -> None: ...
+
+
+@runtime_checkable
 class AllowedSetProcessor(BeamStateProcessor, Protocol):
     """A processor that only allows a set of (beam, token) pairs each step (a catalogue): alone in
     a request's list, the beam search ranks that set directly instead of a masked copy of the rows."""

@@ -11,6 +11,10 @@ takes those blocks at admission; the ones other requests already hold cost it no
 copy in-use hits excepted: kv/managers.py `shares_hits`). The queue head waits when it
 does not fit; it is never skipped, never dropped, and never spins: requests that can never fit are
 rejected at admission, before they are queued.
+
+This is the `guaranteed_no_evict` policy; `max_utilization` (sched/preemption.py) builds on it. Under
+either, `preempt` takes a running request's blocks back: it waits at the head of the queue and
+resumes by recomputation (`Request.preempt`), its outputs unchanged.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from widebeam.kv.cache import KVCache
+from widebeam.kv.managers import SlidingWindowManager
 from widebeam.kv.prefix import PrefixHit
 from widebeam.sched.admission import Admission
 
@@ -51,6 +56,8 @@ class SchedulableRequest(Protocol):
 
     def gains_by_waiting(self, hit: PrefixHit, pending: set[bytes]) -> bool: ...
 
+    def preempt(self, max_feed_tokens: int | None = None) -> int: ...
+
 
 @dataclass
 class ScheduledRequest:
@@ -73,6 +80,8 @@ class SchedulerOutput:
 
 
 class Scheduler:
+    policy = "guaranteed_no_evict"
+
     def __init__(self, cache: KVCache, max_num_batched_tokens: int, num_draft_tokens: int = 0):
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
@@ -80,7 +89,13 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_draft_tokens = num_draft_tokens  # D drafted tokens per sequence each speculative step
         self.waiting: deque[SchedulableRequest] = deque()
-        self.running: list[SchedulableRequest] = []
+        self.running: list[SchedulableRequest] = []  # in the order they were admitted
+        self.num_preemptions = 0
+        self.num_recomputed_tokens = 0  # tokens computed again by preempted requests (prefix hits excepted)
+        # A resumed request re-feeds its generated tokens this many a step in all. A sliding window's
+        # bound assumes one token per sequence a step (beyond re-fed speculative ones), so one then.
+        sliding = any(isinstance(m, SlidingWindowManager) for m in cache.managers.values())
+        self.max_refeed_tokens = 1 if sliding else max_num_batched_tokens
 
     def add(self, request: SchedulableRequest) -> None:
         self.waiting.append(request)
@@ -94,8 +109,75 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def stats(self) -> dict:
+        return {"policy": self.policy, "preemptions": self.num_preemptions,
+                "recomputed_tokens": self.num_recomputed_tokens}
+
+    def preempt(self, request_id: str) -> bool:
+        """Take a running request's blocks back now (a test's or an operator's choice; the
+        `max_utilization` policy does it when a step runs short). It waits at the head of the queue
+        and resumes by recomputation, its outputs unchanged. False if no such request is running."""
+        for request in self.running:
+            if request.request_id == request_id:
+                self._preempt(request)
+                return True
+        return False
+
+    def _preempt(self, request: SchedulableRequest) -> None:
+        if self.num_draft_tokens:
+            raise RuntimeError("preemption needs an engine without speculative decoding")
+        self.running.remove(request)
+        self.num_recomputed_tokens += request.preempt(self.max_refeed_tokens)
+        self.num_preemptions += 1
+        self.waiting.insert(self._requeue_index(), request)
+
+    def _requeue_index(self) -> int:
+        """Where a preempted request waits: at the head of the queue."""
+        return 0
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        budget = self._schedule_running(out)
+        free = self._unreserved_blocks()
+        # Prompt blocks that requests still prefilling (or admitted below) are about to compute: a
+        # head that shares the next of them waits a step and takes them as a hit instead of
+        # computing them too (SGLang's in-batch prefix deferral).
+        pending = self._pending_prompt_blocks()
+        while self.waiting and budget > 0:
+            head = self.waiting[0]
+            # Cached prompt blocks count as held; those already in use cost no free block, those
+            # cached-evictable leave the free count as the head takes them (see _unreserved_blocks).
+            hit = head.find_prefix_hit()
+            if head.gains_by_waiting(hit, pending):
+                break
+            need = {pool: blocks - hit.credit_blocks.get(pool, 0)
+                    for pool, blocks in head.admission.required_blocks.items()}
+            if any(blocks > free[pool] for pool, blocks in need.items()):
+                break
+            for pool, blocks in need.items():
+                free[pool] -= blocks
+            budget -= self._admit(out, hit, pending, budget)
+        out.num_batched_tokens = self.max_num_batched_tokens - budget
+        return out
+
+    def _admit(self, out: SchedulerOutput, hit: PrefixHit, pending: set[bytes], budget: int) -> int:
+        """Move the queue's head to the running requests with its prefix `hit` and schedule its
+        first prompt chunk; returns the chunk's tokens."""
+        head = self.waiting.popleft()
+        head.take_prefix_hit(hit)
+        if getattr(head, "num_preemptions", 0):  # (simulated requests in tests have none)
+            self.num_recomputed_tokens -= hit.num_tokens  # the cache still held these
+        pending.update(head.unnamed_prompt_blocks())
+        self.running.append(head)
+        chunk = min(head.num_prompt_tokens_left, budget)
+        out.scheduled.append(ScheduledRequest(head, chunk))
+        return chunk
+
+    def _pending_prompt_blocks(self) -> set[bytes]:
+        return {h for r in self.running if not r.prompt_done for h in r.unnamed_prompt_blocks()}
+
+    def _schedule_running(self, out: SchedulerOutput) -> int:
+        """Schedule the running requests; returns the token budget left."""
         budget = self.max_num_batched_tokens
         # Decodes first: a running request's live beams decode together or not at all. The first
         # one always goes, so a request wider than the budget still makes progress.
@@ -114,32 +196,7 @@ class Scheduler:
             chunk = min(request.num_prompt_tokens_left, budget)
             out.scheduled.append(ScheduledRequest(request, chunk))
             budget -= chunk
-        free = self._unreserved_blocks()
-        # Prompt blocks that requests still prefilling (or admitted below) are about to compute: a
-        # head that shares the next of them waits a step and takes them as a hit instead of
-        # computing them too (SGLang's in-batch prefix deferral).
-        pending = {h for r in self.running if not r.prompt_done for h in r.unnamed_prompt_blocks()}
-        while self.waiting and budget > 0:
-            head = self.waiting[0]
-            # Cached prompt blocks count as held; those already in use cost no free block, those
-            # cached-evictable leave the free count as the head takes them (see _unreserved_blocks).
-            hit = head.find_prefix_hit()
-            if head.gains_by_waiting(hit, pending):
-                break
-            need = {pool: blocks - hit.credit_blocks.get(pool, 0)
-                    for pool, blocks in head.admission.required_blocks.items()}
-            if any(blocks > free[pool] for pool, blocks in need.items()):
-                break
-            for pool, blocks in need.items():
-                free[pool] -= blocks
-            head.take_prefix_hit(hit)
-            pending.update(head.unnamed_prompt_blocks())
-            self.running.append(self.waiting.popleft())
-            chunk = min(head.num_prompt_tokens_left, budget)
-            out.scheduled.append(ScheduledRequest(head, chunk))
-            budget -= chunk
-        out.num_batched_tokens = self.max_num_batched_tokens - budget
-        return out
+        return budget
 
     def _unreserved_blocks(self) -> dict[str, int]:
         """Blocks not in use per pool (free and cached-evictable: taking one evicts it) minus what

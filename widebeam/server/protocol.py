@@ -104,6 +104,8 @@ class _GenerationFields(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    # Structured output: {"type": "text" | "json_object" | "json_schema", "json_schema": {name, schema, strict}}
+    response_format: dict | None = None
     # vLLM's extension: each prompt token's log-prob and its `prompt_logprobs` most likely alternatives
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # OpenAI fields accepted only at their neutral values.
@@ -305,17 +307,17 @@ def plan_request(req: _GenerationFields) -> Plan:
     stop_token_ids = tuple(req.stop_token_ids or ())
     if _given(req, "stream_options") and not req.stream:
         raise invalid("stream_options", "stream_options needs stream: true")
-    logprobs = {"logprobs": num_top, "prompt_logprobs": num_prompt_top}
+    extra = {"logprobs": num_top, "prompt_logprobs": num_prompt_top, "response_format": req.response_format}
     if req.use_beam_search:
-        plan = _beam_plan(req, max_tokens, stop, stop_token_ids, max_tokens_name, logprobs)
+        plan = _beam_plan(req, max_tokens, stop, stop_token_ids, max_tokens_name, extra)
     else:
-        plan = _sampling_plan(req, max_tokens, stop, stop_token_ids, max_tokens_name, logprobs)
+        plan = _sampling_plan(req, max_tokens, stop, stop_token_ids, max_tokens_name, extra)
     plan.num_top_logprobs, plan.echo = num_top, bool(getattr(req, "echo", False))
     plan.prompt_logprobs = req.prompt_logprobs
     return plan
 
 
-def _sampling_plan(req, max_tokens, stop, stop_token_ids, max_tokens_name: str, logprobs: dict) -> Plan:
+def _sampling_plan(req, max_tokens, stop, stop_token_ids, max_tokens_name: str, extra: dict) -> Plan:
     """n (or best_of) engine requests per prompt; the prompt's log-probs only in the first one."""
     for name in CATALOGUE_FIELDS:
         if _given(req, name):
@@ -340,11 +342,11 @@ def _sampling_plan(req, max_tokens, stop, stop_token_ids, max_tokens_name: str, 
             top_k=0 if req.top_k is None else req.top_k, top_p=1.0 if req.top_p is None else req.top_p,
             seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=req.ignore_eos,
             min_new_tokens=req.min_tokens, _max_tokens_name=max_tokens_name, **_penalties(req),
-            logprobs=logprobs["logprobs"], prompt_logprobs=logprobs["prompt_logprobs"] if i == 0 else None))
+            **{**extra, "prompt_logprobs": extra["prompt_logprobs"] if i == 0 else None}))
     return Plan(params, beam=False, n=req.n, width_field="n")
 
 
-def _beam_plan(req, max_tokens, stop, stop_token_ids, max_tokens_name: str, logprobs: dict) -> Plan:
+def _beam_plan(req, max_tokens, stop, stop_token_ids, max_tokens_name: str, extra: dict) -> Plan:
     if req.temperature is not None and req.temperature > 0:
         raise invalid("temperature", f"beam search is deterministic: temperature must be 0 or absent, "
                                      f"got {req.temperature}")
@@ -367,7 +369,7 @@ def _beam_plan(req, max_tokens, stop, stop_token_ids, max_tokens_name: str, logp
         early_stopping=False if req.early_stopping is None else req.early_stopping,
         num_return_sequences=req.n, min_new_tokens=req.min_tokens, stop_token_ids=stop_token_ids, stop=stop,
         ignore_eos=req.ignore_eos, catalogue=req.catalogue, allowed_sequences=allowed_sequences,
-        _width_field=width_field, _max_tokens_name=max_tokens_name, **_penalties(req), **logprobs)
+        _width_field=width_field, _max_tokens_name=max_tokens_name, **_penalties(req), **extra)
     return Plan([params], beam=True, n=req.n, width_field=width_field)
 
 

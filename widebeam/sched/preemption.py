@@ -1,0 +1,158 @@
+"""The `max_utilization` capacity policy: admit on the next step's blocks, preempt when a step runs short.
+
+`guaranteed_no_evict` (sched/scheduler.py) reserves every request's worst case (W beams x N tokens),
+which beams that end early never use. Here, as in TensorRT-LLM's MAX_UTILIZATION, vLLM and SGLang:
+- a waiting request is admitted when its first step's blocks (`first_step_blocks`: its prefix hit
+  and first prompt chunk) fit in what is free (cached-evictable blocks count as free) after the
+  running requests' own next steps and the remaining reservations of guaranteed requests (below);
+- when the running requests' next steps (`step_blocks`) do not fit what is free, the most recently
+  admitted request is preempted, as a whole (all beams of a beam request together), until they fit:
+  its blocks go back, it waits at the head of the queue and resumes by recomputation
+  (`Request.preempt`: prompt prefilled again, the prefix cache often still holding it, then each live
+  beam's generated tokens re-fed; the decoder's beams, scores and random generator are untouched, so
+  outputs do not change);
+- no request is preempted forever: one preempted `max_preemptions` times (K) waits at the head of
+  the queue, before any newer request, until its whole worst case (`required_blocks`) fits beside
+  the reservations of the other guaranteed requests (preempting newer non-guaranteed ones to make
+  room), and from then on it is never preempted. The guaranteed requests' worst cases always fit the
+  pools together, so preempting every other request always gives them their blocks.
+Never-fit requests are rejected at admission under both policies (sched/admission.py).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from widebeam.kv.cache import KVCache
+from widebeam.sched.scheduler import ScheduledRequest, SchedulableRequest, Scheduler, SchedulerOutput
+from widebeam.sched.step_blocks import first_step_blocks, step_blocks
+
+
+def make_scheduler(policy: str, cache: KVCache, max_num_batched_tokens: int, max_preemptions: int,
+                   num_draft_tokens: int = 0) -> Scheduler:
+    """The scheduler of a capacity `policy` (config.py: SCHEDULING_POLICIES)."""
+    if policy == MaxUtilizationScheduler.policy:
+        if num_draft_tokens:
+            raise ValueError("the max_utilization policy needs an engine without speculative decoding")
+        return MaxUtilizationScheduler(cache, max_num_batched_tokens, max_preemptions)
+    if policy != Scheduler.policy:
+        raise ValueError(f"unknown scheduling policy {policy!r}")
+    return Scheduler(cache, max_num_batched_tokens, num_draft_tokens)
+
+
+def _fits(need: dict[str, int], free: dict[str, int]) -> bool:
+    return all(blocks <= free[pool] for pool, blocks in need.items())
+
+
+class MaxUtilizationScheduler(Scheduler):
+    policy = "max_utilization"
+
+    def __init__(self, cache: KVCache, max_num_batched_tokens: int, max_preemptions: int):
+        super().__init__(cache, max_num_batched_tokens)
+        if max_preemptions < 0:
+            raise ValueError(f"max_preemptions must be >= 0, got {max_preemptions}")
+        self.max_preemptions = max_preemptions
+        self.guaranteed: set[SchedulableRequest] = set()  # running under their worst-case reservation
+        self.num_guaranteed_admissions = 0
+
+    def remove(self, request: SchedulableRequest) -> None:
+        super().remove(request)
+        self.guaranteed.discard(request)
+
+    def stats(self) -> dict:
+        return {**super().stats(), "max_preemptions": self.max_preemptions,
+                "guaranteed_admissions": self.num_guaranteed_admissions}
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        self._schedule_running(out)
+        self._fit_running(out)
+        budget = self.max_num_batched_tokens - sum(self._tokens(item) for item in out.scheduled)
+        pending = self._pending_prompt_blocks()
+        while self.waiting and budget > 0:
+            head = self.waiting[0]
+            hit = head.find_prefix_hit()
+            if head.gains_by_waiting(hit, pending):
+                break
+            if self._starving(head):
+                # its whole worst case; room is made by preempting newer requests, and if even that
+                # is not enough the guaranteed ones finish first (nothing newer is admitted meanwhile)
+                while not _fits(self._reservation(head, hit), self._available(out)) and self._victim() is not None:
+                    self._preempt_scheduled(out, self._victim())
+                    hit = head.find_prefix_hit()  # the victim's blocks may be cached now, no longer shared
+                if not _fits(self._reservation(head, hit), self._available(out)):
+                    break
+                self.guaranteed.add(head)
+                self.num_guaranteed_admissions += 1
+            else:
+                chunk = min(head.num_prompt_tokens_left - hit.num_tokens, budget)
+                encoder_tokens = len(getattr(head, "encoder_token_ids", None) or ())
+                if not _fits(first_step_blocks(head.kv, hit, chunk, encoder_tokens), self._available(out)):
+                    break
+            budget -= self._admit(out, hit, pending, budget)
+        out.num_batched_tokens = self.max_num_batched_tokens - budget
+        return out
+
+    # -- preemption -------------------------------------------------------------------------------
+    def _fit_running(self, out: SchedulerOutput) -> None:
+        """Preempt the most recently admitted non-guaranteed requests until the scheduled steps'
+        blocks fit what is free. With none left to preempt, the steps go as they are: guaranteed
+        requests' blocks are there by their reservations."""
+        while True:
+            need: Counter[str] = Counter()
+            for item in out.scheduled:
+                need.update(self._step_need(item))
+            if _fits(need, self.cache.num_free_blocks()):
+                return
+            victim = self._victim()
+            if victim is None:
+                return
+            self._preempt_scheduled(out, victim)
+
+    def _preempt_scheduled(self, out: SchedulerOutput, victim: SchedulableRequest) -> None:
+        self._preempt(victim)
+        out.scheduled = [item for item in out.scheduled if item.request is not victim]
+
+    def _victim(self) -> SchedulableRequest | None:
+        """The most recently admitted running request that is not guaranteed."""
+        for request in reversed(self.running):
+            if request not in self.guaranteed:
+                return request
+        return None
+
+    def _starving(self, request: SchedulableRequest) -> bool:
+        return request.num_preemptions >= self.max_preemptions
+
+    def _requeue_index(self) -> int:
+        """At the head of the queue, behind the starving requests already there."""
+        index = 0
+        while index < len(self.waiting) and self._starving(self.waiting[index]):
+            index += 1
+        return index
+
+    # -- blocks -----------------------------------------------------------------------------------
+    def _available(self, out: SchedulerOutput) -> dict[str, int]:
+        """Free blocks (cached-evictable included) less the scheduled steps of non-guaranteed
+        requests and the remaining worst cases of guaranteed ones (their steps included)."""
+        free = self.cache.num_free_blocks()
+        for item in out.scheduled:
+            if item.request not in self.guaranteed:
+                for pool, blocks in self._step_need(item).items():
+                    free[pool] -= blocks
+        for request in self.guaranteed:
+            for pool, blocks in request.remaining_blocks().items():
+                free[pool] -= blocks
+        return free
+
+    @staticmethod
+    def _reservation(request: SchedulableRequest, hit) -> dict[str, int]:
+        """A request's worst case less the prefix blocks it would share (guaranteed_no_evict's need)."""
+        return {pool: blocks - hit.credit_blocks.get(pool, 0) for pool, blocks in request.admission.required_blocks.items()}
+
+    def _step_need(self, item: ScheduledRequest) -> dict[str, int]:
+        request = item.request
+        encoder_tokens = len(getattr(request, "encoder_token_ids", None) or ())
+        return step_blocks(request.kv, item.num_prompt_tokens or request.num_feed_tokens, encoder_tokens)
+
+    def _tokens(self, item: ScheduledRequest) -> int:
+        return item.num_prompt_tokens or item.request.num_step_tokens(self.num_draft_tokens)

@@ -1,0 +1,1 @@
+"""Structured output: `response_format` (JSON mode, JSON schema) as a grammar constraint per beam."""
