@@ -1,0 +1,194 @@
+"""Preemption changes no output (issue #21): requests run through the public engine (`add_request`,
+`step`, and `scheduler.preempt(request_id)` at chosen steps) give the tokens, texts, finish reasons
+and scores of an unpreempted run, under both capacity policies: greedy, seeded sampling, beam search
+up to W=32, an encoder-decoder (Marian) and sliding-window pools (Gemma 3). Preempted during the
+prefill, right after it, mid-decode and twice. Every engine ends with all its blocks back (the
+autouse check in tests/conftest.py)."""
+
+from __future__ import annotations
+
+import pytest
+from tiny_models import TINY_MARIAN_EOS, save_tiny_model
+
+from widebeam.engine import LLM
+from widebeam.params import BeamSearchParams, SamplingParams
+
+POLICIES = ["guaranteed_no_evict", "max_utilization"]
+CHUNK = 8  # max_num_batched_tokens: a prompt of 20 takes 3 prefill steps
+
+PROMPT = list(range(3, 23))  # 20 tokens
+
+
+def requests_for(width_cap: int = 32, prompt=PROMPT, eos_free: bool = True):
+    beam = dict(ignore_eos=False)
+    return {
+        "greedy": (prompt, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=eos_free)),
+        "sampled": (prompt[:13], SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.95, seed=11)),
+        "beam4": (prompt[2:], BeamSearchParams(beam_width=4, max_new_tokens=10, **beam)),
+        f"beam{width_cap}": ([t + 60 for t in prompt[:17]], BeamSearchParams(beam_width=width_cap, max_new_tokens=8,
+                                                          num_return_sequences=3, **beam)),
+    }
+
+
+def state_of(request) -> str:
+    if not request.prompt_done:
+        return "prefill"
+    if request.pending_token_ids and len(request.pending_token_ids[0]) > 1:
+        return "re-feeding"
+    generated = request.decoder.num_generated_tokens
+    return "first token" if generated == 1 else "decode" if generated >= 3 else "early decode"
+
+
+def run(llm, requests, preempt_at=None, plan=None):
+    """Run `requests` (id -> (prompt ids, params)). Before step i, preempt the ids `preempt_at[i]`
+    lists (those running then); and each request of `plan` (id -> states) when it is next found in
+    the first state left on its list. Returns (outputs by id, [(id, state when preempted)], steps)."""
+    engine = llm.engine
+    preempt_at = preempt_at or {}
+    plan = {request_id: list(states) for request_id, states in (plan or {}).items()}
+    outputs = {}
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(request_id, {"prompt_token_ids": list(prompt)}, params)
+    forced = []  # (id, the state it was preempted in)
+    step = 0
+    while engine.has_unfinished():
+        chosen = list(preempt_at.get(step, ()))
+        for request_id, states in plan.items():
+            request = engine._requests.get(request_id)
+            if states and request in engine.scheduler.running and state_of(request) == states[0]:
+                states.pop(0)
+                chosen.append(request_id)
+        for request_id in chosen:
+            request = engine._requests.get(request_id)
+            state = None if request is None else state_of(request)
+            if engine.scheduler.preempt(request_id):
+                forced.append((request_id, state))
+        for delta in engine.step():
+            assert delta.error is None, delta.error
+            if delta.finished:
+                outputs[delta.request_id] = delta.output
+        step += 1
+        assert step < 2000, "the engine did not finish"
+    assert not any(plan.values()), f"planned preemptions not made: {plan}"
+    return outputs, forced, step
+
+
+def assert_same(got, expected):
+    assert got.keys() == expected.keys()
+    for request_id, want in expected.items():
+        have = got[request_id]
+        assert [c.token_ids for c in have.outputs] == [c.token_ids for c in want.outputs], request_id
+        assert [c.text for c in have.outputs] == [c.text for c in want.outputs], request_id
+        assert [c.finish_reason for c in have.outputs] == [c.finish_reason for c in want.outputs], request_id
+        # recomputed K/V in other batch shapes: float rounding in the last bits, nothing more
+        assert [c.cumulative_logprob for c in have.outputs] == pytest.approx(
+            [c.cumulative_logprob for c in want.outputs], abs=1e-4), request_id
+        assert [c.score for c in have.outputs] == pytest.approx([c.score for c in want.outputs], abs=1e-4), request_id
+        assert all(have.peak_blocks[p] <= have.required_blocks[p] for p in have.required_blocks), request_id
+
+
+def make(path, policy, **kwargs):
+    settings = dict(device="cpu", tokens_per_block=4, max_beam_width=32, max_num_batched_tokens=CHUNK,
+                    kv_cache_memory=4 * 1024 * 1024, scheduling_policy=policy)
+    settings.update(kwargs)
+    return LLM(str(path), **settings)
+
+
+# When to preempt each request: in the states listed, in order (a prompt of 20 is prefilled in 3
+# chunks of 8, so every prompt but the shortest is seen mid-prefill).
+ALL = ["greedy", "sampled", "beam4", "beam32"]
+FORCED = {
+    "during prefill": {"greedy": ["prefill"], "beam4": ["prefill"], "beam32": ["prefill"]},
+    "right after prefill": {request_id: ["first token"] for request_id in ALL},
+    "mid-decode": {request_id: ["decode"] for request_id in ALL},
+    "twice": {"greedy": ["prefill", "decode"], "sampled": ["first token", "decode"], "beam4": ["decode", "decode"],
+              "beam32": ["first token", "first token"]},
+}
+
+
+@pytest.fixture(scope="module")
+def llama_reference(tiny_llama_dir):
+    outputs, _, _ = run(make(tiny_llama_dir, "guaranteed_no_evict"), requests_for())
+    return outputs
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("when", sorted(FORCED))
+def test_forced_preemptions_change_no_output(tiny_llama_dir, llama_reference, policy, when):
+    llm = make(tiny_llama_dir, policy)
+    outputs, forced, _ = run(llm, requests_for(), plan=FORCED[when])
+    assert sorted(forced) == sorted((i, state) for i, states in FORCED[when].items() for state in states)
+    stats = llm.stats()["scheduling"]
+    assert stats["policy"] == policy and stats["preemptions"] == len(forced)
+    assert stats["recomputed_tokens"] > 0
+    assert_same(outputs, llama_reference)
+
+
+def test_a_request_preempted_every_few_steps_still_matches(tiny_llama_dir, llama_reference):
+    """Preempted again and again, sometimes before its re-fed tokens are all back."""
+    llm = make(tiny_llama_dir, "max_utilization", max_preemptions=100)
+    schedule = {step: ["beam32", "sampled", "greedy", "beam4"] for step in range(2, 60, 3)}
+    outputs, forced, _ = run(llm, requests_for(), schedule)
+    assert len(forced) >= 10 and any(state == "re-feeding" for _, state in forced), forced
+    assert_same(outputs, llama_reference)
+
+
+def test_max_utilization_on_a_small_pool_preempts_and_matches(tiny_llama_dir, llama_reference):
+    """No forced preemption: the pool is too small for every running request's next steps, so the
+    policy preempts on its own, and the outputs are still the reference's."""
+    small = make(tiny_llama_dir, "guaranteed_no_evict", kv_cache_memory=90 * 4096)
+    total = small.stats()["pools"]["self"]["total_blocks"]
+    reference_small, _, _ = run(small, requests_for())
+    assert_same(reference_small, llama_reference)
+    llm = make(tiny_llama_dir, "max_utilization", kv_cache_memory=90 * 4096)
+    assert llm.stats()["pools"]["self"]["total_blocks"] == total
+    outputs, _, _ = run(llm, requests_for())
+    assert llm.stats()["scheduling"]["preemptions"] > 0
+    assert_same(outputs, llama_reference)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_encoder_decoder_outputs_survive_preemption(tiny_marian_dir, policy):
+    source = [5, 17, 33, 9, 100, 3, 7, 7, 9, 11, 12, TINY_MARIAN_EOS]
+    requests = {
+        "greedy": (source, SamplingParams(max_new_tokens=10, temperature=0)),
+        "sampled": (source[3:], SamplingParams(max_new_tokens=10, temperature=1.0, seed=3)),
+        "beam8": (source, BeamSearchParams(beam_width=8, max_new_tokens=10, num_return_sequences=2)),
+        "beam32": (source[1:], BeamSearchParams(beam_width=32, max_new_tokens=6)),
+    }
+    reference, _, _ = run(make(tiny_marian_dir, "guaranteed_no_evict"), requests)
+    for plan in ({"greedy": ["first token"], "beam8": ["first token", "decode"], "beam32": ["decode"],
+                  "sampled": ["first token"]},
+                 {request_id: ["decode", "decode"] for request_id in requests}):
+        llm = make(tiny_marian_dir, policy)
+        outputs, forced, _ = run(llm, requests, plan=plan)
+        assert len(forced) >= 3, forced
+        assert_same(outputs, reference)
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-gemma3-preemption")
+    save_tiny_model(path, "gemma3_text", num_hidden_layers=6, tie_word_embeddings=True, head_dim=16,
+                    sliding_window=8, layer_types=["sliding_attention"] * 5 + ["full_attention"])
+    return path
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_sliding_window_outputs_survive_preemption(gemma3_dir, policy):
+    """Generations longer than the window: the re-fed tokens slide the window as the first run did."""
+    prompt = list(range(3, 23))
+    requests = {
+        "greedy": (prompt, SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True)),
+        "sampled": (prompt[:11], SamplingParams(max_new_tokens=16, temperature=1.0, seed=5, ignore_eos=True)),
+        "beam4": (prompt, BeamSearchParams(beam_width=4, max_new_tokens=14, ignore_eos=True)),
+        "beam16": (prompt[:6], BeamSearchParams(beam_width=16, max_new_tokens=12, num_return_sequences=2)),
+    }
+    reference, _, _ = run(make(gemma3_dir, "guaranteed_no_evict"), requests)
+    for plan in ({"greedy": ["prefill"], "beam4": ["prefill", "decode"], "beam16": ["first token"],
+                  "sampled": ["decode"]},
+                 {request_id: ["decode", "decode"] for request_id in requests}):
+        llm = make(gemma3_dir, policy)
+        outputs, forced, _ = run(llm, requests, plan=plan)
+        assert len(forced) >= 4, forced
+        assert_same(outputs, reference)
