@@ -133,18 +133,47 @@ def test_a_request_preempted_every_few_steps_still_matches(tiny_llama_dir, llama
     assert_same(outputs, llama_reference)
 
 
-def test_max_utilization_on_a_small_pool_preempts_and_matches(tiny_llama_dir, llama_reference):
-    """No forced preemption: the pool is too small for every running request's next steps, so the
-    policy preempts on its own, and the outputs are still the reference's."""
-    small = make(tiny_llama_dir, "guaranteed_no_evict", kv_cache_memory=90 * 4096)
-    total = small.stats()["pools"]["self"]["total_blocks"]
-    reference_small, _, _ = run(small, requests_for())
-    assert_same(reference_small, llama_reference)
-    llm = make(tiny_llama_dir, "max_utilization", kv_cache_memory=90 * 4096)
-    assert llm.stats()["pools"]["self"]["total_blocks"] == total
-    outputs, _, _ = run(llm, requests_for())
-    assert llm.stats()["scheduling"]["preemptions"] > 0
-    assert_same(outputs, llama_reference)
+# Four W=8 beam searches and two greedy requests, N=24: their worst cases (50-58 blocks each) run one at
+# a time in a pool of 64 blocks under guaranteed_no_evict; max_utilization runs them together until the
+# pool runs short, then preempts.
+CROWD = {f"beam{i}": ([5 + 7 * i + j for j in range(8 + i)], BeamSearchParams(beam_width=8, max_new_tokens=24,
+                                                                                ignore_eos=True)) for i in range(4)}
+CROWD.update({f"greedy{i}": ([90 + i] * 6, SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True))
+              for i in range(2)})
+
+
+@pytest.mark.parametrize("max_preemptions", [0, 1, 3])
+def test_max_utilization_on_a_small_pool_preempts_on_its_own_and_matches(tiny_llama_dir, max_preemptions):
+    """No forced preemption: the policy preempts when the running requests' next steps do not fit,
+    never one request more than K times (then it runs under its worst-case reservation), and the
+    outputs are the reference's."""
+    reference, _, reference_steps = run(make(tiny_llama_dir, "guaranteed_no_evict", kv_cache_memory=64 * 2048,
+                                             max_num_batched_tokens=64), CROWD)
+    llm = make(tiny_llama_dir, "max_utilization", kv_cache_memory=64 * 2048, max_num_batched_tokens=64,
+               max_preemptions=max_preemptions)
+    assert llm.stats()["pools"]["self"]["total_blocks"] == 64
+    scheduler = llm.engine.scheduler
+    preempted = []
+    preempt = scheduler._preempt
+
+    def spy(request):
+        assert request not in scheduler.guaranteed, "a request under its reservation was preempted"
+        preempted.append(request.request_id)
+        preempt(request)
+
+    scheduler._preempt = spy
+    outputs, _, steps = run(llm, CROWD)
+    stats = llm.stats()["scheduling"]
+    assert stats["preemptions"] == len(preempted)
+    if max_preemptions == 0:
+        assert preempted == [] and steps == reference_steps  # K=0: every request reserves its worst case
+    else:
+        assert stats["preemptions"] > 0 and stats["recomputed_tokens"] > 0
+        assert steps < reference_steps  # the point of the policy: more requests at once
+        assert max(preempted.count(i) for i in set(preempted)) <= max_preemptions
+    if max_preemptions == 1:
+        assert stats["guaranteed_admissions"] > 0  # the starvation guard ran
+    assert_same(outputs, reference)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
