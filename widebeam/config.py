@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from widebeam.defaults import (
     DEFAULT_KV_CACHE_FRACTION,
+    DEFAULT_LINEAR_BACKEND,
     DEFAULT_MAX_BEAM_WIDTH,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MODEL,
@@ -24,6 +25,8 @@ class ModelConfig:
     device: str | None = None  # None: cuda when available, else cpu
     # None: $WIDEBEAM_ATTENTION_BACKEND, else "sdpa" (model/attention_backends.py); chosen once
     attention_backend: str | None = None
+    # "onednn": float32 CPU linears with the weight packed once (model/packed_linear.py); "torch": F.linear
+    linear_backend: str = DEFAULT_LINEAR_BACKEND
 
 
 @dataclass(frozen=True)
@@ -126,7 +129,7 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, model: str = DEFAULT_MODEL, *, dtype: str = "float32", device: str | None = None,
-                    attention_backend: str | None = None,
+                    attention_backend: str | None = None, linear_backend: str = DEFAULT_LINEAR_BACKEND,
                     kv_cache_memory: int | str | None = None, kv_cache_fraction: float = DEFAULT_KV_CACHE_FRACTION,
                     tokens_per_block: int = DEFAULT_TOKENS_PER_BLOCK, max_seq_len: int | None = None,
                     max_beam_width: int = DEFAULT_MAX_BEAM_WIDTH,
@@ -151,7 +154,7 @@ class EngineConfig:
             raise InvalidParameterError("scheduling_policy", "{scheduling_policy}='max_utilization' needs an engine "
                                         "without speculative decoding: drop the speculative options or use "
                                         "'guaranteed_no_evict'")
-        return cls(ModelConfig(model, dtype, device, attention_backend),
+        return cls(ModelConfig(model, dtype, device, attention_backend, linear_backend),
                    CacheConfig(kv_cache_memory, kv_cache_fraction, tokens_per_block, bool(enable_prefix_caching),
                                _pinned_prefixes(pinned_prefixes, enable_prefix_caching)),
                    SchedulerConfig(max_num_batched_tokens, max_beam_width, max_seq_len, scheduling_policy,

@@ -56,7 +56,7 @@ log = logging.getLogger("widebeam")
 class LLMEngine:
     def __init__(self, model: str = DEFAULT_MODEL, catalogues: dict | None = None, **kwargs):
         """`kwargs`: the settings of `EngineConfig.from_kwargs` (dtype, device, attention_backend,
-        kv_cache_memory, kv_cache_fraction, tokens_per_block, max_seq_len, max_beam_width,
+        linear_backend, kv_cache_memory, kv_cache_fraction, tokens_per_block, max_seq_len, max_beam_width,
         max_num_batched_tokens, speculative_model, num_speculative_tokens, speculative_method,
         speculative_dtype, speculative_adaptive, enable_prefix_caching, pinned_prefixes: prompts
         computed at start-up whose blocks stay cached, see pinning.py). `catalogues`: name -> source,
@@ -68,7 +68,7 @@ class LLMEngine:
         self.device = torch.device(config.model.device) if config.model.device else default_device()
         self.dtype = config.model.dtype
         self.source = resolve_model(model)
-        self.model = load_model(self.source, self.dtype, self.device)
+        self.model = load_model(self.source, self.dtype, self.device, config.model.linear_backend)
         self.tokenizer = load_tokenizer(self.source)
         self.arch = self.model.arch
         self.catalogues = CatalogueRegistry(self.arch.vocab_size, self.device, self.tokenizer)

@@ -11,6 +11,7 @@ import torch
 from widebeam.kv.spec import WEIGHT_ONLY_DTYPES, kv_dtype
 from widebeam.model.families import SUPPORTED_MODEL_TYPES, ParsedConfig, parse_config  # noqa: F401
 from widebeam.model.loader import ModelSource, load_config, load_state_dict
+from widebeam.model.packed_linear import DEFAULT_LINEAR_BACKEND, pack_linears
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -91,8 +92,10 @@ def build_marian(parsed: ParsedConfig) -> torch.nn.Module:
                                       decoder_start_token_id=settings.decoder_start_token_id))
 
 
-def load_model(source: ModelSource, dtype: str, device: torch.device) -> torch.nn.Module:
-    """Build the model from config.json and fill it from safetensors (never a pickle)."""
+def load_model(source: ModelSource, dtype: str, device: torch.device,
+               linear_backend: str = DEFAULT_LINEAR_BACKEND) -> torch.nn.Module:
+    """Build the model from config.json and fill it from safetensors (never a pickle). float32 on
+    CPU: `linear_backend="onednn"` packs every linear's weight once for oneDNN (packed_linear.py)."""
     config = load_config(source)
     with torch.device("meta"):
         model = build_model(config)
@@ -100,7 +103,9 @@ def load_model(source: ModelSource, dtype: str, device: torch.device) -> torch.n
     model.load_weights(load_state_dict(source))
     model.tie_weights()  # to_empty gave the tied parameters separate storage
     model = model.to(device=device, dtype=torch_dtype(dtype)).eval()
-    return quantize_int8(model, device) if dtype == "int8" else model
+    if dtype == "int8":
+        return quantize_int8(model, device)
+    return pack_linears(model, device, linear_backend) if dtype == "float32" else model
 
 
 def load_tokenizer(source: ModelSource):

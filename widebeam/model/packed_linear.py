@@ -1,0 +1,69 @@
+"""Float32 linear layers with the weight packed once for oneDNN (issue #19).
+
+`F.linear` on CPU hands a plain row-major weight to the matmul library on every call; oneDNN's
+inner product with the weight reordered once into its own blocked layout
+(`torch.ops.mkldnn._reorder_linear_weight`) reads it faster at the few rows a decode step has.
+`pack_linears` swaps every `nn.Linear` of a float32 CPU model (lm_head included) for a
+`PackedLinear`; anything else (CUDA, other dtypes, a build without oneDNN) keeps `F.linear`, the
+reference. The A/B is benchmarks/linear_backend.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from widebeam.defaults import DEFAULT_LINEAR_BACKEND
+
+LINEAR_BACKENDS = ("onednn", "torch")
+
+
+def onednn_available() -> bool:
+    """Whether this build can pack a linear weight for oneDNN and run it."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(torch.ones(2, 2))
+        out = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 2), packed, None, "none", [], "")
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+    return bool(torch.equal(out, torch.full((1, 2), 2.0)))
+
+
+class PackedLinear(torch.nn.Module):
+    """`nn.Linear` in float32 on CPU, the weight held in oneDNN's blocked layout (an mkldnn tensor,
+    not a parameter: it is never trained, moved or saved). Same results as `F.linear` within
+    float32 rounding (tests/unit/test_packed_linear.py)."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        weight = linear.weight.detach()
+        if weight.dtype != torch.float32 or weight.device.type != "cpu":
+            raise ValueError(f"PackedLinear packs float32 CPU weights, got {weight.dtype} on {weight.device}")
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        rows = x.reshape(-1, self.in_features)
+        if not rows.is_contiguous():
+            rows = rows.contiguous()
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
+        return out.view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def pack_linears(model: torch.nn.Module, device: torch.device, backend: str = DEFAULT_LINEAR_BACKEND) -> torch.nn.Module:
+    """Every float32 `nn.Linear` of a CPU model as a `PackedLinear`, in place, when `backend` is
+    "onednn" and this build has oneDNN; otherwise the model unchanged (`F.linear`)."""
+    if backend not in LINEAR_BACKENDS:
+        raise ValueError(f"linear_backend must be one of {', '.join(LINEAR_BACKENDS)}, got {backend!r}")
+    if backend != "onednn" or device.type != "cpu" or not onednn_available():
+        return model
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
+                setattr(parent, name, PackedLinear(child))
+    return model
