@@ -20,7 +20,7 @@ PROMPT = list(range(3, 23))  # 20 tokens
 
 
 def requests_for(width_cap: int = 32, prompt=PROMPT, eos_free: bool = True):
-    beam = dict(ignore_eos=False)
+    beam = {"ignore_eos": False}
     return {
         "greedy": (prompt, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=eos_free)),
         "sampled": (prompt[:13], SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.95, seed=11)),
@@ -88,8 +88,8 @@ def assert_same(got, expected):
 
 
 def make(path, policy, **kwargs):
-    settings = dict(device="cpu", tokens_per_block=4, max_beam_width=32, max_num_batched_tokens=CHUNK,
-                    kv_cache_memory=4 * 1024 * 1024, scheduling_policy=policy)
+    settings = {"device": "cpu", "tokens_per_block": 4, "max_beam_width": 32, "max_num_batched_tokens": CHUNK,
+                "kv_cache_memory": 4 * 1024 * 1024, "scheduling_policy": policy}
     settings.update(kwargs)
     return LLM(str(path), **settings)
 

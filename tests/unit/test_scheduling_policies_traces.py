@@ -194,6 +194,7 @@ def test_random_workloads_under_both_policies(seed, tokens_per_block, window_tok
         return  # the pin itself does not fit this tiny cache: nothing to test
     (guaranteed, admitted_g, rejected_g), (utilized, admitted_u, rejected_u) = results.values()
     assert [r.request_id for r in admitted_g] == [r.request_id for r in admitted_u]  # the same rejections
+    assert rejected_g == rejected_u
     assert guaranteed.scheduler.num_preemptions == 0
     if not abort_probability:  # each request's beams come from its own generator: preemption changes none
         assert utilized.outputs == guaranteed.outputs
