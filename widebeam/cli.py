@@ -19,10 +19,12 @@ from widebeam.defaults import (
 )
 from widebeam.server.serve_cli import (
     add_prefix_cache_arguments,
+    add_scheduling_arguments,
     add_speculative_arguments,
     catalogue_error_message,
     error_message,
     prefix_cache_kwargs,
+    scheduling_kwargs,
     speculative_kwargs,
 )
 from widebeam.units import format_bytes
@@ -102,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object")
     add_speculative_arguments(g)
     add_prefix_cache_arguments(g)
+    add_scheduling_arguments(g)
     g.set_defaults(func=_cmd_generate)
 
     from widebeam.server.serve_cli import add_serve_parser
@@ -160,7 +163,7 @@ def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,
                   tokens_per_block=args.tokens_per_block, max_beam_width=max(args.beam_width or 1, 1),
                   **({"catalogues": catalogues} if catalogues else {}), **speculative_kwargs(args),
-                  **prefix_cache_kwargs(args))
+                  **prefix_cache_kwargs(args), **scheduling_kwargs(args))
         prompt = llm.engine.apply_chat_template(args.prompt) if args.chat else args.prompt
         (output,) = llm.generate([prompt], params, use_tqdm=False)
     except argparse.ArgumentTypeError as exc:

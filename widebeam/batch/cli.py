@@ -21,10 +21,12 @@ from widebeam.defaults import (
 )
 from widebeam.server.serve_cli import (
     add_prefix_cache_arguments,
+    add_scheduling_arguments,
     catalogue_spec,
     catalogues_kwargs,
     error_message,
     prefix_cache_kwargs,
+    scheduling_kwargs,
 )
 
 DTYPES = ("float32", "bfloat16", "float16", "int8")  # int8: int8 linear weights, float32 activations and KV
@@ -67,6 +69,7 @@ def add_batch_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--ray-address", default=None, help="join this Ray cluster (default: a local Ray instance)")
     r.add_argument("--cpus-per-replica", type=_int_at_least(1), default=1, help="CPU slots per replica without GPUs")
     add_prefix_cache_arguments(p)
+    add_scheduling_arguments(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_batch)
     return p
@@ -90,7 +93,7 @@ def _cmd_batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         parser.error("argument --ray-address: give --replicas N too")
     engine_kwargs = {"dtype": args.dtype, "device": args.device, "kv_cache_memory": args.kv_cache_memory,
                      "tokens_per_block": args.tokens_per_block, "max_beam_width": args.max_beam_width,
-                     "max_num_batched_tokens": args.max_num_batched_tokens}
+                     "max_num_batched_tokens": args.max_num_batched_tokens, **scheduling_kwargs(args)}
     try:
         engine_kwargs.update(prefix_cache_kwargs(args))
     except argparse.ArgumentTypeError as exc:

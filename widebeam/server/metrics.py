@@ -48,6 +48,25 @@ class _EngineCollector:
             yield from _prefix_cache_metrics(stats["prefix_cache"])
         if "speculative" in stats:
             yield from _speculative_metrics(stats["speculative"])
+        if "scheduling" in stats:
+            yield from _scheduling_metrics(stats["scheduling"])
+
+
+def _scheduling_metrics(scheduling: dict):
+    """The capacity policy (`--scheduling-policy`) and its preemptions, labelled by the policy:
+    requests preempted (blocks taken back, resumed by recomputation), and the tokens they computed
+    again (prompt and generated tokens whose K/V were dropped, less those the prefix cache still held)."""
+    labels, values = ["policy"], [scheduling["policy"]]
+    policy = GaugeMetricFamily("widebeam_scheduling_policy", "The engine's capacity scheduling policy (1)",
+                               labels=labels)
+    policy.add_metric(values, 1)
+    preemptions = CounterMetricFamily("widebeam_scheduling_preemptions", "Requests preempted (resumed by "
+                                      "recomputation, outputs unchanged)", labels=labels)
+    preemptions.add_metric(values, scheduling["preemptions"])
+    recomputed = CounterMetricFamily("widebeam_scheduling_recomputed_tokens", "Tokens computed again by "
+                                     "preempted requests (prefix-cache hits excepted)", labels=labels)
+    recomputed.add_metric(values, scheduling["recomputed_tokens"])
+    yield from (policy, preemptions, recomputed)
 
 
 def _prefix_cache_metrics(prefix: dict):

@@ -116,6 +116,27 @@ def add_prefix_cache_arguments(p: argparse.ArgumentParser, pins: bool = True) ->
     return p
 
 
+def add_scheduling_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """`--scheduling-policy` and `--max-preemptions K` (serve, generate, batch)."""
+    from widebeam.config import DEFAULT_MAX_PREEMPTIONS, SCHEDULING_POLICIES
+
+    g = p.add_argument_group("capacity scheduling")
+    g.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=SCHEDULING_POLICIES[0],
+                   help="guaranteed_no_evict (default): admit a request when its worst case (W beams x N tokens) "
+                        "fits, nothing is ever preempted; max_utilization: admit on the next step's blocks and "
+                        "preempt the newest request when a step runs short (it resumes by recomputation, its "
+                        "output unchanged)")
+    g.add_argument("--max-preemptions", type=_int_at_least(0), default=DEFAULT_MAX_PREEMPTIONS, metavar="K",
+                   help="max_utilization: a request preempted K times then runs under its worst-case reservation, "
+                        f"never preempted again, before any newer request (default {DEFAULT_MAX_PREEMPTIONS})")
+    return p
+
+
+def scheduling_kwargs(args: argparse.Namespace) -> dict:
+    """The engine's keyword arguments from `add_scheduling_arguments`' flags."""
+    return {"scheduling_policy": args.scheduling_policy, "max_preemptions": args.max_preemptions}
+
+
 def read_pinned_prefix(path: str) -> str | list[int]:
     """A `--pin-prefix` file: text (UTF-8), or a JSON list of token ids in a .json file. Raises
     `argparse.ArgumentTypeError` naming the file when it cannot be read or holds no prefix."""
@@ -251,6 +272,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "or .parquet file; its bytes come off the KV budget (repeatable)")
     add_speculative_arguments(p)
     add_prefix_cache_arguments(p)
+    add_scheduling_arguments(p)
     r = p.add_argument_group("replicas on Ray Serve (pip install 'widebeam[ray]')")
     r.add_argument("--replicas", type=_int_at_least(1), default=None,
                    help="serve N engine replicas behind Ray Serve (one GPU each where there are GPUs)")
@@ -306,7 +328,7 @@ def run_serve(args: argparse.Namespace) -> int:
                          kv_cache_memory=args.kv_cache_memory, kv_cache_fraction=args.kv_cache_fraction,
                          max_seq_len=args.max_seq_len, max_beam_width=args.max_beam_width,
                          max_num_batched_tokens=args.max_num_batched_tokens, **catalogues, **speculative_kwargs(args),
-                         **prefix_cache)
+                         **prefix_cache, **scheduling_kwargs(args))
     app_kwargs = {"model_name": args.served_model_name or args.model, "api_key": api_key,
                   "max_request_bytes": args.max_request_bytes, "model_aliases": model_aliases(args.model)}
     warning = exposure_warning(args.host, api_key)
