@@ -7,6 +7,7 @@ schema is a 400 naming `response_format` and xgrammar's reason, and frees everyt
 from __future__ import annotations
 
 import json
+import typing
 
 import jsonschema
 import openai
@@ -148,7 +149,7 @@ class Person(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid")
     name: str = pydantic.Field(max_length=8)
     age: int = pydantic.Field(ge=0, le=120)
-    tags: list[str] = pydantic.Field(max_length=3)
+    tags: list[typing.Literal["red", "green", "blue"]] = pydantic.Field(max_length=3)  # bounded: fits MAX_TOKENS
 
 
 def test_chat_json_schema_whole_streamed_and_parsed(client):
@@ -160,7 +161,7 @@ def test_chat_json_schema_whole_streamed_and_parsed(client):
         streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
             response_format=PERSON_FORMAT, seed=seed, stream=True, **kwargs) if c.choices)
         assert streamed == whole.message.content
-    parsed = client.chat.completions.parse(response_format=Person, **kwargs).choices[0].message.parsed
+    parsed = client.chat.completions.parse(response_format=Person, seed=0, **kwargs).choices[0].message.parsed
     assert isinstance(parsed, Person)
 
 
