@@ -72,3 +72,14 @@ def test_penalties_reach_the_engine(client):
                                       extra_body={"use_beam_search": True, "beam_width": 4,
                                                   "repetition_penalty": 1.3})
     assert len(beams.choices) == 2
+
+
+def test_logit_bias_and_suffix_pass_only_at_their_neutral_values(client):
+    plain = client.completions.create(model="tiny-chat", prompt="Hi", max_tokens=4, temperature=0)
+    neutral = client.completions.create(model="tiny-chat", prompt="Hi", max_tokens=4, temperature=0,
+                                        logit_bias={}, suffix="")
+    assert neutral.choices[0].text == plain.choices[0].text
+    for kwargs, param in (({"logit_bias": {"5": 10.0}}, "logit_bias"), ({"suffix": " end"}, "suffix")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model="tiny-chat", prompt="Hi", max_tokens=4, **kwargs)
+        assert info.value.body["param"] == param
