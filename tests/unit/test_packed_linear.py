@@ -119,3 +119,13 @@ def test_beam_sequences_equal_the_f_linear_path(engines, width):
         assert [s.token_ids for s in b.outputs] == [s.token_ids for s in a.outputs]
         for x, y in zip(a.outputs, b.outputs):
             assert y.score == pytest.approx(x.score, rel=1e-4, abs=1e-4)
+
+
+@needs_onednn
+def test_a_tied_weight_stays_reachable_and_an_untied_one_is_freed():
+    embed, head, proj = torch.nn.Embedding(10, 8), torch.nn.Linear(8, 10, bias=False), torch.nn.Linear(8, 8)
+    head.weight = embed.weight
+    model = pack_linears(torch.nn.ModuleDict({"embed": embed, "head": head, "proj": proj}), torch.device("cpu"))
+    assert model["head"].weight is embed.weight
+    assert [name for name, _ in model["proj"].named_parameters()] == []  # the float copy is freed
+    assert torch.equal(model["proj"].weight, proj.weight.detach())  # unpacked on read

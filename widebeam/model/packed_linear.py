@@ -32,14 +32,18 @@ def onednn_available() -> bool:
 class PackedLinear(torch.nn.Module):
     """`nn.Linear` in float32 on CPU, the weight held in oneDNN's blocked layout (an mkldnn tensor,
     not a parameter: it is never trained, moved or saved). Same results as `F.linear` within
-    float32 rounding (tests/unit/test_packed_linear.py)."""
+    float32 rounding (tests/unit/test_packed_linear.py). `keep_weight`: the float weight stays
+    reachable as `.weight` (a weight tied to an embedding, alive anyway); otherwise it is freed and
+    `.weight` is a plain copy unpacked on each read (for inspection, not for the forward pass)."""
 
-    def __init__(self, linear: torch.nn.Linear):
+    def __init__(self, linear: torch.nn.Linear, keep_weight: bool = False):
         super().__init__()
         weight = linear.weight.detach()
         if weight.dtype != torch.float32 or weight.device.type != "cpu":
             raise ValueError(f"PackedLinear packs float32 CPU weights, got {weight.dtype} on {weight.device}")
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        if keep_weight:  # registered before packed_weight exists: __getattr__ has no fallback yet
+            self.weight = linear.weight
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().contiguous())
 
@@ -50,6 +54,14 @@ class PackedLinear(torch.nn.Module):
             rows = rows.contiguous()
         out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
         return out.view(*shape[:-1], self.out_features)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name != "weight":
+                raise
+            return self.packed_weight.to_dense()  # a plain copy, for inspection (shapes, tests)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -62,8 +74,10 @@ def pack_linears(model: torch.nn.Module, device: torch.device, backend: str = DE
         raise ValueError(f"linear_backend must be one of {', '.join(LINEAR_BACKENDS)}, got {backend!r}")
     if backend != "onednn" or device.type != "cpu" or not onednn_available():
         return model
+    # a weight tied to another module's parameter (lm_head = embed_tokens) stays reachable as .weight
+    tied = {id(p) for m in model.modules() if type(m) is not torch.nn.Linear for p in m.parameters(recurse=False)}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is torch.nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
-                setattr(parent, name, PackedLinear(child))
+                setattr(parent, name, PackedLinear(child, keep_weight=id(child.weight) in tied))
     return model
