@@ -30,7 +30,6 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 
-
 @dataclass(frozen=True)
 class Logprob:
     logprob: float

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from widebeam.beam.search import BeamSearchState, Hypothesis
+from widebeam.decoding.logprobs import PromptLogprobs, token_logprobs
 from widebeam.decoding.processors import (
     AllowedSetProcessor,
     BeamStateProcessor,
@@ -22,7 +23,6 @@ from widebeam.decoding.processors import (
     apply_processors,
     forcing_eos,
 )
-from widebeam.decoding.logprobs import PromptLogprobs, token_logprobs
 from widebeam.logprobs import TokenLogprobs
 from widebeam.params import BeamSearchParams, SamplingParams
 from widebeam.sampling import sample_token, verify_draft_token
