@@ -25,7 +25,7 @@ class ModelConfig:
     device: str | None = None  # None: cuda when available, else cpu
     # None: $WIDEBEAM_ATTENTION_BACKEND, else "sdpa" (model/attention_backends.py); chosen once
     attention_backend: str | None = None
-    # "onednn": float32 CPU linears with the weight packed once (model/packed_linear.py); "torch": F.linear
+    # "auto" | "onednn" | "torch": float32 CPU linears with the weight packed once for oneDNN (model/packed_linear.py)
     linear_backend: str = DEFAULT_LINEAR_BACKEND
 
 

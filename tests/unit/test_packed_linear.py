@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from widebeam.model.packed_linear import PackedLinear, onednn_available, pack_linears
+from widebeam.model.packed_linear import PACKED_ROWS, PackedLinear, onednn_available, pack_linears
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
 
@@ -31,6 +31,26 @@ def test_packed_linear_equals_f_linear(rows, bias, in_features, out_features):
         expected, got = F.linear(x, linear.weight, linear.bias), packed(x)
     assert got.shape == expected.shape and got.dtype == torch.float32
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 2, 4, 17, 256, 257, 512])
+def test_auto_runs_f_linear_outside_its_row_counts_and_the_packed_weight_inside(rows, monkeypatch):
+    torch.manual_seed(rows)
+    linear = torch.nn.Linear(40, 24)
+    packed = PackedLinear(linear, keep_weight=True, packed_rows=PACKED_ROWS)
+    calls = []
+    pointwise = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(1) or pointwise(*a))
+    x = torch.randn(rows, 40)
+    with torch.inference_mode():
+        got, expected = packed(x), F.linear(x, linear.weight, linear.bias)
+    assert bool(calls) == (rows in PACKED_ROWS)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    if rows not in PACKED_ROWS:
+        assert torch.equal(got, expected)  # the very same kernel
+    with pytest.raises(ValueError, match="keep_weight"):
+        PackedLinear(linear, packed_rows=PACKED_ROWS)
 
 
 @needs_onednn
@@ -58,6 +78,7 @@ def test_torch_backend_no_onednn_and_other_devices_keep_f_linear(monkeypatch):
         return [type(m) for m in pack_linears(model, torch.device(device), backend).modules()][1:]
 
     assert linears("torch") == [torch.nn.Linear]
+    assert linears("auto", device="meta") == [torch.nn.Linear]
     assert linears("onednn", dtype=torch.bfloat16) == [torch.nn.Linear]
     assert linears("onednn", device="meta") == [torch.nn.Linear]
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
@@ -83,15 +104,18 @@ def engines(tiny_llama_dir):
         return LLM(str(tiny_llama_dir), device="cpu", linear_backend=backend, kv_cache_memory="2MiB",
                    enable_prefix_caching=False)
 
-    return llm("torch"), llm("onednn")
+    return llm("torch"), llm("onednn"), llm("auto")
 
 
 @needs_onednn
-def test_engine_model_holds_packed_linears_only_under_onednn(engines):
-    plain, packed = engines
+def test_engine_model_holds_packed_linears_only_under_onednn_and_auto(engines):
+    plain, packed, auto = engines
     assert isinstance(plain.engine.model.lm_head, torch.nn.Linear)
-    assert isinstance(packed.engine.model.lm_head, PackedLinear)
-    assert not any(isinstance(m, torch.nn.Linear) for m in packed.engine.model.modules())
+    for llm in (packed, auto):
+        assert isinstance(llm.engine.model.lm_head, PackedLinear)
+        assert not any(isinstance(m, torch.nn.Linear) for m in llm.engine.model.modules())
+    assert all(m.packed_rows is None for m in packed.engine.model.modules() if isinstance(m, PackedLinear))
+    assert all(m.packed_rows == PACKED_ROWS for m in auto.engine.model.modules() if isinstance(m, PackedLinear))
 
 
 PROMPTS = [[(i * 31 + k) % 120 + 3 for i in range(n)] for k, n in ((1, 9), (5, 23), (11, 40))]
@@ -103,8 +127,9 @@ def test_greedy_tokens_equal_the_f_linear_path(engines):
 
     params = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
     inputs = [{"prompt_token_ids": p} for p in PROMPTS]
-    plain, packed = (llm.generate(inputs, params, use_tqdm=False) for llm in engines)
-    assert [o.outputs[0].token_ids for o in packed] == [o.outputs[0].token_ids for o in plain]
+    plain, *others = (llm.generate(inputs, params, use_tqdm=False) for llm in engines)
+    for packed in others:
+        assert [o.outputs[0].token_ids for o in packed] == [o.outputs[0].token_ids for o in plain]
 
 
 @needs_onednn
@@ -114,8 +139,9 @@ def test_beam_sequences_equal_the_f_linear_path(engines, width):
 
     params = BeamSearchParams(beam_width=width, max_new_tokens=12, length_penalty=1.0)
     inputs = [{"prompt_token_ids": p} for p in PROMPTS]
-    plain, packed = (llm.generate(inputs, params, use_tqdm=False) for llm in engines)
-    for a, b in zip(plain, packed):
+    plain, *others = (llm.generate(inputs, params, use_tqdm=False) for llm in engines)
+    for a, b in (pair for packed in others for pair in zip(plain, packed)):
+        assert len(b.outputs) == len(a.outputs) >= 1
         assert [s.token_ids for s in b.outputs] == [s.token_ids for s in a.outputs]
         for x, y in zip(a.outputs, b.outputs):
             assert y.score == pytest.approx(x.score, rel=1e-4, abs=1e-4)

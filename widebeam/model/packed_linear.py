@@ -6,6 +6,14 @@ inner product with the weight reordered once into its own blocked layout
 `pack_linears` swaps every `nn.Linear` of a float32 CPU model (lm_head included) for a
 `PackedLinear`; anything else (CUDA, other dtypes, a build without oneDNN) keeps `F.linear`, the
 reference. The A/B is benchmarks/linear_backend.py.
+
+Backends: "torch" (F.linear); "onednn" (the packed weight at every row count, no float copy kept);
+"auto", the default (the packed weight for `PACKED_ROWS` rows, F.linear on the float weight
+otherwise: both kept, the linears' weights held twice). Measured over SmolLM2-135M's 211 linears,
+1 thread, torch 2.13, Xeon with AMX, the backends alternating pass by pass
+(`python benchmarks/linear_backend.py --linears-only --threads 1 --candidate onednn`,
+benchmarks/results/linear_backend_linears_threads1.json), F.linear time / oneDNN time: 0.80 at
+1 row, 0.83 at 2, 1.28 at 4, 1.22 at 16, 1.06 at 64, 1.01 at 128 and 256, 0.96 at 512.
 """
 
 from __future__ import annotations
@@ -14,7 +22,9 @@ import torch
 
 from widebeam.defaults import DEFAULT_LINEAR_BACKEND
 
-LINEAR_BACKENDS = ("onednn", "torch")
+LINEAR_BACKENDS = ("auto", "onednn", "torch")
+# "auto": the row counts the packed weight runs (a single row and long prefill chunks: F.linear)
+PACKED_ROWS = range(4, 129)
 
 
 def onednn_available() -> bool:
@@ -34,14 +44,18 @@ class PackedLinear(torch.nn.Module):
     not a parameter: it is never trained, moved or saved). Same results as `F.linear` within
     float32 rounding (tests/unit/test_packed_linear.py). `keep_weight`: the float weight stays
     reachable as `.weight` (a weight tied to an embedding, alive anyway); otherwise it is freed and
-    `.weight` is a plain copy unpacked on each read (for inspection, not for the forward pass)."""
+    `.weight` is a plain copy unpacked on each read (for inspection, not for the forward pass).
+    `packed_rows`: the row counts that run the packed weight, F.linear on the kept weight otherwise
+    (needs `keep_weight`); None: every row count."""
 
-    def __init__(self, linear: torch.nn.Linear, keep_weight: bool = False):
+    def __init__(self, linear: torch.nn.Linear, keep_weight: bool = False, packed_rows: range | None = None):
         super().__init__()
         weight = linear.weight.detach()
         if weight.dtype != torch.float32 or weight.device.type != "cpu":
             raise ValueError(f"PackedLinear packs float32 CPU weights, got {weight.dtype} on {weight.device}")
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        if packed_rows is not None and not keep_weight:
+            raise ValueError("packed_rows needs keep_weight: the other row counts run F.linear on the float weight")
+        self.in_features, self.out_features, self.packed_rows = linear.in_features, linear.out_features, packed_rows
         if keep_weight:  # registered before packed_weight exists: __getattr__ has no fallback yet
             self.weight = linear.weight
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
@@ -50,6 +64,8 @@ class PackedLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, self.in_features)
+        if self.packed_rows is not None and rows.shape[0] not in self.packed_rows:
+            return torch.nn.functional.linear(x, self.weight, self.bias)
         if not rows.is_contiguous():
             rows = rows.contiguous()
         out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
@@ -69,15 +85,16 @@ class PackedLinear(torch.nn.Module):
 
 def pack_linears(model: torch.nn.Module, device: torch.device, backend: str = DEFAULT_LINEAR_BACKEND) -> torch.nn.Module:
     """Every float32 `nn.Linear` of a CPU model as a `PackedLinear`, in place, when `backend` is
-    "onednn" and this build has oneDNN; otherwise the model unchanged (`F.linear`)."""
+    "onednn" or "auto" and this build has oneDNN; otherwise the model unchanged (`F.linear`)."""
     if backend not in LINEAR_BACKENDS:
         raise ValueError(f"linear_backend must be one of {', '.join(LINEAR_BACKENDS)}, got {backend!r}")
-    if backend != "onednn" or device.type != "cpu" or not onednn_available():
+    if backend == "torch" or device.type != "cpu" or not onednn_available():
         return model
     # a weight tied to another module's parameter (lm_head = embed_tokens) stays reachable as .weight
     tied = {id(p) for m in model.modules() if type(m) is not torch.nn.Linear for p in m.parameters(recurse=False)}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is torch.nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
-                setattr(parent, name, PackedLinear(child, keep_weight=id(child.weight) in tied))
+                keep = backend == "auto" or id(child.weight) in tied
+                setattr(parent, name, PackedLinear(child, keep, PACKED_ROWS if backend == "auto" else None))
     return model
