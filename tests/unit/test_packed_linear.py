@@ -151,7 +151,10 @@ def test_beam_sequences_equal_the_f_linear_path(engines, width):
 def test_a_tied_weight_stays_reachable_and_an_untied_one_is_freed():
     embed, head, proj = torch.nn.Embedding(10, 8), torch.nn.Linear(8, 10, bias=False), torch.nn.Linear(8, 8)
     head.weight = embed.weight
-    model = pack_linears(torch.nn.ModuleDict({"embed": embed, "head": head, "proj": proj}), torch.device("cpu"))
+    model = pack_linears(torch.nn.ModuleDict({"embed": embed, "head": head, "proj": proj}), torch.device("cpu"),
+                         "onednn")
     assert model["head"].weight is embed.weight
     assert [name for name, _ in model["proj"].named_parameters()] == []  # the float copy is freed
     assert torch.equal(model["proj"].weight, proj.weight.detach())  # unpacked on read
+    auto = pack_linears(torch.nn.ModuleDict({"proj": torch.nn.Linear(8, 8)}), torch.device("cpu"), "auto")
+    assert [name for name, _ in auto["proj"].named_parameters()] == ["weight"]  # F.linear's own
