@@ -3,7 +3,7 @@ worst case, W beams x N tokens, never preempt) against `max_utilization` (admit 
 blocks, preempt the newest request when a step runs short, resume it by recomputation).
 
     python benchmarks/scheduling.py                                  # tiny random model, 64 requests (minutes)
-    python benchmarks/scheduling.py --model smollm2 --quick --kv-cache-memory 60MiB \
+    python benchmarks/scheduling.py --model smollm2-135m-instruct --quick --kv-cache-memory 60MiB \
         --out benchmarks/results/scheduling_smollm2_quick.json        # the real model, 8 requests, N <= 64
 
 A mixed workload, drawn once from --seed: --num-requests prompts (with the tiny random model, 8-32

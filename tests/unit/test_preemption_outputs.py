@@ -221,3 +221,57 @@ def test_sliding_window_outputs_survive_preemption(gemma3_dir, policy):
         outputs, forced, _ = run(llm, requests, plan=plan)
         assert len(forced) >= 4, forced
         assert_same(outputs, reference)
+
+
+def test_logprobs_and_catalogue_beams_survive_preemption(tiny_llama_dir):
+    """Per-token log-probs, prompt log-probs (recomputed with the prompt) and catalogue-constrained beams
+    (per-beam trie state, untouched while tokens are re-fed) come out as without preemption."""
+    catalogue = [[5, 6, 7, 8], [5, 6, 9, 10], [5, 11, 12, 13], [14, 15, 16, 17], [14, 15, 18, 19], [20, 21, 22, 23]]
+    requests = {
+        "logprobs": (PROMPT, SamplingParams(max_new_tokens=8, temperature=0, logprobs=3, prompt_logprobs=2,
+                                            ignore_eos=True)),
+        "catalogue": (PROMPT[5:], BeamSearchParams(beam_width=4, catalogue="items", num_return_sequences=4)),
+    }
+    outputs = {}
+    for plan in (None, {"logprobs": ["prefill", "decode"], "catalogue": ["first token", "early decode"]}):
+        llm = make(tiny_llama_dir, "max_utilization")
+        llm.register_catalogue("items", catalogue)
+        outputs[plan is None], forced, _ = run(llm, requests, plan=plan)
+        assert len(forced) == (0 if plan is None else 4), forced
+    reference, got = outputs[True], outputs[False]
+    assert_same(got, reference)
+    assert all(c.token_ids[:-1] in catalogue or c.token_ids in catalogue for c in got["catalogue"].outputs)
+
+    def flat(entries):
+        return [None if e is None else {t: round(lp.logprob, 4) for t, lp in e.items()} for e in entries]
+
+    assert flat(got["logprobs"].prompt_logprobs) == flat(reference["logprobs"].prompt_logprobs)
+    assert flat(got["logprobs"].outputs[0].logprobs) == flat(reference["logprobs"].outputs[0].logprobs)
+
+
+@pytest.mark.parametrize("state", ["prefill", "waiting", "re-feeding"])
+def test_aborting_a_preempted_request_frees_everything(tiny_llama_dir, state):
+    # no prefix cache: the prompt is prefilled again in chunks (a hit would take it in one step)
+    llm = make(tiny_llama_dir, "max_utilization", max_num_batched_tokens=8, enable_prefix_caching=False)
+    engine = llm.engine
+    engine.add_request("a", {"prompt_token_ids": PROMPT}, BeamSearchParams(beam_width=8, max_new_tokens=12,
+                                                                           ignore_eos=True))
+    engine.add_request("b", {"prompt_token_ids": PROMPT[:5]}, SamplingParams(max_new_tokens=30, temperature=0,
+                                                                             ignore_eos=True))
+    request = engine._requests["a"]
+    for _ in range(100):
+        if request.prompt_done and request.decoder.num_generated_tokens >= 4:
+            break
+        engine.step()
+    assert engine.scheduler.preempt("a")
+    if state != "waiting":
+        for _ in range(100):
+            if state_of(request) == state and request in engine.scheduler.running:
+                break
+            engine.step()
+        assert state_of(request) == state and request in engine.scheduler.running
+    engine.abort("a")
+    assert request not in engine.scheduler.running and request not in engine.scheduler.waiting
+    while engine.has_unfinished():
+        engine.step()
+    assert all(p["free_blocks"] == p["total_blocks"] for p in llm.stats()["pools"].values())
