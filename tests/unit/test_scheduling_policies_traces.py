@@ -67,12 +67,19 @@ class PolicySimulator(Simulator):
         self.scheduler = make_scheduler(policy, cache, max_num_batched_tokens, max_preemptions)
         self.max_preemptions = max_preemptions
         self.preempted: list[str] = []
+        self.victims_were_newest: list[bool] = []  # each preemption: was it the newest non-guaranteed request?
         preempt = self.scheduler._preempt
 
         def watched(request):
-            assert request not in getattr(self.scheduler, "guaranteed", ()), "a guaranteed request was preempted"
+            guaranteed = getattr(self.scheduler, "guaranteed", ())
+            assert request not in guaranteed, "a guaranteed request was preempted"
+            newest = [r for r in self.scheduler.running if r not in guaranteed][-1]
+            self.victims_were_newest.append(request is newest)
             self.preempted.append(request.request_id)
             preempt(request)
+            ahead = list(self.scheduler.waiting)[:list(self.scheduler.waiting).index(request)]
+            # back at the head of the queue, behind only requests preempted K times
+            assert all(r.num_preemptions >= max_preemptions for r in ahead), "not requeued at the head"
 
         self.scheduler._preempt = watched
 
@@ -214,6 +221,7 @@ def test_a_small_pool_preempts_and_every_request_finishes():
         sim.add(request)
     sim.run()
     assert sim.scheduler.stats()["preemptions"] > 0 and sim.scheduler.num_recomputed_tokens > 0
+    assert all(sim.victims_were_newest), "the policy preempts the most recently admitted request first"
     assert all(request.finished for request in requests)
     assert max(request.num_preemptions for request in requests) <= 3
     assert cache["self"].pool.num_free_blocks == 40
