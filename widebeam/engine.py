@@ -1,10 +1,10 @@
 """LLMEngine (add_request / step / abort): the engine's loop over its workers and one KV cache.
 
 One step runs one forward pass: the prefill of newly admitted requests and one decode token for
-every running sequence, in one batch, and returns one `RequestDelta` per request that took part. A
-request is admitted when its worst case (`required_blocks` minus what it already holds, cached prompt
-blocks included) fits beside the remaining worst cases of the running ones, so nothing in use is ever
-evicted and a request that cannot fit right now waits instead of spinning. The path of one request: docs/architecture.md.
+every running sequence, in one batch, and returns one `RequestDelta` per request that took part. By
+default a request is admitted when its worst case fits beside the remaining worst cases of the running
+ones (nothing in use is ever evicted); `max_utilization` admits on the next step's blocks and preempts
+the newest request when a step runs short (sched/preemption.py). One request's path: docs/architecture.md.
 """
 
 from __future__ import annotations
