@@ -275,3 +275,15 @@ def test_aborting_a_preempted_request_frees_everything(tiny_llama_dir, state):
     while engine.has_unfinished():
         engine.step()
     assert all(p["free_blocks"] == p["total_blocks"] for p in llm.stats()["pools"].values())
+
+
+def test_sliding_window_pools_preempt_on_their_own_and_match(gemma3_dir):
+    """max_utilization on Gemma 3 pools small enough to preempt (the sliding pool: 39 blocks, a W=8
+    request's windowed worst case 24): outputs equal guaranteed_no_evict's, nothing held past a bound."""
+    sizing = {"kv_cache_memory": 480 * 1024, "max_num_batched_tokens": 64}
+    reference, _, _ = run(make(gemma3_dir, "guaranteed_no_evict", **sizing), CROWD)
+    llm = make(gemma3_dir, "max_utilization", **sizing)
+    outputs, _, _ = run(llm, CROWD)
+    stats = llm.stats()["scheduling"]
+    assert stats["preemptions"] > 0 and stats["guaranteed_admissions"] > 0
+    assert_same(outputs, reference)
