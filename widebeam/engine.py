@@ -22,6 +22,7 @@ from widebeam.catalogue.registry import CatalogueRegistry
 from widebeam.catalogue.trie import Catalogue
 from widebeam.config import EngineConfig
 from widebeam.decoding.decoders import BeamDecoder, SamplingDecoder, StepScores
+from widebeam.decoding.logprobs import execute_step
 from widebeam.decoding.penalties import TokenPenalties
 from widebeam.decoding.processors import BanUntilMinTokens, ForceEOSAtEnd, LogitsProcessor, SuppressTokens
 from widebeam.defaults import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_MODEL
@@ -29,7 +30,6 @@ from widebeam.device import available_memory_bytes, default_device
 from widebeam.errors import InvalidParameterError
 from widebeam.kv.cache import KVCache
 from widebeam.kv.sizing import size_pools
-from widebeam.decoding.logprobs import execute_step
 from widebeam.model.activation import estimate_activation_peak_bytes
 from widebeam.model.families import GenerationSettings, generation_settings
 from widebeam.model.loader import load_config, resolve_model

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import Counter
 
 from widebeam.kv.cache import KVCache
-from widebeam.sched.scheduler import ScheduledRequest, SchedulableRequest, Scheduler, SchedulerOutput
+from widebeam.sched.scheduler import SchedulableRequest, ScheduledRequest, Scheduler, SchedulerOutput
 from widebeam.sched.step_blocks import first_step_blocks, step_blocks
 
 
