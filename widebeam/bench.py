@@ -31,6 +31,7 @@ from widebeam.argtypes import byte_size, int_at_least
 from widebeam.defaults import DEFAULT_MODEL, DEFAULT_TOKENS_PER_BLOCK
 from widebeam.memstats import rss_bytes
 from widebeam.server.serve_cli import (
+    add_linear_backend_argument,
     add_prefix_cache_arguments,
     add_speculative_arguments,
     prefix_cache_kwargs,
@@ -62,6 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(default {DEFAULT_TOKENS_PER_BLOCK})")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int8"],
                         help="int8: int8 linear weights (widebeam and transformers alike), float32 activations")
+    add_linear_backend_argument(parser)
     parser.add_argument("--threads", type=int_at_least(1), default=2)
     parser.add_argument("--peers", nargs="+", choices=["transformers", "ctranslate2"], default=["transformers"],
                         help="engines beside widebeam (ctranslate2: pip install ctranslate2; float32 and int8, the "
@@ -200,7 +202,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     points = [(w, p) for p in args.prompt_lens for w in args.widths]
     if not args.no_wide:
         points += [(w, p) for p in args.wide_prompt_lens for w in args.wide_widths if (w, p) not in points]
-    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
+    llm = LLM(model=args.model, dtype=args.dtype, linear_backend=args.linear_backend, kv_cache_memory=args.kv_cache_memory,
               max_beam_width=max(w for w, _ in points), tokens_per_block=args.tokens_per_block,
               **speculative_kwargs(args), **prefix_cache_kwargs(args))
     from widebeam.model.registry import model_dtype, quantize_int8
@@ -235,7 +237,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     for width, prompt_len in points:
         prompt_ids = make_prompt(llm.tokenizer, prompt_len, vocab_size)
         n = args.max_new_tokens
-        row = {"beam_width": width, "prompt_len": len(prompt_ids), "max_new_tokens": n, "dtype": args.dtype,
+        row = {"beam_width": width, "prompt_len": len(prompt_ids), "max_new_tokens": n, "dtype": args.dtype, "linear_backend": args.linear_backend,
                "threads": args.threads, "tokens_per_block": args.tokens_per_block, **speculative,
                "compute_floor_s": compute_floor_s(floor_model, len(prompt_ids), width, n, dtype),
                "attention_floor_s": attention_floor_s(floor_model, len(prompt_ids), width, n, dtype)}

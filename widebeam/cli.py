@@ -18,6 +18,7 @@ from widebeam.defaults import (
     DEFAULT_TOKENS_PER_BLOCK,
 )
 from widebeam.server.serve_cli import (
+    add_linear_backend_argument,
     add_prefix_cache_arguments,
     add_scheduling_arguments,
     add_speculative_arguments,
@@ -94,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--length-penalty", type=float, default=1.0)
     g.add_argument("--early-stopping", choices=("true", "false", "never"), default="false")
     g.add_argument("--dtype", choices=DTYPES, default="float32")
+    add_linear_backend_argument(g)
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--kv-cache-memory", type=_byte_size, default=_byte_size("1GiB"))
     g.add_argument("--tokens-per-block", type=_int_at_least(1), default=DEFAULT_TOKENS_PER_BLOCK)
@@ -160,7 +162,7 @@ def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             params = SamplingParams(max_new_tokens=max_new_tokens, temperature=args.temperature,
                                     top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
         catalogues = {CLI_CATALOGUE: catalogue} if catalogue is not None else {}
-        llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,
+        llm = LLM(args.model, dtype=args.dtype, linear_backend=args.linear_backend, device=args.device, kv_cache_memory=args.kv_cache_memory,
                   tokens_per_block=args.tokens_per_block, max_beam_width=max(args.beam_width or 1, 1),
                   **({"catalogues": catalogues} if catalogues else {}), **speculative_kwargs(args),
                   **prefix_cache_kwargs(args), **scheduling_kwargs(args))

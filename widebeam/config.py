@@ -14,6 +14,7 @@ from widebeam.defaults import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MODEL,
     DEFAULT_TOKENS_PER_BLOCK,
+    LINEAR_BACKENDS,
 )
 from widebeam.errors import InvalidParameterError
 
@@ -25,8 +26,13 @@ class ModelConfig:
     device: str | None = None  # None: cuda when available, else cpu
     # None: $WIDEBEAM_ATTENTION_BACKEND, else "sdpa" (model/attention_backends.py); chosen once
     attention_backend: str | None = None
-    # "auto" | "onednn" | "torch": float32 CPU linears with the weight packed once for oneDNN (model/packed_linear.py)
+    # "torch" | "auto" | "onednn": float32 CPU linears with the weight packed once for oneDNN (model/packed_linear.py)
     linear_backend: str = DEFAULT_LINEAR_BACKEND
+
+    def __post_init__(self) -> None:
+        if self.linear_backend not in LINEAR_BACKENDS:
+            raise InvalidParameterError("linear_backend", "{linear_backend} must be one of "
+                                        f"{', '.join(LINEAR_BACKENDS)}, got {{value!r}}", value=self.linear_backend)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """The capacity policy on the command line and in the engine's settings (issue #21):
 `--scheduling-policy {guaranteed_no_evict,max_utilization}` and `--max-preemptions K` on serve,
-generate and batch reach the engine; bad values are errors naming the setting. No model is loaded:
+generate and batch reach the engine; bad values are errors naming the setting. The same for
+`--linear-backend` (#19; bench too). No model is loaded:
 `LLM`, `LLMEngine` and the batch runner are replaced by recorders."""
 
 from __future__ import annotations
@@ -103,3 +104,22 @@ def test_llm_takes_the_policy(tiny_llama_dir):
     (out,) = llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True),
                           use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 3
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_linear_backend_reaches_the_engine(command, recorded, tmp_path):
+    argv = [command, *COMMANDS[command]]
+    if command == "batch":
+        (tmp_path / "in.jsonl").write_text('{"prompt": "a"}\n')
+        argv = [command, str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl")]
+    for flags, expected in (([], "torch"), (["--linear-backend", "auto"], "auto")):
+        recorded.clear()
+        with pytest.raises(SystemExit) if command == "generate" else contextlib.nullcontext():
+            main([*argv, *flags])
+        assert recorded["linear_backend"] == expected, recorded
+
+
+def test_bench_takes_the_linear_backend():
+    assert build_parser().parse_args(["bench", "--linear-backend", "onednn"]).linear_backend == "onednn"
+    with pytest.raises(InvalidParameterError, match="linear_backend"):
+        EngineConfig.from_kwargs(linear_backend="fast")

@@ -20,6 +20,7 @@ from widebeam.defaults import (
     DEFAULT_TOKENS_PER_BLOCK,
 )
 from widebeam.server.serve_cli import (
+    add_linear_backend_argument,
     add_prefix_cache_arguments,
     add_scheduling_arguments,
     catalogue_spec,
@@ -53,6 +54,7 @@ def add_batch_parser(sub) -> argparse.ArgumentParser:
                    help="beam rows that name none: constrain them to this --catalogue")
     e = p.add_argument_group("engine (one per replica)")
     e.add_argument("--dtype", choices=DTYPES, default="float32")
+    add_linear_backend_argument(e)
     e.add_argument("--device", default=None)
     e.add_argument("--kv-cache-memory", type=_byte_size, default=None)
     e.add_argument("--tokens-per-block", type=_int_at_least(1), default=DEFAULT_TOKENS_PER_BLOCK)
@@ -91,7 +93,7 @@ def _cmd_batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 
     if args.ray_address and not args.replicas:
         parser.error("argument --ray-address: give --replicas N too")
-    engine_kwargs = {"dtype": args.dtype, "device": args.device, "kv_cache_memory": args.kv_cache_memory,
+    engine_kwargs = {"dtype": args.dtype, "linear_backend": args.linear_backend, "device": args.device, "kv_cache_memory": args.kv_cache_memory,
                      "tokens_per_block": args.tokens_per_block, "max_beam_width": args.max_beam_width,
                      "max_num_batched_tokens": args.max_num_batched_tokens, **scheduling_kwargs(args)}
     try:

@@ -7,8 +7,8 @@ inner product with the weight reordered once into its own blocked layout
 `PackedLinear`; anything else (CUDA, other dtypes, a build without oneDNN) keeps `F.linear`, the
 reference. The A/B is benchmarks/linear_backend.py.
 
-Backends: "torch" (F.linear); "onednn" (the packed weight at every row count, no float copy kept);
-"auto", the default (the packed weight for `PACKED_ROWS` rows, F.linear on the float weight
+Backends: "torch", the default (F.linear); "onednn" (the packed weight at every row count, no float
+copy kept); "auto" (the packed weight for `PACKED_ROWS` rows, F.linear on the float weight
 otherwise: both kept, the linears' weights held twice). Measured over SmolLM2-135M's 211 linears,
 1 thread, torch 2.13, Xeon with AMX, the backends alternating pass by pass
 (`python benchmarks/linear_backend.py --linears-only --threads 1 --candidate onednn`,
@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from widebeam.defaults import DEFAULT_LINEAR_BACKEND
+from widebeam.defaults import DEFAULT_LINEAR_BACKEND, LINEAR_BACKENDS
 
-LINEAR_BACKENDS = ("auto", "onednn", "torch")
 # "auto": the row counts the packed weight runs (a single row and long prefill chunks: F.linear)
 PACKED_ROWS = range(4, 129)
 
