@@ -1,5 +1,6 @@
 """Beam search: a model-free state machine that scores exactly like Hugging Face `generate(num_beams=...)`."""
 
-from widebeam.beam.search import BeamSearchState, Hypothesis, StepResult, hypothesis_score, length_normalizer
+from widebeam.beam.scores import hypothesis_score, length_normalizer
+from widebeam.beam.search import BeamSearchState, Hypothesis, StepResult
 
 __all__ = ["BeamSearchState", "Hypothesis", "StepResult", "hypothesis_score", "length_normalizer"]

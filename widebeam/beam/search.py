@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from widebeam.beam.scores import divided_scores, hypothesis_score, length_normalizer
 from widebeam.params import BeamSearchParams
 
 # HF's running score of its dummy prompt copies (all but copy 0), reproduced on the first step's candidates.
@@ -44,41 +45,10 @@ from widebeam.params import BeamSearchParams
 # drops real hypotheses as empty slots). Candidates from dummy copies are told apart by their copy index.
 _NEG = -1.0e9
 
-# Below every real score (scores are finite: see `_scores`): an empty slot of finished hypotheses.
+# Below every real score (scores are finite: see `divided_scores`): an empty slot of finished hypotheses.
 _IMPOSSIBLE = float("-inf")
 
 _NO_NODE = -1  # parent of the first generated token: the prompt
-
-
-def length_normalizer(generated_len: int, length_penalty: float) -> float:
-    """The divisor of a hypothesis' cumulative log-prob: `generated_len ** length_penalty`, a Python float.
-
-    Finite for the lengths and penalties `BeamSearchParams` admits (|length_penalty| <= 10)."""
-    return generated_len ** length_penalty
-
-
-def _scores(values: torch.Tensor, normalizer: float) -> torch.Tensor:
-    """`values / normalizer` in float32 as HF divides; where float32 overflows (a strongly negative
-    length penalty on a long output), the float64 quotient, so no real score is infinite."""
-    scores = values / normalizer
-    overflow = torch.isinf(scores) & torch.isfinite(values)  # a masked (-inf) value stays -inf
-    if bool(overflow.any()):
-        scores = torch.where(overflow, values.double() / normalizer, scores.double())
-    return scores
-
-
-def hypothesis_score(cumulative_logprob: float, generated_len: int, length_penalty: float) -> float:
-    """HF's score of a finished hypothesis: `cumulative_logprob / generated_len ** length_penalty`.
-
-    `generated_len` is the number of generated tokens including the final EOS token, prompt excluded; it must
-    be >= 1. The division is done like HF does it: a float32 tensor divided by a Python float, on the CPU.
-    (`BeamSearchState` divides on the log-probs' device, as HF does, so on an accelerator the two may differ
-    in the last bit.)
-    """
-    if generated_len < 1:
-        raise ValueError(f"generated_len must be >= 1, got {generated_len}")
-    value = torch.tensor([cumulative_logprob], dtype=torch.float32)
-    return float(_scores(value, length_normalizer(generated_len, length_penalty))[0])
 
 
 @dataclass(frozen=True)
@@ -261,12 +231,12 @@ class BeamSearchState:
         generated = self._generated + 1
         last = generated >= self.max_new_tokens
         lp_exp = self._length_penalty
-        finished_scores = _scores(values, length_normalizer(generated, lp_exp))
+        finished_scores = divided_scores(values, length_normalizer(generated, lp_exp))
         if self._early_stopping == "never" and lp_exp > 0.0:
             hypothetical_len = self.max_new_tokens
         else:
             hypothetical_len = generated
-        best_possible = _scores(values, length_normalizer(hypothetical_len, lp_exp))
+        best_possible = divided_scores(values, length_normalizer(hypothetical_len, lp_exp))
         floats = torch.stack((values.double(), finished_scores.double(), best_possible.double())).cpu().tolist()
         ints = torch.stack((parent_rows, tokens)).cpu().tolist()
         values_l, finished_l, best_possible_l = floats
