@@ -144,11 +144,6 @@ class MaxUtilizationScheduler(Scheduler):
                 free[pool] -= blocks
         return free
 
-    @staticmethod
-    def _reservation(request: SchedulableRequest, hit) -> dict[str, int]:
-        """A request's worst case less the prefix blocks it would share (guaranteed_no_evict's need)."""
-        return {pool: blocks - hit.credit_blocks.get(pool, 0) for pool, blocks in request.admission.required_blocks.items()}
-
     def _step_need(self, item: ScheduledRequest) -> dict[str, int]:
         request = item.request
         encoder_tokens = len(getattr(request, "encoder_token_ids", None) or ())

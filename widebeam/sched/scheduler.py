@@ -150,8 +150,7 @@ class Scheduler:
             hit = head.find_prefix_hit()
             if head.gains_by_waiting(hit, pending):
                 break
-            need = {pool: blocks - hit.credit_blocks.get(pool, 0)
-                    for pool, blocks in head.admission.required_blocks.items()}
+            need = self._reservation(head, hit)
             if any(blocks > free[pool] for pool, blocks in need.items()):
                 break
             for pool, blocks in need.items():
@@ -159,6 +158,11 @@ class Scheduler:
             budget -= self._admit(out, hit, pending, budget)
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
+
+    @staticmethod
+    def _reservation(request: SchedulableRequest, hit: PrefixHit) -> dict[str, int]:
+        """A request's worst case less the prefix blocks it would share: what admission reserves."""
+        return {pool: blocks - hit.credit_blocks.get(pool, 0) for pool, blocks in request.admission.required_blocks.items()}
 
     def _admit(self, out: SchedulerOutput, hit: PrefixHit, pending: set[bytes], budget: int) -> int:
         """Move the queue's head to the running requests with its prefix `hit` and schedule its
