@@ -1,9 +1,11 @@
 """Scheduling promises a user sees, through the engine (found by the mutation check, `make mutation`):
 a request is admitted as soon as it fits beside what running requests may still take; no step feeds
-more than `max_num_batched_tokens`; the prefix cache's counters in `stats()` count what was asked
+more than `max_num_batched_tokens` (under both capacity policies); the prefix cache's counters in `stats()` count what was asked
 and what was found."""
 
 from __future__ import annotations
+
+import pytest
 
 from widebeam.engine import LLM
 from widebeam.params import BeamSearchParams, SamplingParams
@@ -44,8 +46,10 @@ def test_a_request_that_fits_beside_the_remaining_worst_case_is_admitted_at_once
     assert outputs["a"].peak_blocks["self"] <= outputs["a"].required_blocks["self"] == 10
 
 
-def test_no_step_feeds_more_than_the_token_budget(tiny_llama_dir):
-    llm = make_llm(tiny_llama_dir, 400, max_num_batched_tokens=16, enable_prefix_caching=False)
+@pytest.mark.parametrize("policy", ["guaranteed_no_evict", "max_utilization"])
+def test_no_step_feeds_more_than_the_token_budget(tiny_llama_dir, policy):
+    llm = make_llm(tiny_llama_dir, 400, max_num_batched_tokens=16, enable_prefix_caching=False,
+                   scheduling_policy=policy)
     engine = llm.engine
     scheduled = []
     schedule = engine.scheduler.schedule
