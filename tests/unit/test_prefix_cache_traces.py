@@ -221,9 +221,9 @@ class Simulator:
             assert steps < max_steps, "the scheduler did not finish"
 
 
-def pin(sim: Simulator, prefix: list[int]) -> None:
+def pin(sim: Simulator, prefix: list[int], new_request=SimRequest) -> None:
     """Compute a prefix as a one-token request, then pin it (as widebeam/pinning.py does)."""
-    sim.add(SimRequest("pin", sim.cache, prefix, 1, 1, sim.rng))
+    sim.add(new_request("pin", sim.cache, prefix, 1, 1, sim.rng))
     sim.run()
     sim.cache.pin(sim.cache.prefix_key(prefix))
 
@@ -258,17 +258,27 @@ def make_cache(num_full_blocks, num_sliding_blocks, tokens_per_block, window_tok
        abort_probability=st.sampled_from([0.0, 0.05]))
 def test_random_workloads_with_shared_prefixes(seed, tokens_per_block, window_tokens, with_sliding, num_full_blocks,
                                                num_sliding_blocks, chunk, num_pins, abort_probability):
+    run_random_workload(seed, tokens_per_block, window_tokens, with_sliding, num_full_blocks, num_sliding_blocks,
+                        chunk, num_pins, abort_probability)
+
+
+def run_random_workload(seed, tokens_per_block, window_tokens, with_sliding, num_full_blocks, num_sliding_blocks,
+                        chunk, num_pins, abort_probability, new_simulator=Simulator, new_request=SimRequest):
+    """Random arrivals sharing prefixes (pinned or not), interleaved with steps and aborts, run to the
+    end; asserts every admitted request finishes, no block leaks and no rejection is false. None when a
+    pin does not fit the cache (nothing to test), else (simulator, admitted requests, rejected
+    (prompt, new_tokens, width)). test_scheduling_policies_traces.py runs it with preemptible requests."""
     rng = random.Random(seed)
     t = tokens_per_block
     cache = make_cache(num_full_blocks, num_sliding_blocks if with_sliding else 0, t, window_tokens, chunk)
     prefixes = [[rng.randrange(5, 50) for _ in range(rng.randrange(1, 40))] for _ in range(3)]
-    sim = Simulator(cache, chunk, rng)
+    sim = new_simulator(cache, chunk, random.Random(seed + 1))
     for prefix in prefixes[:num_pins]:
         if len(prefix) >= t:
             try:
-                pin(sim, prefix)
+                pin(sim, prefix, new_request)
             except RequestTooLargeError:
-                return  # the pin itself does not fit this tiny cache: nothing to test
+                return None
     admitted, rejected = [], []
     for i in range(rng.randrange(4, 14)):
         prompt = rng.choice(prefixes) + [rng.randrange(50, 99) for _ in range(rng.randrange(0, 12))]
@@ -276,7 +286,7 @@ def test_random_workloads_with_shared_prefixes(seed, tokens_per_block, window_to
             prompt = rng.choice(prefixes)[: rng.randrange(1, 40)] or [7]  # a prefix of a prefix
         width, new_tokens = rng.randrange(1, 6), rng.randrange(1, 10)
         try:
-            request = SimRequest(f"r{i}", cache, prompt, new_tokens, width, random.Random(rng.random()))
+            request = new_request(f"r{i}", cache, prompt, new_tokens, width, random.Random(rng.random()))
         except RequestTooLargeError:
             rejected.append((prompt, new_tokens, width))
             continue
@@ -299,6 +309,7 @@ def test_random_workloads_with_shared_prefixes(seed, tokens_per_block, window_to
             manager.pool.free(manager.pool.allocate_many(manager.pool.num_free_blocks))
         with pytest.raises(OutOfBlocksError):
             run_alone_diverging(alone, prompt, new_tokens, width)
+    return sim, admitted, rejected
 
 
 def test_hits_are_taken_and_outputs_of_the_allocator_stay_exact():

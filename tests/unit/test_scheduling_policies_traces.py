@@ -21,9 +21,8 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_prefix_cache_traces import SimRequest, Simulator, make_cache, pin, run_alone_diverging
+from test_prefix_cache_traces import SimRequest, Simulator, make_cache, run_random_workload
 
-from widebeam.errors import OutOfBlocksError, RequestTooLargeError
 from widebeam.sched.preemption import make_scheduler
 
 POLICIES = ["guaranteed_no_evict", "max_utilization"]
@@ -132,58 +131,16 @@ class PolicySimulator(Simulator):
             assert max(counts.values(), default=0) <= self.max_preemptions, counts
 
 
-def pin_prefix(sim, prefix):
-    """test_prefix_cache_traces.py's `pin` with a preemptible request."""
-    sim.add(PreemptibleRequest("pin", sim.cache, prefix, 1, 1, sim.rng))
-    sim.run()
-    sim.cache.pin(sim.cache.prefix_key(prefix))
-
-
 def run_workload(policy, seed, tokens_per_block, window_tokens, with_sliding, num_full_blocks, num_sliding_blocks,
                  chunk, num_pins, abort_probability, max_preemptions):
-    """The random workload of test_prefix_cache_traces.py under `policy`; None if the pin does not fit,
-    else (simulator, admitted, rejected)."""
-    rng = random.Random(seed)
-    t = tokens_per_block
-    cache = make_cache(num_full_blocks, num_sliding_blocks if with_sliding else 0, t, window_tokens, chunk)
-    prefixes = [[rng.randrange(5, 50) for _ in range(rng.randrange(1, 40))] for _ in range(3)]
-    sim = PolicySimulator(cache, chunk, random.Random(seed + 1), policy, max_preemptions)
-    for prefix in prefixes[:num_pins]:
-        if len(prefix) >= t:
-            try:
-                pin_prefix(sim, prefix)
-            except RequestTooLargeError:
-                return None
-    admitted, rejected = [], []
-    for i in range(rng.randrange(4, 14)):
-        prompt = rng.choice(prefixes) + [rng.randrange(50, 99) for _ in range(rng.randrange(0, 12))]
-        if rng.random() < 0.3:
-            prompt = rng.choice(prefixes)[: rng.randrange(1, 40)] or [7]
-        width, new_tokens = rng.randrange(1, 6), rng.randrange(1, 10)
-        try:
-            request = PreemptibleRequest(f"r{i}", cache, prompt, new_tokens, width, random.Random(rng.random()))
-        except RequestTooLargeError:
-            rejected.append((prompt, new_tokens, width))
-            continue
-        admitted.append(request)
-        sim.add(request)
-        if rng.random() < 0.5:
-            sim.step(abort_probability)
-    sim.run(abort_probability=abort_probability)
-    assert all(request.finished for request in admitted)
-    for name, manager in cache.managers.items():
-        pool = manager.pool
-        assert pool.num_free_blocks + pool.num_pinned_blocks == pool.num_blocks, f"{name} leaked blocks"
-    for prompt, new_tokens, width in rejected[:2]:
-        alone = make_cache(num_full_blocks, num_sliding_blocks if with_sliding else 0, t, window_tokens, chunk)
-        for prefix in prefixes[:num_pins]:
-            if len(prefix) >= t:
-                pin(Simulator(alone, chunk, random.Random(0)), prefix)
-        for manager in alone.managers.values():
-            manager.pool.free(manager.pool.allocate_many(manager.pool.num_free_blocks))
-        with pytest.raises(OutOfBlocksError):
-            run_alone_diverging(alone, prompt, new_tokens, width)
-    return sim, admitted, rejected
+    """test_prefix_cache_traces.py's random workload (its checks included) under `policy`, with
+    preemptible requests; None if the pin does not fit, else (simulator, admitted, rejected)."""
+    def new_simulator(cache, chunk, rng):
+        return PolicySimulator(cache, chunk, rng, policy, max_preemptions)
+
+    return run_random_workload(seed, tokens_per_block, window_tokens, with_sliding, num_full_blocks,
+                               num_sliding_blocks, chunk, num_pins, abort_probability, new_simulator,
+                               PreemptibleRequest)
 
 
 @settings(max_examples=150, deadline=None)
