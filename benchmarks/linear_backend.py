@@ -22,43 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import statistics
-import subprocess
-import time
 from pathlib import Path
 
 import torch
+from ab_engines import ab_points, linears_only, run_meta
 
-from widebeam.bench import make_prompt, run_widebeam
 from widebeam.engine import LLM
 
 BACKENDS = ["torch", "auto"]  # the reference, then the candidate (--candidate)
-
-
-def linears_only(llms: dict, repeats: int) -> list[dict]:
-    """One pass over every linear layer of each model per sample, the backends alternating."""
-    layers = {b: [m for m in llm.engine.model.modules() if hasattr(m, "in_features")] for b, llm in llms.items()}
-    candidate = BACKENDS[1]
-    rows_out = []
-    with torch.inference_mode():
-        for rows in (1, 2, 4, 16, 64, 128, 256, 512):
-            inputs = {n: torch.randn(rows, n) for n in {m.in_features for m in layers["torch"]}}
-            times = {b: [] for b in BACKENDS}
-            ratios = []
-            for i in range(repeats if rows < 512 else max(3, repeats // 10)):
-                for b in (BACKENDS if i % 2 == 0 else BACKENDS[::-1]):
-                    start = time.perf_counter()
-                    for m in layers[b]:
-                        m(inputs[m.in_features])
-                    times[b].append(time.perf_counter() - start)
-                ratios.append(times["torch"][-1] / times[candidate][-1])
-            rows_out.append({"rows": rows, "layers": len(layers["torch"]), "pairs": len(ratios),
-                             **{f"{b}_median_ms": round(statistics.median(times[b]) * 1e3, 2) for b in BACKENDS},
-                             **{f"{b}_min_ms": round(min(times[b]) * 1e3, 2) for b in BACKENDS},
-                             f"median_pair_ratio_torch_over_{candidate}": round(statistics.median(ratios), 3)})
-            print(json.dumps(rows_out[-1]), flush=True)
-    return rows_out
 
 
 def main() -> None:
@@ -79,43 +50,13 @@ def main() -> None:
     BACKENDS[1] = args.candidate
     llms = {b: LLM(args.model, dtype="float32", device="cpu", linear_backend=b, kv_cache_memory="512MiB",
                    max_beam_width=max(args.widths)) for b in BACKENDS}
-    revision = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=False).stdout.strip()
-    meta = {"revision": revision, "candidate": args.candidate, "threads": args.threads, "cpus": os.cpu_count(), "machine": platform.machine(),
-            "torch": torch.__version__, "model": args.model, "dtype": "float32", "repeats": args.repeats}
+    meta = run_meta(candidate=args.candidate, model=args.model, dtype="float32", repeats=args.repeats)
     if args.linears_only:
         rows = linears_only(llms, args.repeats)
         meta["load_average_at_end"] = os.getloadavg()
         Path(args.out).write_text(json.dumps({"meta": meta, "linears_only": rows}, indent=2) + "\n")
         return
-    some = llms["torch"]
-    prompt = make_prompt(some.tokenizer, args.prompt_len, some.engine.model.arch.vocab_size)
-    for llm in llms.values():  # warm-up: oneDNN builds its primitives on first use of each shape
-        run_widebeam(llm, prompt[:64], 4, 4)
-        run_widebeam(llm, prompt, 1, 2)
-    points = [("prefill", 1, 1)] + [(f"W={w}", w, args.new_tokens) for w in args.widths]
-    runs = {(name, b): [] for name, _, _ in points for b in BACKENDS}
-    best = {}
-    for repeat in range(args.repeats):
-        order = BACKENDS if repeat % 2 == 0 else BACKENDS[::-1]
-        for name, width, new_tokens in points:
-            for b in order:
-                result = run_widebeam(llms[b], prompt, width, new_tokens)
-                runs[name, b].append(result["wall_s"])
-                best.setdefault((name, b), result["best"])
-                assert result["best"] == best[name, b], f"{name} {b}: the best beam changed between repeats"
-            print(json.dumps({"repeat": repeat, "point": name,
-                              **{b: round(runs[name, b][-1], 3) for b in BACKENDS}}), flush=True)
-    rows = []
-    for name, width, new_tokens in points:
-        medians = {b: statistics.median(runs[name, b]) for b in BACKENDS}
-        reference, candidate = BACKENDS
-        rows.append({"point": name, "beam_width": width, "prompt_len": len(prompt), "max_new_tokens": new_tokens,
-                     **{f"{b}_median_s": round(medians[b], 3) for b in BACKENDS},
-                     f"torch_over_{candidate}": round(medians[reference] / medians[candidate], 3),
-                     "same_best_beam": best[name, reference] == best[name, candidate],
-                     **{f"{b}_runs_s": [round(t, 3) for t in runs[name, b]] for b in BACKENDS}})
-        print(json.dumps({k: v for k, v in rows[-1].items() if not k.endswith("runs_s")}), flush=True)
+    rows = ab_points(llms, args.widths, args.prompt_len, args.new_tokens, args.repeats)
     meta["load_average_at_end"] = os.getloadavg()
     Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     assert all(r["same_best_beam"] for r in rows), "the backends disagree on a best beam"

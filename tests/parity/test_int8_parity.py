@@ -1,8 +1,9 @@
 """int8 weights (`dtype="int8"`): every linear layer, lm_head included, an `Int8Linear` (int8
-weights per output channel, activations quantized per row on each call, `torch._int_mm`), KV in
-float32. The reference is transformers' model quantized the same way (`quantize_int8`): greedy
-tokens and beam search sequences and scores equal. Per-row activation scales keep a request's
-outputs independent of what it is batched with."""
+weights per output channel, activations quantized per row on each call), KV in float32. The
+reference is transformers' model quantized the same way on the reference kernel
+(`quantize_int8(..., kernel="int_mm")`, `torch._int_mm`) while the engine runs its default (FBGEMM
+where exact): greedy tokens and beam search sequences and scores equal. Per-row activation scales
+keep a request's outputs independent of what it is batched with."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from beam_checks import assert_beams_match, hf_beam_search
 
 from widebeam.engine import LLM
-from widebeam.model.registry import quantize_int8
+from widebeam.model.int8_linear import quantize_int8
 from widebeam.params import BeamSearchParams, SamplingParams
 
 PROMPTS = [[(i * 31 + k) % 120 + 3 for i in range(n)] for k, n in ((1, 9), (5, 23), (11, 40))]
@@ -23,24 +24,25 @@ def models(tiny_llama_dir):
 
     llm = LLM(str(tiny_llama_dir), dtype="int8", device="cpu", kv_cache_memory="2MiB", enable_prefix_caching=False)
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
-    return llm, quantize_int8(hf, torch.device("cpu"))
+    return llm, quantize_int8(hf, torch.device("cpu"), kernel="int_mm")
 
 
 def test_the_linear_layers_hold_int8_weights_and_kv_stays_float32(models):
-    from widebeam.model.registry import Int8Linear
+    from widebeam.model.int8_linear import Int8Linear, fbgemm_exact
 
     llm, _ = models
     model = llm.engine.model
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
     layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
-    assert layers and all(m.weight_t.dtype == torch.int8 for m in layers)
+    assert layers and all(m.weight_q.dtype == torch.int8 for m in layers)
     assert isinstance(model.lm_head, Int8Linear)
+    assert {m.kernel for m in layers} == {"fbgemm" if fbgemm_exact() else "int_mm"}  # the reference is int_mm
     assert llm.engine.cache["self"].spec.dtype == "float32"
 
 
 def test_int8_linear_is_close_to_float32_with_outliers():
     """Per-row and per-channel scales: an outlier row or channel does not flatten the others."""
-    from widebeam.model.registry import Int8Linear
+    from widebeam.model.int8_linear import Int8Linear
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 48)

@@ -10,6 +10,7 @@ import torch
 
 from widebeam.kv.spec import WEIGHT_ONLY_DTYPES, kv_dtype
 from widebeam.model.families import SUPPORTED_MODEL_TYPES, ParsedConfig, parse_config  # noqa: F401
+from widebeam.model.int8_linear import Int8Linear, quantize_int8  # noqa: F401
 from widebeam.model.loader import ModelSource, load_config, load_state_dict
 from widebeam.model.packed_linear import DEFAULT_LINEAR_BACKEND, pack_linears
 
@@ -31,50 +32,6 @@ def torch_dtype(dtype: str) -> torch.dtype:
 def model_dtype(model: torch.nn.Module) -> torch.dtype:
     """The float type a loaded model computes in (its embedding's: int8 linears hold no float weight)."""
     return next(m.weight.dtype for m in model.modules() if isinstance(m, torch.nn.Embedding))
-
-
-class Int8Linear(torch.nn.Module):
-    """A linear layer with int8 weights, one scale per output channel, and int8 activations, one
-    scale per row, quantized on each call: `torch._int_mm` (int8 x int8 -> int32) then both scales.
-    Per-row and per-channel scales keep outliers from flattening the other rows and channels (a
-    per-tensor activation scale, PyTorch's dynamic quantization, agreed with float32 on 34% of
-    SmolLM2's next tokens; see benchmarks/int8_accuracy.py)."""
-
-    _MIN_ROWS = 17  # torch._int_mm wants more than 16 rows: fewer are padded with zeros
-
-    def __init__(self, linear: torch.nn.Linear):
-        super().__init__()
-        weight = linear.weight.detach().float()
-        scale = weight.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # [out]
-        self.register_buffer("weight_t", torch.round(weight / scale[:, None]).to(torch.int8).t().contiguous())
-        self.register_buffer("weight_scale", scale)  # [out]
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float())
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        rows = x.reshape(-1, shape[-1]).float()  # [num_rows, in]
-        scale = rows.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127.0  # [num_rows, 1]
-        quantized = torch.round(rows / scale).clamp_(-127, 127).to(torch.int8)
-        num_rows = quantized.shape[0]
-        if num_rows < self._MIN_ROWS:
-            quantized = torch.nn.functional.pad(quantized, (0, 0, 0, self._MIN_ROWS - num_rows))
-        out = torch._int_mm(quantized, self.weight_t)[:num_rows].float() * scale * self.weight_scale
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*shape[:-1], self.out_features).to(x.dtype)
-
-
-def quantize_int8(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """Every linear layer (lm_head included) as an `Int8Linear`, in place; CPU only (oneDNN's int8
-    kernels). For SmolLM2's shapes the lm_head at 1-16 rows runs 3-5x faster than float32."""
-    if device.type != "cpu":
-        raise ValueError("dtype='int8' runs on CPU (int8 matmul kernels); on CUDA use bfloat16")
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, torch.nn.Linear):
-                setattr(parent, name, Int8Linear(child))
-    return model
 
 
 def build_model(config: dict) -> torch.nn.Module:

@@ -1,0 +1,115 @@
+"""Int8 linear kernels (widebeam/model/int8_linear.py): one definition of the math, two kernels
+that must compute it bit for bit. The reference here is the definition itself in float64 (int32
+products are exact there), not either kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from widebeam.model.int8_linear import (
+    Int8Linear,
+    fbgemm_exact,
+    int_mm_product,
+    quantize_int8,
+    quantize_rows,
+    quantize_weight,
+)
+
+needs_fbgemm = pytest.mark.skipif(not fbgemm_exact(), reason="FBGEMM's int8 linear is not exact on this CPU")
+
+SHAPES = [(64, 48), (576, 192), (576, 1536), (1536, 576), (7, 5)]
+ROW_COUNTS = [1, 2, 3, 4, 16, 17, 33, 64, 65, 129]
+
+
+def definition(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
+    """((q_x . q_w[j]) * c_j) * s (+ bias), the dot product in float64 (exact)."""
+    weight_q, weight_scale = quantize_weight(linear.weight)
+    scale = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127.0
+    q_x = torch.round(x / scale)
+    products = (q_x.double() @ weight_q.double().t()).float()
+    out = products * weight_scale * scale
+    return out if linear.bias is None else out + linear.bias.detach()
+
+
+def inputs(rows: int, in_features: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, in_features, generator=generator) * 3
+    x[0] *= 100  # an outlier row
+    if rows > 1 and in_features >= 4:
+        # exact ties once scaled (max 127 -> scale 1): half to even in every kernel
+        x[1, :4] = torch.tensor([127.0, 0.5, 1.5, -2.5])
+        x[1, 4:] = x[1, 4:].clamp(-100, 100)
+    if rows > 2 and in_features >= 3:
+        # a near-tie that float32 rounds to a tie once 128 is added (205.4999924 -> 205.5)
+        x[2, :3] = torch.tensor([127.0, 77.49999237060547, -40.50000762939453])
+        x[2, 3:] = x[2, 3:].clamp(-100, 100)
+    return x
+
+
+@pytest.mark.parametrize("in_features, out_features", SHAPES)
+@pytest.mark.parametrize("kernel", ["int_mm", pytest.param("fbgemm", marks=needs_fbgemm)])
+def test_each_kernel_computes_the_definition_exactly(kernel, in_features, out_features):
+    torch.manual_seed(in_features * 7 + out_features)
+    linear = torch.nn.Linear(in_features, out_features)
+    layer = Int8Linear(linear, kernel)
+    assert layer.kernel == kernel
+    for rows in ROW_COUNTS:
+        x = inputs(rows, in_features, seed=rows)
+        assert torch.equal(layer(x), definition(x, linear)), f"{kernel} {in_features}x{out_features} at {rows} rows"
+
+
+@needs_fbgemm
+def test_fbgemm_is_the_default_where_exact_and_holds_one_int8_copy():
+    linear = torch.nn.Linear(32, 16)
+    layer = Int8Linear(linear)
+    assert layer.kernel == "fbgemm"
+    assert not [name for name, _ in layer.named_buffers() if name == "weight_t"]  # no second copy
+    assert torch.equal(layer.weight_q, Int8Linear(linear, "int_mm").weight_q)
+    assert layer.weight_q.dtype == torch.int8
+
+
+def test_without_an_exact_fbgemm_the_reference_kernel_serves(monkeypatch):
+    from widebeam.model import int8_linear
+
+    monkeypatch.setattr(int8_linear, "fbgemm_exact", lambda: False)
+    assert Int8Linear(torch.nn.Linear(8, 4)).kernel == "int_mm"
+    assert Int8Linear(torch.nn.Linear(8, 4), "fbgemm").kernel == "int_mm"
+
+
+@pytest.mark.parametrize("kernel", ["int_mm", pytest.param("fbgemm", marks=needs_fbgemm)])
+def test_a_rows_output_does_not_depend_on_its_batch(kernel):
+    linear = torch.nn.Linear(96, 40)
+    layer = Int8Linear(linear, kernel)
+    x = inputs(40, 96, seed=3)
+    batched = layer(x)
+    for row in (0, 1, 2, 39):
+        assert torch.equal(layer(x[row:row + 1]), batched[row:row + 1])
+
+
+def test_rows_quantize_half_to_even_within_127():
+    q_x, scale = quantize_rows(torch.tensor([[254.0, 1.0, 3.0, -5.0, -254.0]]))  # scale 2: 0.5, 1.5, -2.5
+    assert scale.item() == 2.0
+    assert q_x.tolist() == [[127.0, 0.0, 2.0, -2.0, -127.0]]
+
+
+def test_the_reference_product_pads_few_rows():
+    weight_q = torch.randint(-127, 128, (3, 8), dtype=torch.int8)
+    q_x = torch.randint(-127, 128, (2, 8)).float()
+    out = int_mm_product(q_x, weight_q.t().contiguous(), torch.ones(3))
+    assert out.shape == (2, 3)
+    assert torch.equal(out, (q_x.double() @ weight_q.double().t()).float())
+
+
+def test_an_unknown_kernel_is_named():
+    with pytest.raises(ValueError, match="int8 kernel must be one of fbgemm, int_mm, got 'vnni'"):
+        Int8Linear(torch.nn.Linear(4, 4), "vnni")
+
+
+def test_quantize_int8_swaps_every_linear_and_needs_a_cpu():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    quantize_int8(model, torch.device("cpu"), "int_mm")
+    assert [type(m).__name__ for m in model] == ["Int8Linear", "ReLU", "Int8Linear"]
+    assert all(m.kernel == "int_mm" for m in model if isinstance(m, Int8Linear))
+    with pytest.raises(ValueError, match="CPU"):
+        quantize_int8(torch.nn.Linear(2, 2), torch.device("meta"))

@@ -1,0 +1,148 @@
+"""Int8 linear layers (`dtype="int8"`): int8 weights per output channel, activations quantized per
+row on each call, int32 accumulation, float32 out.
+
+The math, one definition for every kernel: a row x is scaled by s = max|x| / 127 and rounded
+(half to even) to q_x in [-127, 127]; the weight row j is w_j ~= q_w[j] * c_j; the output is
+`((q_x . q_w[j]) * c_j) * s`, the dot product exact in int32, the two float32 products in that
+order. Per-row and per-channel scales keep an outlier row or channel from flattening the others
+(a per-tensor activation scale agreed with float32 on 34% of SmolLM2's next tokens; see
+benchmarks/int8_accuracy.py), and make a row's output independent of the rows batched with it.
+
+Two kernels compute it, bit for bit the same:
+- "int_mm": `torch._int_mm` on the int8 rows (padded to 17: it wants more than 16), the reference
+  and the fallback.
+- "fbgemm": PyTorch's FBGEMM linear with the weight prepacked once. It is handed q_x as whole
+  floats with an activation scale of 1 and zero point 128 (it quantizes round(v + 128) in float32,
+  which would round 77.4999924 up: so the rounding is done before), and its output is the int32
+  product times c_j; the row scale is applied after. At the few rows of a
+  decode step it runs 2-2.5x faster than `_int_mm` on this CPU (a 1-row lm_head: 1.9 vs 5.1 ms;
+  `python benchmarks/int8_kernels.py`). FBGEMM's non-VNNI x86 kernels sum pairs of u8 x s8
+  products in int16 with saturation, which would break exactness, so the kernel is used only when
+  a probe at the saturating extremes matches `_int_mm` exactly (`fbgemm_exact`); otherwise
+  "int_mm" serves.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+INT8_KERNELS = ("fbgemm", "int_mm")
+_INT_MM_MIN_ROWS = 17  # torch._int_mm wants more than 16 rows: fewer are padded with zeros
+_ZERO_POINT = 128  # FBGEMM's activations are uint8: q_x + 128 in [1, 255]
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] float -> (int8 [out, in], float32 scale per output channel [out])."""
+    weight = weight.detach().float()
+    scale = weight.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+    return torch.round(weight / scale[:, None]).to(torch.int8), scale
+
+
+def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, in] float32 -> (q_x, s [n, 1]): q_x = round(rows / s), whole numbers in [-127, 127] kept
+    in float32 (exact), rounded half to even."""
+    scale = rows.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127.0
+    return torch.round(rows / scale).clamp_(-127, 127), scale
+
+
+def int_mm_product(quantized_rows: torch.Tensor, weight_t: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """The reference: (q_x . q_w[j]) * c_j with `torch._int_mm`. weight_t: [in, out] int8."""
+    quantized = quantized_rows.to(torch.int8)
+    num_rows = quantized.shape[0]
+    if num_rows < _INT_MM_MIN_ROWS:
+        quantized = torch.nn.functional.pad(quantized, (0, 0, 0, _INT_MM_MIN_ROWS - num_rows))
+    return torch._int_mm(quantized, weight_t)[:num_rows].float() * weight_scale
+
+
+def fbgemm_pack(weight_q: torch.Tensor, weight_scale: torch.Tensor):
+    """FBGEMM's prepacked form of an int8 weight with per-channel scales (no bias: added after)."""
+    with warnings.catch_warnings():  # quantized tensors are deprecated in PyTorch, still served in 2.13
+        warnings.simplefilter("ignore")
+        zero_points = torch.zeros(weight_q.shape[0], dtype=torch.long)
+        qweight = torch._make_per_channel_quantized_tensor(weight_q, weight_scale.double(), zero_points, 0)
+        return torch.ops.quantized.linear_prepack(qweight, None)
+
+
+def fbgemm_product(quantized_rows: torch.Tensor, packed) -> torch.Tensor:
+    """(q_x . q_w[j]) * c_j through FBGEMM: activation scale 1, zero point 128."""
+    return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(quantized_rows, 1.0, _ZERO_POINT, packed)
+
+
+@functools.cache
+def fbgemm_exact() -> bool:
+    """Whether FBGEMM's int8 linear is available here and equals `_int_mm` exactly at the extremes
+    (every product +-127 x 127, where int16 pair sums would saturate)."""
+    try:
+        in_features, out_features = 1536, 64
+        weight_q = torch.full((out_features, in_features), 127, dtype=torch.int8)
+        weight_q[::2, ::3] = -127
+        weight_scale = torch.linspace(0.5, 2.0, out_features)
+        rows = torch.full((20, in_features), 127.0)
+        rows[::2] = -127.0
+        rows[1, :] = torch.arange(in_features) % 255 - 127.0  # every value once
+        for num_rows in (1, 4, 20):
+            ref = int_mm_product(rows[:num_rows], weight_q.t().contiguous(), weight_scale)
+            out = fbgemm_product(rows[:num_rows], fbgemm_pack(weight_q, weight_scale))
+            if not torch.equal(out, ref):
+                return False
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+    return True
+
+
+class Int8Linear(torch.nn.Module):
+    """A linear layer with int8 weights (see the module docstring for the math). `kernel`: "fbgemm"
+    (where `fbgemm_exact()`, else "int_mm"), "int_mm", or None for the fastest exact one. Only one
+    int8 copy of the weight is held, in the kernel's layout."""
+
+    def __init__(self, linear: torch.nn.Linear, kernel: str | None = None):
+        super().__init__()
+        if kernel is not None and kernel not in INT8_KERNELS:
+            raise ValueError(f"int8 kernel must be one of {', '.join(INT8_KERNELS)}, got {kernel!r}")
+        weight_q, weight_scale = quantize_weight(linear.weight)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.kernel = "fbgemm" if kernel in (None, "fbgemm") and fbgemm_exact() else "int_mm"
+        self.register_buffer("weight_scale", weight_scale)  # [out]
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float())
+        if self.kernel == "fbgemm":
+            self._packed = fbgemm_pack(weight_q, weight_scale)  # a script object, not a buffer
+        else:
+            self.register_buffer("weight_t", weight_q.t().contiguous())  # [in, out]
+
+    @property
+    def weight_q(self) -> torch.Tensor:
+        """The int8 weight [out, in], whichever layout the kernel holds (for inspection and tests)."""
+        if self.kernel == "fbgemm":
+            return self._packed.unpack()[0].int_repr()
+        return self.weight_t.t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        quantized, scale = quantize_rows(x.reshape(-1, shape[-1]).float())  # [num_rows, in], [num_rows, 1]
+        if self.kernel == "fbgemm":
+            out = fbgemm_product(quantized, self._packed)
+        else:
+            out = int_mm_product(quantized, self.weight_t, self.weight_scale)
+        out = out * scale
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, kernel={self.kernel}")
+
+
+def quantize_int8(model: torch.nn.Module, device: torch.device, kernel: str | None = None) -> torch.nn.Module:
+    """Every linear layer (lm_head included) as an `Int8Linear`, in place; CPU only (the int8
+    kernels are x86's)."""
+    if device.type != "cpu":
+        raise ValueError("dtype='int8' runs on CPU (int8 matmul kernels); on CUDA use bfloat16")
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                setattr(parent, name, Int8Linear(child, kernel))
+    return model
