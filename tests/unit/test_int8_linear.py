@@ -113,3 +113,35 @@ def test_quantize_int8_swaps_every_linear_and_needs_a_cpu():
     assert all(m.kernel == "int_mm" for m in model if isinstance(m, Int8Linear))
     with pytest.raises(ValueError, match="CPU"):
         quantize_int8(torch.nn.Linear(2, 2), torch.device("meta"))
+
+
+@pytest.mark.parametrize("kernel", ["int_mm", pytest.param("fbgemm", marks=needs_fbgemm)])
+@pytest.mark.parametrize("biases", [(True, True, True), (False, False, False), (True, False, True)])
+def test_concatenated_layers_equal_the_parts_bit_for_bit(kernel, biases):
+    torch.manual_seed(5)
+    linears = [torch.nn.Linear(96, out, bias=bias) for out, bias in zip((96, 32, 32), biases)]
+    parts = [Int8Linear(linear, kernel) for linear in linears]
+    fused = Int8Linear.concat(parts)
+    assert fused.kernel == kernel and (fused.in_features, fused.out_features) == (96, 160)
+    for rows in (1, 4, 33):
+        x = inputs(rows, 96, seed=rows)
+        assert torch.equal(fused(x), torch.cat([part(x) for part in parts], dim=-1))
+
+
+def test_concat_refuses_mixed_inputs_or_kernels():
+    with pytest.raises(ValueError, match="one kernel and one input size"):
+        Int8Linear.concat([Int8Linear(torch.nn.Linear(8, 4), "int_mm"), Int8Linear(torch.nn.Linear(6, 4), "int_mm")])
+
+
+def test_an_int8_engine_runs_fused_projections_and_holds_each_weight_once(tiny_llama_dir):
+    from widebeam.engine import LLM
+    from widebeam.model.layers import FusedProjections
+
+    model = LLM(str(tiny_llama_dir), dtype="int8", device="cpu", kv_cache_memory="1MiB").engine.model
+    layer = model.model.layers[0]
+    assert isinstance(layer.self_attn.qkv, FusedProjections) and isinstance(layer.mlp.gate_up, FusedProjections)
+    assert not hasattr(layer.self_attn, "q_proj") and not hasattr(layer.mlp, "gate_proj")
+    arch = model.arch
+    assert layer.self_attn.qkv.sizes == [arch.num_heads * arch.head_dim] + [arch.num_kv_heads * arch.head_dim] * 2
+    # 4 int8 layers a decoder layer (qkv, o, gate_up, down) and the lm_head
+    assert sum(isinstance(m, Int8Linear) for m in model.modules()) == 4 * arch.num_layers + 1

@@ -28,7 +28,14 @@ from widebeam.model.arch import ModelArch
 from widebeam.model.attention import AttentionMetadata
 from widebeam.model.families import ParsedConfig
 from widebeam.model.family_configs import DecoderSettings
-from widebeam.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from widebeam.model.layers import (
+    FusedProjections,
+    GatedMLP,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+    fuse_linears,
+)
 from widebeam.model.paged_attention import PagedAttention
 from widebeam.model.weights import copy_checkpoint
 
@@ -51,13 +58,19 @@ class DecoderAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, settings.rms_norm_eps, settings.unit_offset_norms)
         self.qk_norm = settings.qk_norm
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, settings.attention_scale)
+        self.qkv: FusedProjections | None = None
+
+    def fuse_projections(self, concat) -> None:
+        """q_proj, k_proj and v_proj as one layer (`concat`: a list of layers -> one); after loading."""
+        self.qkv = fuse_linears(self, ["q_proj", "k_proj", "v_proj"], concat)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv(x) if self.qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

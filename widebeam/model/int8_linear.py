@@ -100,17 +100,39 @@ class Int8Linear(torch.nn.Module):
 
     def __init__(self, linear: torch.nn.Linear, kernel: str | None = None):
         super().__init__()
+        weight_q, weight_scale = quantize_weight(linear.weight)
+        self._hold(weight_q, weight_scale, None if linear.bias is None else linear.bias.detach().float(), kernel)
+
+    def _hold(self, weight_q: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+              kernel: str | None) -> None:
         if kernel is not None and kernel not in INT8_KERNELS:
             raise ValueError(f"int8 kernel must be one of {', '.join(INT8_KERNELS)}, got {kernel!r}")
-        weight_q, weight_scale = quantize_weight(linear.weight)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.out_features, self.in_features = weight_q.shape
         self.kernel = "fbgemm" if kernel in (None, "fbgemm") and fbgemm_exact() else "int_mm"
         self.register_buffer("weight_scale", weight_scale)  # [out]
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float())
+        self.register_buffer("bias", bias)
         if self.kernel == "fbgemm":
             self._packed = fbgemm_pack(weight_q, weight_scale)  # a script object, not a buffer
+            self._product = functools.partial(fbgemm_product, packed=self._packed)
         else:
             self.register_buffer("weight_t", weight_q.t().contiguous())  # [in, out]
+            self._product = functools.partial(int_mm_product, weight_t=self.weight_t, weight_scale=weight_scale)
+
+    @classmethod
+    def concat(cls, layers: list[Int8Linear]) -> Int8Linear:
+        """One layer computing `layers` (same input, same kernel) side by side: the output is their
+        outputs concatenated, bit for bit (per-row and per-channel scales do not mix the parts)."""
+        kernels = {layer.kernel for layer in layers}
+        if len(kernels) != 1 or len({layer.in_features for layer in layers}) != 1:
+            raise ValueError("concatenated int8 layers need one kernel and one input size")
+        biases = [layer.bias for layer in layers]
+        if any(b is None for b in biases) and any(b is not None for b in biases):
+            biases = [torch.zeros(layer.out_features) if b is None else b for layer, b in zip(layers, biases)]
+        fused = cls.__new__(cls)
+        torch.nn.Module.__init__(fused)
+        fused._hold(torch.cat([layer.weight_q for layer in layers]), torch.cat([layer.weight_scale for layer in layers]),
+                    None if biases[0] is None else torch.cat(biases), kernels.pop())
+        return fused
 
     @property
     def weight_q(self) -> torch.Tensor:
@@ -120,16 +142,15 @@ class Int8Linear(torch.nn.Module):
         return self.weight_t.t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        quantized, scale = quantize_rows(x.reshape(-1, shape[-1]).float())  # [num_rows, in], [num_rows, 1]
-        if self.kernel == "fbgemm":
-            out = fbgemm_product(quantized, self._packed)
-        else:
-            out = int_mm_product(quantized, self.weight_t, self.weight_scale)
-        out = out * scale
+        rows = x.reshape(-1, self.in_features)
+        if rows.dtype != torch.float32:
+            rows = rows.float()
+        quantized, scale = quantize_rows(rows)  # [num_rows, in], [num_rows, 1]
+        out = self._product(quantized).mul_(scale)
         if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*shape[:-1], self.out_features).to(x.dtype)
+            out += self.bias
+        out = out.view(*x.shape[:-1], self.out_features)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -145,4 +166,16 @@ def quantize_int8(model: torch.nn.Module, device: torch.device, kernel: str | No
         for name, child in list(parent.named_children()):
             if isinstance(child, torch.nn.Linear):
                 setattr(parent, name, Int8Linear(child, kernel))
+    return model
+
+
+def fuse_int8_projections(model: torch.nn.Module) -> torch.nn.Module:
+    """The int8 layers that read one input (q/k/v, gate/up) as one `Int8Linear` each, in place,
+    wherever a module offers `fuse_projections`. Exact (see `Int8Linear.concat`); it pays because
+    an int8 call at a decode step's few rows costs mostly its fixed work (quantizing the rows,
+    FBGEMM's per-call set-up): 5 calls a layer become 2 (`benchmarks/int8_kernels.py`)."""
+    for module in list(model.modules()):
+        fuse = getattr(module, "fuse_projections", None)
+        if fuse is not None:
+            fuse(Int8Linear.concat)
     return model

@@ -38,6 +38,28 @@ ACTIVATIONS = {
 }
 
 
+class FusedProjections(nn.Module):
+    """Linear layers that read the same input, run as one (`linear`, their weights stacked by output
+    row); the output is split back into the parts, `sizes` wide."""
+
+    def __init__(self, linear: nn.Module, sizes: list[int]):
+        super().__init__()
+        self.linear, self.sizes = linear, sizes
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.linear(x).split(self.sizes, dim=-1)
+
+
+def fuse_linears(owner: nn.Module, names: list[str], concat) -> FusedProjections:
+    """`owner`'s linears `names` as one `FusedProjections` built by `concat` (a list of layers -> one
+    layer); the separate layers are removed, so the weights are held once."""
+    layers = [getattr(owner, name) for name in names]
+    fused = FusedProjections(concat(layers), [layer.out_features for layer in layers])
+    for name in names:
+        delattr(owner, name)
+    return fused
+
+
 class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, activation: str, bias: bool = False):
         super().__init__()
@@ -47,9 +69,15 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.act = ACTIVATIONS[activation]
+        self.gate_up: FusedProjections | None = None
+
+    def fuse_projections(self, concat) -> None:
+        """gate_proj and up_proj as one layer (`concat`: a list of layers -> one); after loading."""
+        self.gate_up = fuse_linears(self, ["gate_proj", "up_proj"], concat)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(self.act(gate) * up)
 
 
 def rope_inv_freq(params: dict, rotary_dims: int) -> torch.Tensor:

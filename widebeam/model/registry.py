@@ -10,7 +10,7 @@ import torch
 
 from widebeam.kv.spec import WEIGHT_ONLY_DTYPES, kv_dtype
 from widebeam.model.families import SUPPORTED_MODEL_TYPES, ParsedConfig, parse_config  # noqa: F401
-from widebeam.model.int8_linear import Int8Linear, quantize_int8  # noqa: F401
+from widebeam.model.int8_linear import Int8Linear, fuse_int8_projections, quantize_int8  # noqa: F401
 from widebeam.model.loader import ModelSource, load_config, load_state_dict
 from widebeam.model.packed_linear import DEFAULT_LINEAR_BACKEND, pack_linears
 
@@ -61,7 +61,7 @@ def load_model(source: ModelSource, dtype: str, device: torch.device,
     model.tie_weights()  # to_empty gave the tied parameters separate storage
     model = model.to(device=device, dtype=torch_dtype(dtype)).eval()
     if dtype == "int8":
-        return quantize_int8(model, device)
+        return fuse_int8_projections(quantize_int8(model, device))
     return pack_linears(model, device, linear_backend) if dtype == "float32" else model
 
 
