@@ -41,7 +41,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2,
                         help="1 on a busy host: two threads on two shared cores stall at every barrier")
-    parser.add_argument("--candidate", choices=["auto", "onednn"], default="auto",
+    parser.add_argument("--candidate", choices=["split", "auto", "onednn"], default="auto",
                         help="the backend set against torch (default auto, the engine's default)")
     parser.add_argument("--linears-only", action="store_true", help="time the linear layers alone")
     parser.add_argument("--out", default="benchmarks/results/linear_backend.json")

@@ -65,6 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="int8: int8 linear weights (widebeam and transformers alike), float32 activations")
     add_linear_backend_argument(parser)
     parser.add_argument("--threads", type=int_at_least(1), default=2)
+    parser.add_argument("--settle-s", type=float, default=1.0,
+                        help="idle seconds before each timed run, so the previous engine's OpenMP threads, which "
+                             "spin for a while after their last parallel region (CTranslate2's for 200 ms), are "
+                             "asleep before the next engine starts (default 1)")
     parser.add_argument("--peers", nargs="+", choices=["transformers", "ctranslate2"], default=["transformers"],
                         help="engines beside widebeam (ctranslate2: pip install ctranslate2; float32 and int8, the "
                              "model converted once into the cache; transformers is always run for the floors)")
@@ -241,6 +245,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                "threads": args.threads, "tokens_per_block": args.tokens_per_block, **speculative,
                "compute_floor_s": compute_floor_s(floor_model, len(prompt_ids), width, n, dtype),
                "attention_floor_s": attention_floor_s(floor_model, len(prompt_ids), width, n, dtype)}
+        time.sleep(args.settle_s)
         wb = run_widebeam(llm, prompt_ids, width, n)
         row["widebeam"] = {k: v for k, v in wb.items() if k != "best"}
         hf_kv = hf_kv_bytes(hf, width * (len(prompt_ids) + n))
@@ -249,11 +254,13 @@ def run(args: argparse.Namespace) -> list[dict]:
                                               f"({format_bytes(hf_kv)}) exceeds --hf-kv-limit "
                                               f"{format_bytes(args.hf_kv_limit)}"}
         else:
+            time.sleep(args.settle_s)
             ref = run_hf(hf, prompt_ids, width, n, eos_id)
             row["transformers"] = {k: v for k, v in ref.items() if k != "best"}
             row["same_best_sequence"] = wb["best"] == ref["best"]
             row["speedup"] = ref["wall_s"] / wb["wall_s"]
         for name, peer in ct2.items():
+            time.sleep(args.settle_s)
             result = peer.run(prompt_ids, width, n, eos_id)
             row[name] = {"wall_s": result["wall_s"], "same_best_sequence": result["best"] == wb["best"],
                          "widebeam_speedup": result["wall_s"] / wb["wall_s"]}

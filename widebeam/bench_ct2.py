@@ -6,12 +6,20 @@ converter into `<cache>/ct2/<name>-<hash>-<quantization>` once, then run with `g
 `beam_size` = W, `min_length` = `max_length` = N generated tokens (the prompt not counted), the
 same thread count, the best hypothesis compared with widebeam's best beam. The optional dependency
 is `pip install ctranslate2`; `--peers ctranslate2` without it is an error naming the package.
+
+Each generator runs in a process of its own (spawned; timed inside it): CTranslate2 ships its own
+OpenMP runtime, and once it had run in the bench's process every later widebeam run there was
+1.3-1.8x slower (int8, W=1: 1.35-2.0 s before its first run, 2.2-2.7 s after), which made the
+comparison measure the neighbour, not the engines.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
+import multiprocessing
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 # CTranslate2's compute type per bench row: its own float32, and int8 weights (its fastest on x86)
@@ -31,26 +39,43 @@ def converted_dir(model_dir: Path, quantization: str, cache_dir: Path) -> Path:
     return out
 
 
+_generator = None  # the worker process's CTranslate2 generator
+
+
+def _load(model_dir: Path, compute_type: str, threads: int, cache_dir: Path) -> None:
+    import ctranslate2
+
+    global _generator
+    path = converted_dir(model_dir, compute_type, cache_dir)
+    _generator = ctranslate2.Generator(str(path), device="cpu", compute_type=compute_type, inter_threads=1,
+                                       intra_threads=threads)
+
+
+def _generate(tokens: list[str], width: int, new_tokens: int, end: str) -> tuple[float, list[int]]:
+    start = time.perf_counter()
+    (result,) = _generator.generate_batch([tokens], beam_size=width, num_hypotheses=1, max_length=new_tokens,
+                                          min_length=new_tokens, end_token=end, include_prompt_in_result=False,
+                                          return_scores=True)
+    return time.perf_counter() - start, list(result.sequences_ids[0])
+
+
 class CT2Peer:
-    """One CTranslate2 generator (a compute type) over the bench's model."""
+    """One CTranslate2 generator (a compute type) over the bench's model, in a worker process."""
 
     def __init__(self, model_dir: Path, compute_type: str, threads: int, cache_dir: Path, tokenizer):
-        try:
-            import ctranslate2
-        except ImportError:
-            raise RuntimeError("--peers ctranslate2 needs CTranslate2: pip install ctranslate2") from None
+        # only looked for here: the library itself is loaded, and the model converted, in the worker
+        if importlib.util.find_spec("ctranslate2") is None:
+            raise RuntimeError("--peers ctranslate2 needs CTranslate2: pip install ctranslate2")
         self.compute_type = compute_type
         self.tokenizer = tokenizer
-        path = converted_dir(model_dir, compute_type, cache_dir)
-        self.generator = ctranslate2.Generator(str(path), device="cpu", compute_type=compute_type,
-                                               inter_threads=1, intra_threads=threads)
+        self._worker = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_load,
+                                           initargs=(Path(model_dir), compute_type, threads, Path(cache_dir)))
 
     def run(self, prompt_ids: list[int], width: int, new_tokens: int, eos_id: int) -> dict:
         tokens = self.tokenizer.convert_ids_to_tokens(prompt_ids)
         end = self.tokenizer.convert_ids_to_tokens(eos_id)
-        start = time.perf_counter()
-        (result,) = self.generator.generate_batch([tokens], beam_size=width, num_hypotheses=1,
-                                                  max_length=new_tokens, min_length=new_tokens, end_token=end,
-                                                  include_prompt_in_result=False, return_scores=True)
-        elapsed = time.perf_counter() - start
-        return {"wall_s": elapsed, "best": list(result.sequences_ids[0])}
+        elapsed, best = self._worker.submit(_generate, tokens, width, new_tokens, end).result()
+        return {"wall_s": elapsed, "best": best}
+
+    def close(self) -> None:
+        self._worker.shutdown()

@@ -13,6 +13,7 @@ import pytest
 
 from widebeam.cli import build_parser, main
 from widebeam.config import EngineConfig
+from widebeam.defaults import DEFAULT_LINEAR_BACKEND
 from widebeam.errors import InvalidParameterError, WidebeamError
 
 COMMANDS = {"serve": [], "generate": ["a prompt"], "batch": ["in.jsonl", "out.jsonl"]}
@@ -112,7 +113,7 @@ def test_linear_backend_reaches_the_engine(command, recorded, tmp_path):
     if command == "batch":
         (tmp_path / "in.jsonl").write_text('{"prompt": "a"}\n')
         argv = [command, str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl")]
-    for flags, expected in (([], "torch"), (["--linear-backend", "auto"], "auto")):
+    for flags, expected in (([], DEFAULT_LINEAR_BACKEND), (["--linear-backend", "auto"], "auto")):
         recorded.clear()
         with pytest.raises(SystemExit) if command == "generate" else contextlib.nullcontext():
             main([*argv, *flags])

@@ -7,7 +7,8 @@ inner product with the weight reordered once into its own blocked layout
 `PackedLinear`; anything else (CUDA, other dtypes, a build without oneDNN) keeps `F.linear`, the
 reference. The A/B is benchmarks/linear_backend.py.
 
-Backends: "torch", the default (F.linear); "onednn" (the packed weight at every row count, no float
+Backends: "split", the default (split_linear.py: F.linear's weight run as batched blocks at 1-4
+rows); "torch" (F.linear, the reference); "onednn" (the packed weight at every row count, no float
 copy kept); "auto" (the packed weight for `PACKED_ROWS` rows, F.linear on the float weight
 otherwise: both kept, the linears' weights held twice). Measured over SmolLM2-135M's 211 linears,
 1 thread, torch 2.13, Xeon with AMX, the backends alternating pass by pass
@@ -21,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from widebeam.defaults import DEFAULT_LINEAR_BACKEND, LINEAR_BACKENDS
+from widebeam.model.split_linear import split_linears
 
 # "auto": the row counts the packed weight runs (a single row and long prefill chunks: F.linear)
 PACKED_ROWS = range(4, 129)
@@ -83,11 +85,14 @@ class PackedLinear(torch.nn.Module):
 
 
 def pack_linears(model: torch.nn.Module, device: torch.device, backend: str = DEFAULT_LINEAR_BACKEND) -> torch.nn.Module:
-    """Every float32 `nn.Linear` of a CPU model as a `PackedLinear`, in place, when `backend` is
-    "onednn" or "auto" and this build has oneDNN; otherwise the model unchanged (`F.linear`)."""
+    """The float32 linears of a CPU model under `backend`, in place: "split" (the default) as
+    `SplitLinear`s (split_linear.py); "onednn" or "auto" as `PackedLinear`s when this build has
+    oneDNN; otherwise, and on other devices, the model unchanged (`F.linear`)."""
     if backend not in LINEAR_BACKENDS:
         raise ValueError(f"linear_backend must be one of {', '.join(LINEAR_BACKENDS)}, got {backend!r}")
-    if backend == "torch" or device.type != "cpu" or not onednn_available():
+    if backend == "split" and device.type == "cpu":
+        return split_linears(model)
+    if backend in ("torch", "split") or device.type != "cpu" or not onednn_available():
         return model
     # a weight tied to another module's parameter (lm_head = embed_tokens) stays reachable as .weight
     tied = {id(p) for m in model.modules() if type(m) is not torch.nn.Linear for p in m.parameters(recurse=False)}

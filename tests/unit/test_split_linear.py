@@ -1,0 +1,107 @@
+"""Float32 linears split into batched blocks of output rows at 1-4 rows (`linear_backend="split"`,
+the default; widebeam/model/split_linear.py): equal to `F.linear` within float32 rounding where the
+split runs, the very same kernel elsewhere; the weight shared, never copied; a tiny model's greedy
+tokens and beams equal the `F.linear` engine's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from widebeam.defaults import DEFAULT_LINEAR_BACKEND
+from widebeam.model.packed_linear import pack_linears
+from widebeam.model.split_linear import SPLIT_BLOCKS, SPLIT_ROWS, SplitLinear
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 64])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("in_features, out_features", [(64, 48), (576, 192), (37, 104), (37, 101), (7, 1)])
+def test_split_linear_equals_f_linear(rows, bias, in_features, out_features, monkeypatch):
+    torch.manual_seed(rows * 1000 + in_features + out_features)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias)
+    if bias:
+        with torch.no_grad():
+            linear.bias.mul_(10)  # a bias that matters next to the product
+    layer = SplitLinear(linear)
+    calls = []
+    bmm = torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda *a: calls.append(1) or bmm(*a))
+    x = torch.randn(rows, in_features)
+    with torch.inference_mode():
+        expected, got = F.linear(x, linear.weight, linear.bias), layer(x)
+    split = rows in SPLIT_ROWS and out_features % SPLIT_BLOCKS == 0
+    assert bool(calls) == split
+    assert got.shape == expected.shape and got.dtype == torch.float32 and got.is_contiguous()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    if not split:
+        assert torch.equal(got, expected)  # the very same kernel
+
+
+def test_split_linear_takes_leading_dims_and_strided_input():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(24, 40)
+    layer = SplitLinear(linear)
+    x = torch.randn(2, 1, 48)[..., ::2]  # [2, 1, 24], not contiguous
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), F.linear(x, linear.weight, linear.bias), rtol=1e-5, atol=1e-5)
+        assert layer(x).shape == (2, 1, 40)
+
+
+def test_the_weight_is_shared_and_a_tied_one_stays_tied():
+    embed, head = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16, bias=False)
+    head.weight = embed.weight
+    model = pack_linears(torch.nn.ModuleDict({"embed": embed, "head": head}), torch.device("cpu"), "split")
+    assert isinstance(model["head"], SplitLinear)
+    assert model["head"].weight is embed.weight  # no copy: the embedding's own tensor
+
+
+def test_split_is_the_default_and_stays_off_other_devices_and_dtypes():
+    assert DEFAULT_LINEAR_BACKEND == "split"
+    bf16 = pack_linears(torch.nn.Sequential(torch.nn.Linear(8, 8).bfloat16()), torch.device("cpu"), "split")
+    assert type(bf16[0]) is torch.nn.Linear
+    with torch.device("meta"):
+        meta = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    assert type(pack_linears(meta, torch.device("meta"), "split")[0]) is torch.nn.Linear
+
+
+PROMPTS = [[(i * 31 + k) % 120 + 3 for i in range(n)] for k, n in ((1, 9), (5, 23), (11, 40))]
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama_dir):
+    from widebeam.engine import LLM
+
+    return [LLM(str(tiny_llama_dir), device="cpu", linear_backend=backend, kv_cache_memory="2MiB",
+                enable_prefix_caching=False) for backend in ("torch", "split")]
+
+
+def test_the_default_engine_holds_split_linears(tiny_llama_dir, engines):
+    from widebeam.engine import LLM
+
+    default = LLM(str(tiny_llama_dir), device="cpu", kv_cache_memory="1MiB").engine.model
+    assert isinstance(default.lm_head, SplitLinear)
+    assert not any(type(m) is torch.nn.Linear for m in default.modules())
+    assert type(engines[0].engine.model.lm_head) is torch.nn.Linear
+
+
+def test_greedy_tokens_equal_the_f_linear_engines(engines):
+    from widebeam.params import SamplingParams
+
+    params = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
+    inputs = [{"prompt_token_ids": p} for p in PROMPTS]
+    plain, split = (llm.generate(inputs, params, use_tqdm=False) for llm in engines)
+    assert [o.outputs[0].token_ids for o in split] == [o.outputs[0].token_ids for o in plain]
+
+
+@pytest.mark.parametrize("width", [1, 2, 4])
+def test_beam_sequences_equal_the_f_linear_engines(engines, width):
+    from widebeam.params import BeamSearchParams
+
+    params = BeamSearchParams(beam_width=width, max_new_tokens=12, length_penalty=1.0)
+    inputs = [{"prompt_token_ids": p} for p in PROMPTS]
+    plain, split = (llm.generate(inputs, params, use_tqdm=False) for llm in engines)
+    for a, b in zip(plain, split):
+        assert [s.token_ids for s in b.outputs] == [s.token_ids for s in a.outputs]
+        for x, y in zip(a.outputs, b.outputs):
+            assert y.score == pytest.approx(x.score, rel=1e-4, abs=1e-4)

@@ -1,0 +1,64 @@
+"""Float32 linears at a decode step's few rows, with every core streaming the weight (issue #19).
+
+At one to a few rows a linear layer is a matrix-vector product: it reads the whole weight once and
+does two flops per weight, so its time is the weight's bytes over the memory bandwidth one gets.
+`F.linear` on CPU hands it to MKL's sgemv, which runs it on one thread whatever
+`torch.set_num_threads` says: SmolLM2-135M's 211 linears at 1 row took 50 ms a step at 2 threads
+and 55 at 1, 8-11 GB/s, where a 2-thread sum over the same bytes reads 28 GB/s. Viewing the weight's
+output rows as `SPLIT_BLOCKS` blocks, `[blocks, out / blocks, in]`, and the rows' product as one
+batched matmul (`torch.bmm`) lets PyTorch run the blocks on every thread: 26 ms at 1 row, 33 at 2,
+39 at 4 (`python benchmarks/linear_backend.py --linears-only --candidate split`). The weight is
+the same tensor, viewed: no copy, no extra memory. Past `SPLIT_ROWS` rows MKL's sgemm is
+parallel and as fast, so `F.linear` runs there; a weight whose output rows do not divide into the
+blocks keeps `F.linear` at every row count.
+
+Each output is still one dot product of a row and a weight row, in float32, but summed by another
+kernel than `F.linear`'s: equal within float32 rounding (tests/unit/test_split_linear.py), and the
+greedy tokens and beams of the parity suite, which runs this backend by default, equal
+transformers'. So a row's last bits depend on how many rows its step ran (1-4 or more), as they
+already did through the attention kernels; tokens and beams do not.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+SPLIT_BLOCKS = 8  # blocks of output rows: a few per thread, each still thousands of weights
+SPLIT_ROWS = range(1, 5)  # the row counts the split product runs (measured faster at 1 and 2 threads)
+
+
+class SplitLinear(torch.nn.Module):
+    """`nn.Linear` in float32 on CPU whose product at `SPLIT_ROWS` rows runs as `SPLIT_BLOCKS`
+    batched blocks of output rows. Holds the original layer's weight and bias (the same tensors;
+    a weight tied to the embedding stays tied)."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.splits = self.out_features % SPLIT_BLOCKS == 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if not self.splits or rows.shape[0] not in SPLIT_ROWS:
+            return F.linear(x, self.weight, self.bias)
+        blocks = self.weight.view(SPLIT_BLOCKS, self.out_features // SPLIT_BLOCKS, self.in_features)
+        # [blocks, out / blocks, in] x [blocks, in, rows] -> [blocks, out / blocks, rows]
+        out = torch.bmm(blocks, rows.t().expand(SPLIT_BLOCKS, -1, -1)).view(self.out_features, -1).t().contiguous()
+        if self.bias is not None:
+            out += self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def split_linears(model: torch.nn.Module) -> torch.nn.Module:
+    """Every float32 CPU `nn.Linear` of `model` as a `SplitLinear`, in place."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
+                setattr(parent, name, SplitLinear(child))
+    return model
