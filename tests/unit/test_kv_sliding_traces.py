@@ -76,14 +76,14 @@ def split(total, first, chunk):
     return out
 
 
-SIZES = dict(
-    prompt_tokens=st.integers(1, 60),
-    max_new_tokens=st.integers(1, 20),
-    beam_width=st.integers(1, 6),
-    tokens_per_block=st.sampled_from([1, 2, 4, 16]),
-    window_tokens=st.integers(1, 24),
-    chunk_tokens=st.integers(1, 32),
-)
+SIZES = {
+    "prompt_tokens": st.integers(1, 60),
+    "max_new_tokens": st.integers(1, 20),
+    "beam_width": st.integers(1, 6),
+    "tokens_per_block": st.sampled_from([1, 2, 4, 16]),
+    "window_tokens": st.integers(1, 24),
+    "chunk_tokens": st.integers(1, 32),
+}
 
 
 @settings(max_examples=300, deadline=None)
