@@ -1,6 +1,7 @@
 """The README's results tables, from `widebeam bench` JSON files.
 
     python benchmarks/results_markdown.py benchmarks/results/beam_vs_hf.json [more.json ...]
+    python benchmarks/results_markdown.py --peers benchmarks/results/bench_peers_{float32,int8}.json
 """
 
 from __future__ import annotations
@@ -35,6 +36,26 @@ def rows_to_markdown(points: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def peers_to_markdown(points: list[dict]) -> str:
+    """widebeam against transformers and CTranslate2 (both compute types), one row per point."""
+    lines = [
+        ("| widebeam dtype | W | widebeam s | transformers s | CT2 float32 s | CT2 int8 s | vs transformers "
+         "| vs CT2 float32 | vs CT2 int8 | same best as transformers | same best as CT2 f32 / int8 |"),
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|:-:|:-:|",
+    ]
+    for r in points:
+        hf, f32, i8 = r["transformers"], r["ctranslate2 float32"], r["ctranslate2 int8"]
+        yes = {True: "yes", False: "NO"}
+        lines.append(" | ".join([
+            f"| {r['dtype']}", str(r["beam_width"]), f"{r['widebeam']['wall_s']:.2f}", f"{hf['wall_s']:.2f}",
+            f"{f32['wall_s']:.2f}", f"{i8['wall_s']:.2f}", f"{r['speedup']:.2f}x", f"{f32['widebeam_speedup']:.2f}x",
+            f"{i8['widebeam_speedup']:.2f}x", yes[r["same_best_sequence"]],
+            f"{yes[f32['same_best_sequence']]} / {yes[i8['same_best_sequence']]} |",
+        ]))
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
-    points = [p for path in sys.argv[1:] for p in json.loads(Path(path).read_text())["points"]]
-    print(rows_to_markdown(points))
+    peers = sys.argv[1] == "--peers"
+    points = [p for path in sys.argv[1 + peers:] for p in json.loads(Path(path).read_text())["points"]]
+    print(peers_to_markdown(points) if peers else rows_to_markdown(points))
