@@ -21,6 +21,18 @@ import torch
 from widebeam.bench import make_prompt, run_widebeam
 
 
+def add_ab_arguments(parser) -> None:
+    """The options every A/B script takes: the model, the points, the repeats, the threads."""
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--widths", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2,
+                        help="1 on a busy host: two threads on two shared cores stall at every barrier")
+    parser.add_argument("--linears-only", action="store_true", help="time the linear layers alone")
+
+
 def run_meta(**extra) -> dict:
     revision = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=False).stdout.strip()

@@ -23,7 +23,7 @@ from pathlib import Path
 from unittest import mock
 
 import torch
-from ab_engines import ab_points, linears_only, run_meta
+from ab_engines import ab_points, add_ab_arguments, linears_only, run_meta
 
 from widebeam.engine import LLM
 
@@ -47,14 +47,8 @@ def load(model: str, arm: str, max_beam_width: int) -> LLM:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--widths", type=int, nargs="+", default=[1, 4, 16, 64])
-    parser.add_argument("--prompt-len", type=int, default=512)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2)
+    add_ab_arguments(parser)
     parser.add_argument("--reference", choices=REFERENCES, default="int_mm")
-    parser.add_argument("--linears-only", action="store_true", help="time the linear layers alone")
     parser.add_argument("--out", default="benchmarks/results/int8_kernels.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -1,7 +1,7 @@
 """A/B of the float32 linear backend (issue #19): `linear_backend="torch"` (F.linear, the reference)
-against `"auto"` (the default: every linear's weight packed once for oneDNN and run at 4-128 rows,
-F.linear at other row counts; or `--candidate onednn`, packed at every row count;
-widebeam/model/packed_linear.py),
+against `--candidate`: "split" (the default backend: 1-4 rows as batched blocks of output rows on
+every thread; widebeam/model/split_linear.py), "auto" (every linear's weight also packed once for
+oneDNN and run at 4-128 rows) or "onednn" (packed at every row count; widebeam/model/packed_linear.py),
 two engines over the same SmolLM2-135M weights in one process.
 
     python benchmarks/linear_backend.py [--widths 1 4 16 64] [--prompt-len 512] [--new-tokens 32] [--repeats 5]
@@ -25,25 +25,18 @@ import os
 from pathlib import Path
 
 import torch
-from ab_engines import ab_points, linears_only, run_meta
+from ab_engines import ab_points, add_ab_arguments, linears_only, run_meta
 
 from widebeam.engine import LLM
 
-BACKENDS = ["torch", "auto"]  # the reference, then the candidate (--candidate)
+BACKENDS = ["torch", "split"]  # the reference, then the candidate (--candidate)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--widths", type=int, nargs="+", default=[1, 4, 16, 64])
-    parser.add_argument("--prompt-len", type=int, default=512)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2,
-                        help="1 on a busy host: two threads on two shared cores stall at every barrier")
-    parser.add_argument("--candidate", choices=["split", "auto", "onednn"], default="auto",
-                        help="the backend set against torch (default auto, the engine's default)")
-    parser.add_argument("--linears-only", action="store_true", help="time the linear layers alone")
+    add_ab_arguments(parser)
+    parser.add_argument("--candidate", choices=["split", "auto", "onednn"], default="split",
+                        help="the backend set against torch (default split, the engine's default)")
     parser.add_argument("--out", default="benchmarks/results/linear_backend.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
