@@ -275,6 +275,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text(json.dumps({"model": args.model, "torch": torch.__version__,
                                         "kv_cache_memory_bytes": args.kv_cache_memory, "points": rows}, indent=2) + "\n")
+    for peer in ct2.values():
+        peer.close()  # its worker process
     print_table(rows)
     plot(rows, out_path.with_suffix(".png"), args.model, args.max_new_tokens)
     return rows

@@ -42,3 +42,5 @@ def test_ctranslate2_best_beam_is_widebeams(tiny_with_vocab, tmp_path, width):
     assert result["best"] == out.outputs[0].token_ids
     again = CT2Peer(tiny_with_vocab, "float32", 1, tmp_path, llm.tokenizer)  # converted once, then reused
     assert again.run(prompt, width, n, eos_id=2)["best"] == result["best"]
+    for each in (peer, again):
+        each.close()

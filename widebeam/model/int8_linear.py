@@ -113,10 +113,8 @@ class Int8Linear(torch.nn.Module):
         self.register_buffer("bias", bias)
         if self.kernel == "fbgemm":
             self._packed = fbgemm_pack(weight_q, weight_scale)  # a script object, not a buffer
-            self._product = functools.partial(fbgemm_product, packed=self._packed)
         else:
             self.register_buffer("weight_t", weight_q.t().contiguous())  # [in, out]
-            self._product = functools.partial(int_mm_product, weight_t=self.weight_t, weight_scale=weight_scale)
 
     @classmethod
     def concat(cls, layers: list[Int8Linear]) -> Int8Linear:
@@ -146,7 +144,11 @@ class Int8Linear(torch.nn.Module):
         if rows.dtype != torch.float32:
             rows = rows.float()
         quantized, scale = quantize_rows(rows)  # [num_rows, in], [num_rows, 1]
-        out = self._product(quantized).mul_(scale)
+        if self.kernel == "fbgemm":
+            out = fbgemm_product(quantized, self._packed)
+        else:
+            out = int_mm_product(quantized, self.weight_t, self.weight_scale)
+        out.mul_(scale)
         if self.bias is not None:
             out += self.bias
         out = out.view(*x.shape[:-1], self.out_features)
