@@ -29,23 +29,25 @@ import warnings
 
 import torch
 
+from widebeam.model.layers import swap_linears
+
 INT8_KERNELS = ("fbgemm", "int_mm")
 _INT_MM_MIN_ROWS = 17  # torch._int_mm wants more than 16 rows: fewer are padded with zeros
 _ZERO_POINT = 128  # FBGEMM's activations are uint8: q_x + 128 in [1, 255]
 
 
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[out, in] float -> (int8 [out, in], float32 scale per output channel [out])."""
-    weight = weight.detach().float()
-    scale = weight.abs().amax(dim=1).clamp_min(1e-12) / 127.0
-    return torch.round(weight / scale[:, None]).to(torch.int8), scale
-
-
 def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[n, in] float32 -> (q_x, s [n, 1]): q_x = round(rows / s), whole numbers in [-127, 127] kept
-    in float32 (exact), rounded half to even."""
+    """[n, in] float32 -> (q, s [n, 1]): each row's scale s = max|row| / 127 and q = round(rows / s),
+    whole numbers in [-127, 127] kept in float32 (exact), rounded half to even. The one rule for
+    activations (per row) and weights (per output channel)."""
     scale = rows.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127.0
     return torch.round(rows / scale).clamp_(-127, 127), scale
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] float -> (int8 [out, in], float32 scale per output channel [out])."""
+    weight_q, scale = quantize_rows(weight.detach().float())
+    return weight_q.to(torch.int8), scale[:, 0]
 
 
 def int_mm_product(quantized_rows: torch.Tensor, weight_t: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
@@ -164,11 +166,7 @@ def quantize_int8(model: torch.nn.Module, device: torch.device, kernel: str | No
     kernels are x86's)."""
     if device.type != "cpu":
         raise ValueError("dtype='int8' runs on CPU (int8 matmul kernels); on CUDA use bfloat16")
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, torch.nn.Linear):
-                setattr(parent, name, Int8Linear(child, kernel))
-    return model
+    return swap_linears(model, lambda linear: Int8Linear(linear, kernel))
 
 
 def fuse_int8_projections(model: torch.nn.Module) -> torch.nn.Module:

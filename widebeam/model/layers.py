@@ -38,6 +38,20 @@ ACTIVATIONS = {
 }
 
 
+def swap_linears(model: nn.Module, make, where=lambda linear: True) -> nn.Module:
+    """Every `nn.Linear` of `model` for which `where(linear)` holds, replaced by `make(linear)`, in
+    place (the one walk behind int8 quantization and the float32 linear backends)."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and where(child):
+                setattr(parent, name, make(child))
+    return model
+
+
+def float32_on_cpu(linear: nn.Linear) -> bool:
+    return linear.weight.dtype == torch.float32 and linear.weight.device.type == "cpu"
+
+
 class FusedProjections(nn.Module):
     """Linear layers that read the same input, run as one (`linear`, their weights stacked by output
     row); the output is split back into the parts, `sizes` wide."""

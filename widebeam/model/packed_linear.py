@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from widebeam.defaults import DEFAULT_LINEAR_BACKEND, LINEAR_BACKENDS
+from widebeam.model.layers import float32_on_cpu, swap_linears
 from widebeam.model.split_linear import split_linears
 
 # "auto": the row counts the packed weight runs (a single row and long prefill chunks: F.linear)
@@ -96,9 +97,6 @@ def pack_linears(model: torch.nn.Module, device: torch.device, backend: str = DE
         return model
     # a weight tied to another module's parameter (lm_head = embed_tokens) stays reachable as .weight
     tied = {id(p) for m in model.modules() if type(m) is not torch.nn.Linear for p in m.parameters(recurse=False)}
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is torch.nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
-                keep = backend == "auto" or id(child.weight) in tied
-                setattr(parent, name, PackedLinear(child, keep, PACKED_ROWS if backend == "auto" else None))
-    return model
+    rows = PACKED_ROWS if backend == "auto" else None
+    return swap_linears(model, lambda linear: PackedLinear(linear, backend == "auto" or id(linear.weight) in tied, rows),
+                        where=float32_on_cpu)

@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
+from widebeam.model.layers import float32_on_cpu, swap_linears
+
 SPLIT_BLOCKS = 8  # blocks of output rows: a few per thread, each still thousands of weights
 SPLIT_ROWS = range(1, 5)  # the row counts the split product runs (measured faster at 1 and 2 threads)
 
@@ -57,8 +59,4 @@ class SplitLinear(torch.nn.Module):
 
 def split_linears(model: torch.nn.Module) -> torch.nn.Module:
     """Every float32 CPU `nn.Linear` of `model` as a `SplitLinear`, in place."""
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is torch.nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
-                setattr(parent, name, SplitLinear(child))
-    return model
+    return swap_linears(model, SplitLinear, where=float32_on_cpu)
