@@ -25,6 +25,7 @@ from widebeam.decoding.decoders import BeamDecoder, SamplingDecoder, StepScores
 from widebeam.decoding.logprobs import execute_step
 from widebeam.decoding.penalties import TokenPenalties
 from widebeam.decoding.processors import BanUntilMinTokens, ForceEOSAtEnd, LogitsProcessor, SuppressTokens
+from widebeam.decoding.stream import output_stream
 from widebeam.defaults import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_MODEL
 from widebeam.device import available_memory_bytes, default_device
 from widebeam.errors import InvalidParameterError
@@ -44,8 +45,8 @@ from widebeam.sched.admission import admit_check
 from widebeam.sched.preemption import make_scheduler
 from widebeam.sched.scheduler import SchedulerOutput
 from widebeam.speculative.policy import DraftLength
+from widebeam.speculative.round import SequenceRound
 from widebeam.speculative.setup import start_drafter
-from widebeam.speculative.tree import branching_for_width
 from widebeam.structured.grammars import Grammars
 from widebeam.units import format_bytes, parse_bytes
 from widebeam.worker import Worker
@@ -186,8 +187,6 @@ class LLMEngine:
                     raise InvalidParameterError("prompt", "the source is empty: give at least one token")
                 # the prompt is the source; the decoder starts from its start token alone
                 encoder_token_ids, token_ids = token_ids, [self.decoder_start_token_id]
-            if self.speculative and params.prompt_logprobs is not None:
-                raise InvalidParameterError("prompt_logprobs", "{prompt_logprobs} needs an engine without speculation")
             caching = self.cache.enable_prefix_caching and params.prompt_logprobs is None  # those compute every token
             key = self.cache.prefix_key(token_ids, encoder_token_ids) if caching else None
             admission = admit_check(self.cache, self.max_seq_len, len(token_ids), params.max_new_tokens,
@@ -198,10 +197,9 @@ class LLMEngine:
             self._num_rejected += 1
             raise
         decoder = self._decoder(params, admission.max_new_tokens, logits_processors, catalogue, token_ids)
+        draft_length = DraftLength(self.num_draft_tokens, self.speculative.adaptive) if self.speculative else None
         request = Request(request_id, text, token_ids, admission, self.cache.new_request(key), decoder,
-                          self.tokenizer, encoder_token_ids)
-        if self.speculative:
-            request.draft_length = DraftLength(self.num_draft_tokens, self.speculative.adaptive)
+                          output_stream(decoder, self.tokenizer), encoder_token_ids, draft_length)
         self._requests[request_id] = request
         self.scheduler.add(request)
         return list(request.source_token_ids)
@@ -248,7 +246,7 @@ class LLMEngine:
         if request is None:
             return
         self.scheduler.remove(request)
-        request.free()
+        request.kv.free()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -278,53 +276,72 @@ class LLMEngine:
 
     # -- the loop ---------------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
-        """Schedule, run one forward pass, advance every scheduled request; one delta per request
-        that chose a token this step (finished ones carry their `output`)."""
+        """Schedule, build every request's inputs, run one forward pass, update each request; one
+        delta per request that chose a token this step (finished ones carry their `output`).
+
+        Prompt chunks and rounds share the pass. A round feeds each live sequence's pending tokens
+        and the nodes a drafter (if any) drafted; without drafts it is a plain decode step, so
+        plain and speculative decoding are one loop (docs/architecture.md)."""
         schedule = self.scheduler.schedule()
         self.last_schedule = schedule
-        if not schedule.scheduled:
-            return []
-        if self.drafter is not None:
-            return self._speculative_step(schedule)
-        inputs: list[SequenceInput] = []
-        rows: list[tuple[Request, int, int]] = []
+        deltas: list[RequestDelta] = []
+        prefills: list[tuple[Request, SequenceInput]] = []
+        rounds_by_request: list[tuple[Request, list[SequenceRound]]] = []
         sources, cross_slots = [], []
-        deltas = []
         for item in schedule.scheduled:
             request = item.request
             try:  # one request's inputs whole, or none of them
                 encoder_input = request.encoder_input()
                 if item.num_prompt_tokens:
-                    request_inputs = [request.prefill_input(item.num_prompt_tokens)]
+                    prefills.append((request, request.prefill_input(item.num_prompt_tokens)))
                 else:
-                    request_inputs = request.decode_inputs()
+                    rounds_by_request.append((request, request.begin_round()))
             except Exception as exc:  # noqa: BLE001  (any failure of its own fails this request alone)
                 deltas.append(self._fail(request, exc))
                 continue
             if encoder_input is not None:
                 sources.append(encoder_input[0])
                 cross_slots.append(encoder_input[1])
-            rows.append((request, len(inputs), len(inputs) + len(request_inputs)))
-            inputs.extend(request_inputs)
-        if not inputs:
+        if not prefills and not rounds_by_request:
             return deltas
-        worker = self.workers[0]
         # Copy-on-write copies queued while building the inputs must land before the forward writes.
-        worker.copy_blocks(self.cache.take_copies())
-        worker.encode(sources, cross_slots)  # cross K/V in place before the decoder reads them
-        greedy_rows = [start for request, start, _ in rows
-                       if request.prompt_done and isinstance(request.decoder, SamplingDecoder)
-                       and request.decoder.batched_greedy]
-        scores = StepScores(execute_step(worker, inputs, rows), greedy_rows)  # a failure fails the whole batch
-        for request, start, end in rows:
-            self._collect(deltas, request, request.advance, scores.rows(start, end))
+        copies = self.cache.take_copies()
+        for worker in self.workers:
+            worker.copy_blocks(copies)
+        target = self.workers[0]
+        target.encode(sources, cross_slots)  # cross K/V in place before the decoder reads them
+        rounds = [rnd for _, request_rounds in rounds_by_request for rnd in request_rounds]
+        prefill_inputs = [seq for _, seq in prefills]
+        if self.drafter is not None:
+            self.drafter.draft(rounds, prefill_inputs)  # the draft holds every prompt too
+        # One target pass: each prompt chunk's last token, and per round the last pending token and
+        # every drafted node (tree attention), each with its logits.
+        num_rows = [1] * len(prefills) + [rnd.num_verify_rows for rnd in rounds]
+        row = len(prefills)
+        for rnd in rounds:
+            rnd.row_start = row
+            row += rnd.num_verify_rows
+        collectors = {i: request.decoder.prompt_logprobs for i, (request, _) in enumerate(prefills)
+                      if request.decoder.prompt_logprobs is not None}
+        greedy_rows = [i for i, (request, _) in enumerate(prefills)
+                       if request.prompt_done and request.decoder.batched_greedy]
+        greedy_rows += [r for request, request_rounds in rounds_by_request if request.decoder.batched_greedy
+                        for rnd in request_rounds for r in range(rnd.row_start, rnd.row_start + rnd.num_verify_rows)]
+        logits = execute_step(target, prefill_inputs + [rnd.verify_input() for rnd in rounds], num_rows, collectors)
+        scores = StepScores(logits, greedy_rows)  # a failure of the shared pass fails the whole batch
+        for i, (request, _) in enumerate(prefills):
+            self._collect(deltas, request, request.finish_prefill, scores, i)
+        for request, request_rounds in rounds_by_request:
+            self._collect(deltas, request, request.finish_round, request_rounds, scores)
+            if self.drafter is not None:
+                self._count_round(request, request_rounds)
         return deltas
 
-    def _collect(self, deltas: list[RequestDelta], request: Request, advance, *args) -> None:
-        """Run one request's `advance(*args)`: its delta joins `deltas`; a finished request leaves;
+    def _collect(self, deltas: list[RequestDelta], request: Request, finish, *args) -> None:
+        """Run one request's `finish(*args)`: its delta joins `deltas`; a finished request leaves;
         one that raises fails alone."""
         try:
-            delta = advance(*args)
+            delta = finish(*args)
         except Exception as exc:  # noqa: BLE001  (this request's own work: it fails alone)
             deltas.append(self._fail(request, exc))
             return
@@ -335,53 +352,12 @@ class LLMEngine:
             del self._requests[request.request_id]
         deltas.append(delta)
 
-    def _speculative_step(self, schedule: SchedulerOutput) -> list[RequestDelta]:
-        """Prefill chunks as usual (through the draft too: it must hold the prompt), and one
-        speculative round for every decoding request: the drafter fills each sequence's tree, the
-        target scores every pending and drafted token in one pass, and each request replays its
-        decoder on those scores (`Request.finish_round`)."""
-        deltas: list[RequestDelta] = []
-        prefills: list[tuple[Request, SequenceInput]] = []
-        rounds_by_request = []
-        for item in schedule.scheduled:
-            request = item.request
-            try:  # one request's inputs whole, or none of them
-                if item.num_prompt_tokens:
-                    prefills.append((request, request.prefill_input(item.num_prompt_tokens)))
-                else:
-                    branching = branching_for_width(request.params.beam_width)
-                    num_nodes = request.draft_length.next_num_nodes()
-                    rounds_by_request.append((request, request.begin_round(num_nodes, branching)))
-            except Exception as exc:  # noqa: BLE001
-                deltas.append(self._fail(request, exc))
-        copies = self.cache.take_copies()
-        for worker in self.workers:
-            worker.copy_blocks(copies)
-        prefill_inputs = [seq for _, seq in prefills]
-        rounds = [rnd for _, request_rounds in rounds_by_request for rnd in request_rounds]
-        self.drafter.draft(rounds, prefill_inputs)
-        if not prefill_inputs and not rounds:
-            return deltas
-        # One target pass: each prompt chunk's last token, and per round the last pending token and
-        # every drafted node (tree attention), each with its logits.
-        num_rows = len(prefill_inputs)
-        for rnd in rounds:
-            rnd.row_start = num_rows
-            num_rows += rnd.num_verify_rows
-        logits = self.workers[0].execute(prefill_inputs + [rnd.verify_input() for rnd in rounds],
-                                         num_logits=[1] * len(prefill_inputs) + [rnd.num_verify_rows for rnd in rounds])
-        scores = StepScores(logits)  # [num_rows, vocab]; the log-softmax once for every row
-        for i, (request, _) in enumerate(prefills):
-            self._collect(deltas, request, request.advance, scores.rows(i, i + 1))
+    def _count_round(self, request: Request, rounds: list[SequenceRound]) -> None:
         counts = self._speculative_counts
-        for request, request_rounds in rounds_by_request:
-            self._collect(deltas, request, request.finish_round, request_rounds, scores.logits, scores.logprobs)
-            counts["rounds"] += 1
-            counts["steps"] += request.last_round_steps
-            counts["drafted_tokens"] += sum(len(rnd.tree) for rnd in request_rounds)
-            counts["accepted_tokens"] += max(request.last_round_steps - 1, 0) * len(request_rounds)
-            request.draft_length.record(request_rounds[0].max_nodes, request.last_round_steps)
-        return deltas
+        counts["rounds"] += 1
+        counts["steps"] += request.last_round_steps
+        counts["drafted_tokens"] += sum(len(rnd.tree) for rnd in rounds)
+        counts["accepted_tokens"] += max(request.last_round_steps - 1, 0) * len(rounds)
 
     def _fail(self, request: Request, exc: Exception) -> RequestDelta:
         """Abort one request whose own processing raised; the step goes on for the others."""

@@ -163,3 +163,32 @@ def test_mixed_requests_in_one_engine(engines):
                      or params.temperature == 0]
     assert_same([expected[i] for i in deterministic], [got[i] for i in deterministic])
     assert len(got[2][0][0]) == 14
+
+
+@pytest.mark.parametrize("draft", ["ngram", "self"])
+@pytest.mark.parametrize("beam", [False, True])
+def test_prompt_logprobs_are_the_same_with_speculation(engines, draft, beam):
+    """One step loop for plain and speculative decoding: the prefill's prompt log-probs (every
+    prompt position's logits from the same pass) come out as without speculation."""
+    make = BeamSearchParams if beam else SamplingParams
+    params = make(max_new_tokens=6, prompt_logprobs=3, logprobs=2,
+                  **({"beam_width": 3} if beam else {"temperature": 0.0}))
+
+    def prompt_entries(engine: LLMEngine) -> list:
+        engine.add_request("p", {"prompt_token_ids": PROMPTS[0]}, params)
+        while engine.has_unfinished():
+            for delta in engine.step():
+                assert delta.error is None, delta.error
+                if delta.finished:
+                    output = delta.output
+        return output.prompt_logprobs, [c.token_ids for c in output.outputs]
+
+    want_entries, want_tokens = prompt_entries(engines())
+    got_entries, got_tokens = prompt_entries(engines(draft, 3))
+    assert got_tokens == want_tokens
+    assert len(got_entries) == len(PROMPTS[0]) and got_entries[0] is None
+    for want, got in zip(want_entries[1:], got_entries[1:], strict=True):
+        assert list(got) == list(want)  # the same tokens, ranks first
+        for token, entry in got.items():
+            assert entry.rank == want[token].rank
+            assert entry.logprob == pytest.approx(want[token].logprob, rel=1e-5, abs=1e-6)

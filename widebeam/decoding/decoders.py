@@ -25,7 +25,7 @@ from widebeam.decoding.processors import (
 )
 from widebeam.logprobs import TokenLogprobs
 from widebeam.params import BeamSearchParams, SamplingParams
-from widebeam.sampling import sample_token, verify_draft_token
+from widebeam.sampling import verify_draft_token
 
 
 @dataclass(frozen=True)
@@ -54,8 +54,16 @@ class StepScores:
             logprobs = self.logprobs.index_select(0, rows).gather(1, tokens[:, None])[:, 0]
             self.greedy = dict(zip(greedy_rows, zip(tokens.tolist(), logprobs.tolist())))
 
-    def rows(self, start: int, end: int) -> RowScores:
-        return RowScores(self.logits[start:end], self.logprobs[start:end], self.greedy.get(start))
+    def select(self, rows: Sequence[int]) -> RowScores:
+        """These rows (a request's sequences, in order); a view when they are contiguous, as they
+        are for a step without drafts."""
+        start = rows[0]
+        if list(rows) == list(range(start, start + len(rows))):
+            logits, logprobs = self.logits[start:start + len(rows)], self.logprobs[start:start + len(rows)]
+        else:
+            index = torch.tensor(list(rows), device=self.logits.device)
+            logits, logprobs = self.logits.index_select(0, index), self.logprobs.index_select(0, index)
+        return RowScores(logits, logprobs, self.greedy.get(start) if len(rows) == 1 else None)
 
 
 @dataclass(frozen=True)
@@ -100,31 +108,30 @@ class SamplingDecoder:
         return self.finish_reason is not None
 
     @property
+    def live_token_ids(self) -> list[list[int]]:
+        """Each live sequence's generated tokens: the one sequence's."""
+        return [self.token_ids]
+
+    @property
     def batched_greedy(self) -> bool:
         """Whether the step may choose this request's token in the batch (greedy, nothing to edit)."""
         return self.params.greedy and not self.processors
 
-    def advance(self, scores: RowScores) -> Advance:
-        """One row -> the next token; sets `finish_reason` on a stop token or the length limit."""
-        if scores.greedy is not None:
+    def advance(self, scores: RowScores, drafted: Sequence[Sequence[int]] = ()) -> Advance:
+        """One row -> the next token; sets `finish_reason` on a stop token or the length limit.
+        `drafted`: the tokens drafted after the row (a chain: at most one), verified by speculative
+        rejection sampling (`verify_draft_token`), so the token's distribution is the same with or
+        without a draft: speculation changes speed, not output."""
+        draft_token = drafted[0][0] if drafted and drafted[0] else None
+        if scores.greedy is not None:  # chosen in the batch: the argmax a verification would take
             token, logprob = scores.greedy
-        elif self.processors:  # as HF's processors: on the logits, before sampling
-            logits = apply_processors(self.processors, scores.logits.clone(), self.num_generated_tokens)
-            token, logprob = sample_token(logits[0], self.params, self.generator)
-        else:
-            token, logprob = sample_token(scores.logits[0], self.params, self.generator, scores.logprobs[0])
-        return self._record(token, logprob, scores)
-
-    def advance_with_draft(self, scores: RowScores, draft_token: int | None) -> tuple[Advance, bool]:
-        """One row -> the next token, verifying a drafted one (speculative rejection sampling, see
-        `verify_draft_token`): (the step, whether the draft was accepted). The token's distribution
-        is the one `advance` samples from, so speculation changes speed, not output."""
+            return self._record(token, logprob, scores)
         logits = scores.logits
-        if self.processors:
+        if self.processors:  # as HF's processors: on the logits, before sampling
             logits = apply_processors(self.processors, logits.clone(), self.num_generated_tokens)
-        token, logprob, accepted = verify_draft_token(logits[0], self.params, self.generator, draft_token,
-                                                      None if self.processors else scores.logprobs[0])
-        return self._record(token, logprob, scores), accepted
+        token, logprob, _ = verify_draft_token(logits[0], self.params, self.generator, draft_token,
+                                               None if self.processors else scores.logprobs[0])
+        return self._record(token, logprob, scores)
 
     def _record(self, token: int, logprob: float, scores: RowScores) -> Advance:
         if self.logprobs is not None:
@@ -140,8 +147,8 @@ class SamplingDecoder:
             self.finish_reason = "length"
         return Advance([0], [token])
 
-    def stop(self) -> None:
-        """The text hit a stop string."""
+    def stop(self, seq_indices: Sequence[int] = (0,)) -> None:
+        """The text hit a stop string (the one sequence's)."""
         self.finish_reason = "stop"
 
 
@@ -167,10 +174,17 @@ class BeamDecoder:
 
     @property
     def live_token_ids(self) -> list[list[int]]:
+        """Each live beam's generated tokens, in the order of the next step's rows."""
         return self.search.live_token_ids
 
-    def advance(self, scores: RowScores) -> Advance:
-        """One row per live beam -> the next live beams (none when the search ended)."""
+    @property
+    def batched_greedy(self) -> bool:
+        """Beam search chooses per request (its top-k spans its beams)."""
+        return False
+
+    def advance(self, scores: RowScores, drafted: Sequence[Sequence[int]] = ()) -> Advance:
+        """One row per live beam -> the next live beams (none when the search ended). Drafts
+        change nothing: the step is exact on the target's scores, inside a drafted tree or not."""
         num_generated = self.num_generated_tokens
         annotate = None
         if self.params.logprobs is not None:

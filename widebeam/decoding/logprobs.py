@@ -63,26 +63,23 @@ class PromptLogprobs:
         self.entries[start + 1:start + 1 + count] = token_logprobs(logprobs, range(count), targets, self.num_top)
 
 
-def execute_step(worker, inputs: list, rows: list) -> torch.Tensor:
-    """Run a step's forward pass; logits of each sequence's last token [num_seqs, vocab], as
-    `worker.execute(inputs)` returns them. A prefill chunk of a request that wants prompt log-probs
-    (its decoder's `prompt_logprobs`) also gets the logits of every one of its tokens from the same
-    pass, handed to that collector. `rows`: (request, first input, end input) per request."""
-    wanted: dict[int, PromptLogprobs] = {}
-    for request, start, end in rows:
-        collector = getattr(request.decoder, "prompt_logprobs", None)
-        if collector is None:
-            continue
-        for i in range(start, end):
-            seq = inputs[i]
-            if not seq.tree_parents and collector.wants(seq.num_computed_tokens, len(seq.token_ids)):
-                wanted[i] = collector
+def execute_step(worker, inputs: list, num_rows: list[int], collectors: dict[int, PromptLogprobs]) -> torch.Tensor:
+    """Run a step's forward pass: the logits of the last `num_rows[i]` tokens of input i, in order
+    [sum(num_rows), vocab], as `worker.execute(inputs, num_logits=num_rows)` returns them. A prompt
+    chunk with a collector (`collectors[i]`: its request wants prompt log-probs) also gets the
+    logits of every one of its tokens from the same pass, handed to the collector; its last row is
+    returned as usual."""
+    wanted = {i: c for i, c in collectors.items()
+              if not inputs[i].tree_parents and c.wants(inputs[i].num_computed_tokens, len(inputs[i].token_ids))}
     if not wanted:
-        return worker.execute(inputs)
-    counts = [len(seq.token_ids) if i in wanted else 1 for i, seq in enumerate(inputs)]
+        if all(n == 1 for n in num_rows):
+            return worker.execute(inputs)
+        return worker.execute(inputs, num_logits=num_rows)
+    counts = [len(seq.token_ids) if i in wanted else n for i, (seq, n) in enumerate(zip(inputs, num_rows))]
     logits = worker.execute(inputs, num_logits=counts)
     ends = torch.tensor(counts).cumsum(0).tolist()
     for i, collector in wanted.items():
         chunk = logits[ends[i] - counts[i]:ends[i]]
         collector.add_chunk(inputs[i].num_computed_tokens, torch.log_softmax(chunk.float(), dim=-1))
-    return logits.index_select(0, torch.tensor([end - 1 for end in ends], device=logits.device))
+    keep = [row for i, end in enumerate(ends) for row in range(end - num_rows[i], end)]
+    return logits.index_select(0, torch.tensor(keep, device=logits.device))

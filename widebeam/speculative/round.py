@@ -1,5 +1,6 @@
-"""One speculative round of one sequence: where its pending and drafted tokens go, and the inputs
-the draft and the target run on.
+"""One round of one sequence: where its pending and drafted tokens go, and the inputs the draft
+and the target run on. Every decode step is a round; one with no drafted nodes (D = 0) feeds the
+pending tokens alone, as a plain decode step.
 
 A round starts from C committed tokens (in every pool of both workers) and k >= 1 pending tokens
 (chosen, not yet in the cache: the last token plus those accepted in the previous round, re-fed
@@ -30,6 +31,9 @@ class SequenceRound:
     max_nodes: int  # D
     tree: DraftTree = field(default_factory=DraftTree)
     row_start: int = 0  # this sequence's first row in the verify pass's logits
+    # Encoder-decoder models: the request's cross table (read by every sequence) and its tokens.
+    cross_block_table: list[int] | None = None
+    num_encoder_tokens: int = 0
 
     @property
     def num_pending(self) -> int:
@@ -57,8 +61,8 @@ class SequenceRound:
         """Pending tokens then every drafted node, for the target's one pass."""
         num_tokens = self.num_pending + len(self.tree)
         return SequenceInput(self.pending_token_ids + self.tree.token_ids, self.committed_tokens, self.block_tables,
-                             self._slots(0, num_tokens), self.group,
-                             tree_parents=list(self.tree.parents) if len(self.tree) else None)
+                             self._slots(0, num_tokens), self.group, self.cross_block_table,
+                             self.num_encoder_tokens, list(self.tree.parents) if len(self.tree) else None)
 
     @property
     def num_verify_rows(self) -> int:

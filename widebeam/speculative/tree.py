@@ -58,8 +58,9 @@ class DraftTree:
             return None
         return self._children.get((node, token_id))
 
-    def children(self, node: int) -> list[int]:
-        return [j for j, parent in enumerate(self.parents) if parent == node]
+    def child_token_ids(self, node: int) -> list[int]:
+        """The tokens drafted right after `node` (ROOT: after the pending tokens)."""
+        return [self.token_ids[j] for j, parent in enumerate(self.parents) if parent == node]
 
     def path(self, node: int) -> list[int]:
         """Tokens from the root's first child down to `node`."""
