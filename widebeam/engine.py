@@ -10,10 +10,8 @@ the newest request when a step runs short (sched/preemption.py). One request's p
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 from collections.abc import Sequence
-from dataclasses import replace
 
 import torch
 
@@ -32,14 +30,14 @@ from widebeam.errors import InvalidParameterError
 from widebeam.kv.cache import KVCache
 from widebeam.kv.sizing import size_pools
 from widebeam.model.activation import estimate_activation_peak_bytes
-from widebeam.model.families import GenerationSettings, generation_settings
-from widebeam.model.loader import load_config, resolve_model
+from widebeam.model.loader import resolve_model
 from widebeam.model.registry import activation_dtype, load_model, load_tokenizer, model_dtype
 from widebeam.model.runner import SequenceInput
 from widebeam.model.warmup import measure_activation_peak_bytes
 from widebeam.outputs import RequestDelta, RequestOutput
 from widebeam.params import BeamSearchParams, SamplingParams
 from widebeam.pinning import pin_prefixes
+from widebeam.prompts import chat_prompt, read_generation_settings, tokenize_prompt
 from widebeam.request import Request
 from widebeam.sched.admission import admit_check
 from widebeam.sched.preemption import make_scheduler
@@ -131,7 +129,7 @@ class LLMEngine:
         )
         for worker in self.workers:
             worker.start(sizing.blocks_per_pool, t, self.device, config.model.attention_backend)
-        generation = self._generation_settings()
+        generation = read_generation_settings(self.source, self.tokenizer)
         self.eos_token_ids = generation.eos_token_ids
         self.grammars = Grammars(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)  # response_format
         self.decoder_start_token_id = generation.decoder_start_token_id
@@ -180,7 +178,7 @@ class LLMEngine:
             if catalogue is not None and params.max_new_tokens is None:
                 # the longest item and its end-of-sequence token
                 params = params.replace(max_new_tokens=catalogue.max_item_tokens + 1)
-            text, token_ids = self._tokenize(prompt)
+            text, token_ids = tokenize_prompt(prompt, self.tokenizer, self.arch.vocab_size)
             encoder_token_ids = None
             if self.decoder_start_token_id is not None:
                 if not token_ids:
@@ -365,53 +363,8 @@ class LLMEngine:
         self.abort(request.request_id)
         return RequestDelta(request.request_id, finished=True, error=f"{type(exc).__name__}: {exc}")
 
-    # -- text -------------------------------------------------------------------------------------
-    def _tokenize(self, prompt: str | dict | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" not in prompt:
-                raise InvalidParameterError("prompt", "a dict {prompt} needs 'prompt_token_ids'")
-            prompt = prompt["prompt_token_ids"]
-        if isinstance(prompt, list):
-            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.arch.vocab_size
-                       for t in prompt):
-                raise InvalidParameterError("prompt", "{prompt} token ids must be integers in [0, {vocab_size})",
-                                            vocab_size=self.arch.vocab_size)
-            return None, list(prompt)
-        if not isinstance(prompt, str):
-            raise InvalidParameterError("prompt", "{prompt} must be a string or token ids, got {kind}",
-                                        kind=type(prompt).__name__)
-        if not prompt:
-            raise InvalidParameterError("prompt", "{prompt} is empty: give at least one token")
-        if not prompt.isascii():
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as exc:  # a lone UTF-16 surrogate: valid JSON, not text
-                raise InvalidParameterError("prompt", "{prompt} is not valid Unicode text: it holds a lone "
-                                            "surrogate {char!r} at character {position}",
-                                            char=prompt[exc.start], position=exc.start) from None
-        if self.tokenizer is None:
-            raise InvalidParameterError("prompt", "this model directory has no tokenizer: pass token ids (prompt_token_ids) as the {prompt}")
-        token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-        if any(t >= self.arch.vocab_size for t in token_ids):  # a tokenizer larger than the model's vocabulary
-            raise InvalidParameterError("prompt", "{prompt} encodes to token ids outside the model's vocabulary "
-                                        "[0, {vocab_size})", vocab_size=self.arch.vocab_size)
-        return prompt, token_ids
-
     def apply_chat_template(self, message: str) -> str:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise InvalidParameterError("chat", "this model has no chat template")
-        return self.tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
-                                                  add_generation_prompt=True)
-
-    def _generation_settings(self) -> GenerationSettings:
-        """EOS ids (the tokenizer's added), and an encoder-decoder's start token, suppressed tokens
-        and forced EOS, as the model family reads them."""
-        path = self.source.path / "generation_config.json"
-        generation_config = json.loads(path.read_text()) if path.exists() else {}
-        settings = generation_settings(load_config(self.source), generation_config)
-        if self.tokenizer is not None and isinstance(self.tokenizer.eos_token_id, int):
-            settings = replace(settings, eos_token_ids=settings.eos_token_ids | {self.tokenizer.eos_token_id})
-        return settings
+        return chat_prompt(self.tokenizer, message)
 
 
 class LLM:

@@ -1,0 +1,65 @@
+"""A request's prompt as the engine counts it: text or token ids checked and tokenized, a chat
+message in the model's template, and the generation settings (EOS ids, an encoder-decoder's start
+token) read beside the model."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+from widebeam.errors import InvalidParameterError
+from widebeam.model.families import GenerationSettings, generation_settings
+from widebeam.model.loader import ModelSource, load_config
+
+
+def tokenize_prompt(prompt: str | dict | list[int], tokenizer, vocab_size: int) -> tuple[str | None, list[int]]:
+    """(the text or None, the token ids) of a prompt given as text, token ids or
+    `{"prompt_token_ids": [...]}`; every id in [0, vocab_size)."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" not in prompt:
+            raise InvalidParameterError("prompt", "a dict {prompt} needs 'prompt_token_ids'")
+        prompt = prompt["prompt_token_ids"]
+    if isinstance(prompt, list):
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in prompt):
+            raise InvalidParameterError("prompt", "{prompt} token ids must be integers in [0, {vocab_size})",
+                                        vocab_size=vocab_size)
+        return None, list(prompt)
+    if not isinstance(prompt, str):
+        raise InvalidParameterError("prompt", "{prompt} must be a string or token ids, got {kind}",
+                                    kind=type(prompt).__name__)
+    if not prompt:
+        raise InvalidParameterError("prompt", "{prompt} is empty: give at least one token")
+    if not prompt.isascii():
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone UTF-16 surrogate: valid JSON, not text
+            raise InvalidParameterError("prompt", "{prompt} is not valid Unicode text: it holds a lone "
+                                        "surrogate {char!r} at character {position}",
+                                        char=prompt[exc.start], position=exc.start) from None
+    if tokenizer is None:
+        raise InvalidParameterError("prompt", "this model directory has no tokenizer: pass token ids "
+                                    "(prompt_token_ids) as the {prompt}")
+    token_ids = tokenizer.encode(prompt, add_special_tokens=True)
+    if any(t >= vocab_size for t in token_ids):  # a tokenizer larger than the model's vocabulary
+        raise InvalidParameterError("prompt", "{prompt} encodes to token ids outside the model's vocabulary "
+                                    "[0, {vocab_size})", vocab_size=vocab_size)
+    return prompt, token_ids
+
+
+def chat_prompt(tokenizer, message: str) -> str:
+    """One user message in the model's chat template, ready for the assistant's answer."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise InvalidParameterError("chat", "this model has no chat template")
+    return tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def read_generation_settings(source: ModelSource, tokenizer) -> GenerationSettings:
+    """EOS ids (the tokenizer's added), and an encoder-decoder's start token, suppressed tokens
+    and forced EOS, as the model family reads them."""
+    path = source.path / "generation_config.json"
+    generation_config = json.loads(path.read_text()) if path.exists() else {}
+    settings = generation_settings(load_config(source), generation_config)
+    if tokenizer is not None and isinstance(tokenizer.eos_token_id, int):
+        settings = replace(settings, eos_token_ids=settings.eos_token_ids | {tokenizer.eos_token_id})
+    return settings
