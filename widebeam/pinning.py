@@ -47,7 +47,8 @@ def pin_token_ids(prefixes: Sequence[str | Sequence[int]],
     return tuple(token_ids)
 
 
-def pin_prefixes(engine: LLMEngine, prefixes: Sequence[Sequence[int]], layout: StartupLayout) -> dict[str, int]:
+def pin_prefixes(engine: LLMEngine, prefixes: Sequence[Sequence[int]],
+                 layout: StartupLayout) -> dict[str, int]:
     """Compute each prefix through the engine's public path and pin its blocks; returns pinned blocks
     per pool (every pool), which must be what `layout` counted."""
     if not prefixes:

@@ -25,8 +25,9 @@ T = 4
 KV_BYTES = 3 << 20  # about what the plan leaves the pools: small enough that a few rows of logits move blocks
 
 
-def plan_and_engine(monkeypatch, model_dir, beam_width: int = 4, draft_dir=None, num_speculative_tokens: int = 4,
-                    pins: list[list[int]] = (), catalogue_items: list[list[int]] | None = None):
+def plan_and_engine(monkeypatch, model_dir, beam_width: int = 4, draft_dir=None,
+                    num_speculative_tokens: int = 4, pins: list[list[int]] = (),
+                    catalogue_items: list[list[int]] | None = None):
     """(plan's JSON, the engine) for one setting, the engine started as plan assumes."""
     arch = load_arch(str(model_dir))
     draft_arch = load_arch(str(draft_dir)) if draft_dir is not None else None
@@ -34,13 +35,15 @@ def plan_and_engine(monkeypatch, model_dir, beam_width: int = 4, draft_dir=None,
     catalogue = None
     if catalogue_items is not None:
         num_items, num_nodes, max_item_tokens = trie_size(catalogue_items)
-        catalogue = CataloguePlan(catalogue_nbytes(num_nodes), num_items, num_nodes, max_item_tokens, exact=True)
+        catalogue = CataloguePlan(catalogue_nbytes(num_nodes), num_items, num_nodes, max_item_tokens,
+                                  exact=True)
 
-    inputs = PlanInputs(memory_bytes=0, beam_width=beam_width, prompt_len=40, max_new_tokens=8, tokens_per_block=T,
-                        dtype="float32", speculative=speculative, catalogue=catalogue,
+    inputs = PlanInputs(memory_bytes=0, beam_width=beam_width, prompt_len=40, max_new_tokens=8,
+                        tokens_per_block=T, dtype="float32", speculative=speculative, catalogue=catalogue,
                         pinned_prefixes=tuple(tuple(ids) for ids in pins))
     # --memory: the weights, the activation reserve and the catalogue, and KV_BYTES beside them
-    weight_bytes = arch.weight_bytes("float32") + (draft_arch.weight_bytes("float32") if draft_arch else 0)
+    weight_bytes = arch.weight_bytes("float32")
+    weight_bytes += draft_arch.weight_bytes("float32") if draft_arch else 0
     catalogue_bytes = catalogue.nbytes if catalogue is not None else 0
     memory_bytes = (weight_bytes + estimate_activation_bytes(inputs.engine_config(), arch, draft_arch)
                     + catalogue_bytes + KV_BYTES)
@@ -112,3 +115,22 @@ def test_the_engine_refuses_pins_the_layout_cannot_hold(tiny_llama_dir, text):
         LLMEngine(str(tiny_llama_dir), device="cpu", tokens_per_block=T, kv_cache_memory="1MiB",
                   pinned_prefixes=[pin])
     assert exc.value.param == "pinned_prefixes"
+
+
+def test_the_layout_is_torch_free():
+    import subprocess
+    import sys
+
+    code = "import sys, widebeam.layout, widebeam.plan; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True,
+                         timeout=120)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_the_engine_checks_its_pins_against_the_layout(tiny_llama_dir):
+    from widebeam.pinning import pin_prefixes
+
+    engine = LLMEngine(str(tiny_llama_dir), device="cpu", tokens_per_block=T, kv_cache_memory="1MiB")
+    assert engine.pinned_blocks == engine.layout.pinned_blocks == {"self": 0}
+    with pytest.raises(RuntimeError, match="the start-up layout counted"):
+        pin_prefixes(engine, [list(range(3, 23))], engine.layout)  # a layout that counted no pins
