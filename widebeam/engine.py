@@ -26,17 +26,16 @@ from widebeam.decoding.processors import BanUntilMinTokens, ForceEOSAtEnd, Logit
 from widebeam.decoding.stream import output_stream
 from widebeam.defaults import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_MODEL
 from widebeam.device import available_memory_bytes, default_device
-from widebeam.errors import InvalidParameterError
+from widebeam.errors import CacheTooSmallError, InvalidParameterError
 from widebeam.kv.cache import KVCache
-from widebeam.kv.sizing import size_pools
-from widebeam.model.activation import estimate_activation_peak_bytes
+from widebeam.layout import activation_rows, compute_layout
 from widebeam.model.loader import resolve_model
-from widebeam.model.registry import activation_dtype, load_model, load_tokenizer, model_dtype
+from widebeam.model.registry import load_model, load_tokenizer, model_dtype
 from widebeam.model.runner import SequenceInput
 from widebeam.model.warmup import measure_activation_peak_bytes
 from widebeam.outputs import RequestDelta, RequestOutput
 from widebeam.params import BeamSearchParams, SamplingParams
-from widebeam.pinning import pin_prefixes
+from widebeam.pinning import pin_prefixes, pin_token_ids
 from widebeam.prompts import chat_prompt, read_generation_settings, tokenize_prompt
 from widebeam.request import Request
 from widebeam.sched.admission import admit_check
@@ -46,7 +45,7 @@ from widebeam.speculative.policy import DraftLength
 from widebeam.speculative.round import SequenceRound
 from widebeam.speculative.setup import start_drafter
 from widebeam.structured.grammars import Grammars
-from widebeam.units import format_bytes, parse_bytes
+from widebeam.units import format_bytes
 from widebeam.worker import Worker
 
 log = logging.getLogger("widebeam")
@@ -55,12 +54,16 @@ log = logging.getLogger("widebeam")
 class LLMEngine:
     def __init__(self, model: str = DEFAULT_MODEL, catalogues: dict | None = None, **kwargs):
         """`kwargs`: the settings of `EngineConfig.from_kwargs` (dtype, device, attention_backend,
-        linear_backend, kv_cache_memory, kv_cache_fraction, tokens_per_block, max_seq_len, max_beam_width,
-        max_num_batched_tokens, speculative_model, num_speculative_tokens, speculative_method,
-        speculative_dtype, speculative_adaptive, enable_prefix_caching, pinned_prefixes: prompts
-        computed at start-up whose blocks stay cached, see pinning.py). `catalogues`: name -> source,
-        registered before the KV pools are sized, so their bytes come off the memory budget (see
-        `register_catalogue`)."""
+        linear_backend, kv_cache_memory, kv_cache_fraction, tokens_per_block, max_seq_len,
+        max_beam_width, max_num_batched_tokens, speculative_model, num_speculative_tokens,
+        speculative_method, speculative_dtype, speculative_adaptive, enable_prefix_caching,
+        pinned_prefixes: prompts computed at start-up whose blocks stay cached, see pinning.py).
+        `catalogues`: name -> source, registered before the KV pools are sized, so their bytes come off
+        the memory budget (see `register_catalogue`).
+
+        Start-up, in order: load the models (workers), register the catalogues, lay out the pools
+        (layout.py, what `widebeam plan` prints), allocate them, build the scheduler; last, with the
+        engine whole, compute the pinned prefixes through `add_request` / `step`."""
         self.config = config = EngineConfig.from_kwargs(model, **kwargs)
         cache_config, sched_config = config.cache, config.scheduler
         self.max_beam_width = sched_config.max_beam_width
@@ -70,78 +73,68 @@ class LLMEngine:
         self.model = load_model(self.source, self.dtype, self.device, config.model.linear_backend)
         self.tokenizer = load_tokenizer(self.source)
         self.arch = self.model.arch
-        self.catalogues = CatalogueRegistry(self.arch.vocab_size, self.device, self.tokenizer)
-        for name, source in (catalogues or {}).items():
-            self.catalogues.register(name, source)
-        self.catalogue_bytes = self.catalogues.nbytes
         self.workers = [Worker("target", self.model, self.dtype)]
         self.speculative = config.speculative
         self.num_draft_tokens = self.speculative.num_speculative_tokens if self.speculative else 0
         self.drafter = None
         if self.speculative is not None:
             # a draft model joins as a second worker, its pools sized with the target's from one budget
-            self.drafter, draft_worker = start_drafter(self.speculative, self.arch, self.tokenizer, model, self.dtype,
-                                                       self.device)
+            self.drafter, draft_worker = start_drafter(self.speculative, self.arch, self.tokenizer, model,
+                                                       self.dtype, self.device)
             if draft_worker is not None:
                 self.workers.append(draft_worker)
-        t, chunk = cache_config.tokens_per_block, sched_config.max_num_batched_tokens
-        # A decode step feeds up to 1 + 2D tokens per sequence with speculation (re-fed + drafted),
-        # every one with its logits: the activation reserve is sized for that many rows.
-        step_rows = self.max_beam_width * (1 + 2 * self.num_draft_tokens)
-
+        self.catalogues = CatalogueRegistry(self.arch.vocab_size, self.device, self.tokenizer)
+        for name, source in (catalogues or {}).items():
+            self.catalogues.register(name, source)
+        self.catalogue_bytes = self.catalogues.nbytes
+        # the layout counts the pins' blocks from token ids: text pins are tokenized now
+        pins = pin_token_ids(cache_config.pinned_prefixes, lambda text: tokenize_prompt(text, self.tokenizer, self.arch.vocab_size)[1])
+        activation_bytes = None  # with kv_cache_memory: the layout's shape-based estimate, as plan's
         if cache_config.kv_cache_memory is None:
-            # the pools take what is left, so measure what the largest steps really need
-            self.activation_peak_bytes = sum(
-                measure_activation_peak_bytes(w.model, self.device, model_dtype(w.model), t, chunk,
-                                              step_rows) for w in self.workers)
-        else:
-            # the user sized the cache: a shape-based bound is enough to check it leaves room
-            # (a measured warm-up costs seconds per engine on a CPU)
-            self.activation_peak_bytes = sum(
-                estimate_activation_peak_bytes(w.arch, chunk, step_rows, activation_dtype(self.dtype))
+            # the pools take what is left, so measure what the largest steps really need (the user who
+            # sizes the cache skips it: a measured warm-up costs seconds per engine on a CPU)
+            rows = activation_rows(self.max_beam_width, self.num_draft_tokens)
+            activation_bytes = sum(
+                measure_activation_peak_bytes(w.model, self.device, model_dtype(w.model),
+                                              cache_config.tokens_per_block,
+                                              sched_config.max_num_batched_tokens, rows)
                 for w in self.workers)
-        free_bytes = max(available_memory_bytes(self.device) - self.activation_peak_bytes, 0)
-        kv_cache_bytes = int(free_bytes * cache_config.kv_cache_fraction)
-        if cache_config.kv_cache_memory is not None:
-            # kv_cache_memory is the budget of the pools and the start-up catalogues together
-            budget_bytes = parse_bytes(cache_config.kv_cache_memory) - self.catalogue_bytes
-            if budget_bytes <= 0:
-                raise InvalidParameterError("kv_cache_memory", "{kv_cache_memory} ({value}) leaves nothing for the "
-                                            "KV cache beside the catalogues ({catalogue_bytes})",
-                                            value=format_bytes(parse_bytes(cache_config.kv_cache_memory)),
-                                            catalogue_bytes=format_bytes(self.catalogue_bytes))
-            kv_cache_bytes = min(kv_cache_bytes, budget_bytes)
-        elif self.device.type == "cpu":
-            kv_cache_bytes = min(kv_cache_bytes, DEFAULT_CPU_KV_CACHE_BYTES)
-        specs = [spec for worker in self.workers for spec in worker.specs]
-        # Encoder-decoder: the source is bounded by the model's positions, as the decoder's length is.
-        self.max_encoder_tokens = self.arch.max_position_embeddings if self.arch.is_encoder_decoder else 0
-        sizing = size_pools(specs, kv_cache_bytes, t, self.arch.max_position_embeddings, self.max_encoder_tokens,
-                            prefill_chunk_tokens=chunk)
-        self.cache = KVCache([(s, sizing.blocks_per_pool[s.name]) for s in specs], t, chunk,
+        self.layout = layout = compute_layout(
+            config, self.arch, available_memory_bytes(self.device),
+            draft=self.workers[1].arch if len(self.workers) > 1 else None,
+            catalogue_bytes=self.catalogue_bytes, pinned_prefixes=pins, activation_bytes=activation_bytes,
+            default_kv_cache_bytes=DEFAULT_CPU_KV_CACHE_BYTES if self.device.type == "cpu" else None)
+        if layout.too_small:
+            raise CacheTooSmallError(layout.too_small)
+        self.activation_peak_bytes = layout.activation_bytes
+        self.max_encoder_tokens = layout.max_encoder_tokens
+        self.max_seq_len = layout.max_seq_len
+        t, chunk = layout.tokens_per_block, sched_config.max_num_batched_tokens
+        self.cache = KVCache([(pool.spec, pool.num_blocks) for pool in layout.pools], t, chunk,
                              cache_config.enable_prefix_caching)
-        self.max_seq_len = sizing.max_seq_len(sched_config.max_seq_len)
         log.info(
-            "KV cache %s: %s; max_seq_len %d; activation peak %s; device %s",
-            format_bytes(kv_cache_bytes),
-            ", ".join(f"{name} {n} blocks x {t} = {n * t} tokens" for name, n in sizing.blocks_per_pool.items()),
-            self.max_seq_len, format_bytes(self.activation_peak_bytes), self.device,
+            "KV cache %s: %s; max_seq_len %d; activation peak %s (%d rows); device %s",
+            format_bytes(layout.kv_cache_bytes),
+            ", ".join(f"{p.name} {p.num_blocks} blocks x {t} = {p.num_blocks * t} tokens"
+                      for p in layout.pools),
+            self.max_seq_len, format_bytes(layout.activation_bytes), layout.activation_rows, self.device,
         )
         for worker in self.workers:
-            worker.start(sizing.blocks_per_pool, t, self.device, config.model.attention_backend)
+            worker.start(layout.blocks_per_pool, t, self.device, config.model.attention_backend)
         generation = read_generation_settings(self.source, self.tokenizer)
         self.eos_token_ids = generation.eos_token_ids
         self.grammars = Grammars(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)  # response_format
         self.decoder_start_token_id = generation.decoder_start_token_id
         self.suppress_token_ids = generation.suppress_token_ids
         self.forced_eos_token_id = generation.forced_eos_token_id
-        self.scheduler = make_scheduler(sched_config.scheduling_policy, self.cache, chunk, sched_config.max_preemptions,
-                                        self.num_draft_tokens)
+        self.scheduler = make_scheduler(sched_config.scheduling_policy, self.cache, chunk,
+                                        sched_config.max_preemptions, self.num_draft_tokens)
         self.last_schedule: SchedulerOutput | None = None  # what the latest step ran (tests and benchmarks)
         self._requests: dict[str, Request] = {}
         self._num_rejected = 0
         self._speculative_counts = {"rounds": 0, "steps": 0, "drafted_tokens": 0, "accepted_tokens": 0}
-        self.pinned_blocks = pin_prefixes(self, cache_config.pinned_prefixes)
+        # The engine is whole: the pins run as requests do, and must hold the blocks the layout counted.
+        self.pinned_blocks = pin_prefixes(self, pins, layout)
 
     @property
     def runner(self):

@@ -10,11 +10,16 @@ A pin covers the prefix's full blocks (`floor(P/T)` of them; a sliding pool keep
 window needs at the prefix's end). A request reuses it when its prompt's tokens start with the
 pin's full blocks: give token ids, or text whose tokenization starts the same way (a boundary
 inside a word can tokenize differently).
+
+How many blocks the pins hold is decided before the pools exist, by the start-up layout
+(layout.py), from token ids: text pins are tokenized first (`pin_token_ids`). Their K/V are
+computed once the engine is whole (`pin_prefixes`, start-up's last step), and the blocks the
+engine then holds must be the layout's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from widebeam.errors import InvalidParameterError
@@ -22,31 +27,45 @@ from widebeam.params import SamplingParams
 
 if TYPE_CHECKING:
     from widebeam.engine import LLMEngine
+    from widebeam.layout import StartupLayout
 
 
-def pin_prefixes(engine: LLMEngine, prefixes: Sequence[str | Sequence[int]]) -> dict[str, int]:
-    """Compute each prefix and pin its blocks; returns pinned blocks per pool."""
-    if not prefixes:
-        return {}
-    if engine.arch.is_encoder_decoder:
-        raise InvalidParameterError("pinned_prefixes", "{pinned_prefixes} need a decoder-only model (an "
-                                    "encoder-decoder's source is encoded whole, per request)")
-    t = engine.cache.tokens_per_block
-    for i, prefix in enumerate(prefixes):
-        request_id = f"pinned-prefix-{i}"
+def pin_token_ids(prefixes: Sequence[str | Sequence[int]],
+                  tokenize: Callable[[str], list[int]]) -> tuple[tuple[int, ...], ...]:
+    """Each pin as token ids: text through `tokenize` (the engine's, as a request's prompt), token
+    ids as given (the layout checks them against the vocabulary)."""
+    token_ids = []
+    for index, prefix in enumerate(prefixes):
+        if not isinstance(prefix, str):
+            token_ids.append(tuple(prefix))
+            continue
         try:
-            token_ids = engine.add_request(request_id, list(prefix) if not isinstance(prefix, str) else prefix,
-                                           SamplingParams(max_new_tokens=1, temperature=0.0))
+            token_ids.append(tuple(tokenize(prefix)))
         except ValueError as exc:
-            raise InvalidParameterError("pinned_prefixes", "{pinned_prefixes}[{index}] cannot be computed: "
-                                        "{reason}", index=i, reason=str(exc)) from None
-        if len(token_ids) < t:
-            engine.abort(request_id)
-            raise InvalidParameterError("pinned_prefixes", "{pinned_prefixes}[{index}] has {num_tokens} tokens, "
-                                        "fewer than one block ({t}): nothing to pin", index=i,
-                                        num_tokens=len(token_ids), t=t)
+            raise InvalidParameterError("pinned_prefixes", "prefix {index} cannot be tokenized: {reason}",
+                                        index=index, reason=str(exc)) from None
+    return tuple(token_ids)
+
+
+def pin_prefixes(engine: LLMEngine, prefixes: Sequence[Sequence[int]],
+                 layout: StartupLayout) -> dict[str, int]:
+    """Compute each prefix through the engine's public path and pin its blocks; returns pinned blocks
+    per pool (every pool), which must be what `layout` counted."""
+    if not prefixes:
+        return layout.pinned_blocks
+    for index, token_ids in enumerate(prefixes):
+        request_id = f"pinned-prefix-{index}"
+        try:
+            engine.add_request(request_id, list(token_ids), SamplingParams(max_new_tokens=1, temperature=0.0))
+        except ValueError as exc:
+            raise InvalidParameterError("pinned_prefixes", "prefix {index} cannot be computed: {reason}",
+                                        index=index, reason=str(exc)) from None
         while engine.has_unfinished():
             engine.step()
         engine.cache.pin(engine.cache.prefix_key(token_ids))
     engine.cache.num_queried_tokens = engine.cache.num_hit_tokens = 0  # the hit rate counts requests only
-    return {name: m.pool.num_pinned_blocks for name, m in engine.cache.managers.items()}
+    pinned_blocks = {name: pool["pinned_blocks"] for name, pool in engine.cache.stats().items()}
+    if pinned_blocks != layout.pinned_blocks:  # plan would have promised other capacities than these
+        raise RuntimeError(f"the pins hold {pinned_blocks} blocks, the start-up layout counted "
+                           f"{layout.pinned_blocks}")
+    return pinned_blocks

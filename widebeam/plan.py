@@ -1,7 +1,9 @@
 """Capacity planning: how a model, a memory size and a request shape map onto KV blocks.
 
-`plan()` runs the same sizing and budget code the engine uses (kv/sizing.py, kv/cache.py), and sets
-the naive per-beam-copy model beside it so the difference is visible. With speculative decoding the
+`plan()` is the engine's start-up layout (layout.py: `compute_layout`, the function the engine
+builds its pools from) for an engine whose widest request is the one planned, read through the
+engine's budget code (kv/cache.py), with the naive per-beam-copy model beside it so the difference
+is visible. With speculative decoding the
 draft model's pools ("draft", "draft/sliding_512", ...) are sized beside the target's from the same
 budget, and every per-sequence pool reserves D speculative tokens per sequence. A catalogue
 registered at start-up (generative retrieval, `CataloguePlan`) lives on the device beside the pools:
@@ -12,15 +14,15 @@ This module stays free of torch (`widebeam plan` must be quick and run anywhere)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from widebeam.config import SpeculativeConfig
+from widebeam.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from widebeam.defaults import (
     DEFAULT_KV_CACHE_FRACTION,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_TOKENS_PER_BLOCK,
 )
-from widebeam.errors import CacheTooSmallError
+from widebeam.errors import InvalidParameterError
 from widebeam.kv.budget import (
     KVRequest,
     cross_attention_blocks,
@@ -28,12 +30,8 @@ from widebeam.kv.budget import (
     naive_max_seq_len,
 )
 from widebeam.kv.cache import KVCache
-from widebeam.kv.sizing import size_pools
-from widebeam.kv.spec import PoolSpec, kv_dtype
-from widebeam.model.activation import estimate_activation_peak_bytes
+from widebeam.layout import StartupLayout, compute_layout, draft_dtype, estimate_activation_bytes
 from widebeam.model.arch import CROSS_POOL, ModelArch
-
-DRAFT_PREFIX = "draft"  # the draft worker's name prefix, as the engine gives it (widebeam/worker.py)
 
 
 @dataclass(frozen=True)
@@ -89,6 +87,15 @@ class PlanInputs:
     # Pinned prefixes as token ids (--pin-prefix): their blocks come off every pool's capacity.
     pinned_prefixes: tuple[tuple[int, ...], ...] = ()
 
+    def engine_config(self) -> EngineConfig:
+        """The engine this plan is for: its widest request is this one (max_beam_width = beam_width)."""
+        return EngineConfig(ModelConfig(dtype=self.dtype),
+                            CacheConfig(kv_cache_fraction=self.kv_cache_fraction,
+                                        tokens_per_block=self.tokens_per_block),
+                            SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
+                                            max_beam_width=self.beam_width),
+                            self.speculative)
+
     @property
     def num_speculative_tokens(self) -> int:
         """D, the tokens every per-sequence pool reserves per sequence beyond P + N (0 without speculation)."""
@@ -115,49 +122,31 @@ class PlanError(ValueError):
         self.argument = argument
 
 
-def scoped_pool_name(prefix: str, local_name: str) -> str:
-    """The engine's name of a worker's pool, the rule of `widebeam.worker.scoped_pool_name` (copied:
-    that module imports torch): the model's own without a prefix; else the prefix alone for the self
-    pool ("draft") and prefix/name for the others ("draft/sliding_512")."""
-    if not prefix:
-        return local_name
-    return prefix if local_name == "self" else f"{prefix}/{local_name}"
-
-
-def _draft_specs(draft_arch: ModelArch, dtype: str) -> list[PoolSpec]:
-    specs = []
-    for spec in draft_arch.kv_pool_specs(dtype):
-        name = scoped_pool_name(DRAFT_PREFIX, spec.name)
-        specs.append(spec if spec.name == name else replace(spec, name=name))
-    return specs
-
-
 def plan(arch: ModelArch, inputs: PlanInputs, draft_arch: ModelArch | None = None) -> dict:
     """The capacity plan as a JSON-ready dict (see `widebeam plan --json`).
 
     `draft_arch`: the draft model's arch, required with `inputs.speculative.method == "draft"`. Its
     weights and activation reserve come off the same memory, and its pools share the KV budget with
-    the target's, sized by the same `size_pools` call (as the engine sizes its workers' pools)."""
+    the target's: the pools are the engine's start-up layout (layout.py: `compute_layout`)."""
     spec_config = inputs.speculative
     uses_draft = spec_config is not None and spec_config.method == "draft"
     if uses_draft and draft_arch is None:
         raise ValueError("speculative method 'draft' needs the draft model's arch (draft_arch)")
     if not uses_draft:
         draft_arch = None
+    config = inputs.engine_config()
     weight_bytes = arch.weight_bytes(inputs.dtype)
     # the engine's own estimate, for an engine whose widest request is this one (summed over its workers)
-    reserve_bytes = estimate_activation_peak_bytes(arch, inputs.max_num_batched_tokens, inputs.beam_width,
-                                                   kv_dtype(inputs.dtype))
+    reserve_bytes = estimate_activation_bytes(config, arch, draft_arch)
     draft_weight_bytes = draft_reserve_bytes = 0
     if draft_arch is not None:
-        draft_weight_bytes = draft_arch.weight_bytes(inputs.dtype)
-        draft_reserve_bytes = estimate_activation_peak_bytes(draft_arch, inputs.max_num_batched_tokens,
-                                                             inputs.beam_width, kv_dtype(inputs.dtype))
+        draft_weight_bytes = draft_arch.weight_bytes(draft_dtype(config))
+        draft_reserve_bytes = reserve_bytes - estimate_activation_bytes(config, arch)
         weight_bytes += draft_weight_bytes
-        reserve_bytes += draft_reserve_bytes
     catalogue_bytes = inputs.catalogue.nbytes if inputs.catalogue is not None else 0
-    left_bytes = inputs.memory_bytes - weight_bytes - reserve_bytes - catalogue_bytes
-    if left_bytes <= 0:
+    # what a device of --memory has left once the weights and the catalogues are loaded
+    available_bytes = inputs.memory_bytes - weight_bytes - catalogue_bytes
+    if available_bytes - reserve_bytes <= 0:
         raise PlanError(
             f"--memory {inputs.memory_bytes} bytes leaves nothing for the KV cache: the weights"
             f"{' (target and draft)' if draft_arch is not None else ''} need "
@@ -165,26 +154,25 @@ def plan(arch: ModelArch, inputs: PlanInputs, draft_arch: ModelArch | None = Non
             f"{f', the catalogue {catalogue_bytes} bytes' if catalogue_bytes else ''}; "
             f"use --memory > {weight_bytes + reserve_bytes + catalogue_bytes}"
         )
-    kv_cache_bytes = int(left_bytes * inputs.kv_cache_fraction)
+    try:
+        layout = compute_layout(config, arch, available_bytes, draft=draft_arch,
+                                catalogue_bytes=catalogue_bytes, pinned_prefixes=inputs.pinned_prefixes)
+    except InvalidParameterError as exc:
+        if exc.param == "pinned_prefixes":
+            raise PlanError(str(exc), argument="--pin-prefix") from None
+        raise
     t = inputs.tokens_per_block
-
-    kv = kv_dtype(inputs.dtype)  # int8 weights keep float32 KV
-    specs = arch.kv_pool_specs(kv) + (_draft_specs(draft_arch, kv) if draft_arch else [])
+    specs = layout.specs
     chunk = inputs.max_num_batched_tokens
     request = inputs.request(arch)
-    # cross pools are sized for the longest source the model takes (its position limit)
-    max_encoder_tokens = arch.max_position_embeddings if arch.is_encoder_decoder else 0
-    sizing = size_pools(specs, kv_cache_bytes, t, arch.max_position_embeddings, max_encoder_tokens, chunk)
-    blocks_per_pool = [sizing.blocks_per_pool[s.name] for s in specs]
-    cache = KVCache(list(zip(specs, blocks_per_pool)), t, chunk, enable_prefix_caching=True)
-    pinned_blocks = _reserve_pins(cache, inputs.pinned_prefixes, arch)
+    cache = KVCache([(p.spec, p.num_blocks) for p in layout.pools], t, chunk, enable_prefix_caching=True)
+    _hold_pins(cache, layout)
+    pinned_blocks = {name: n for name, n in layout.pinned_blocks.items() if n}
     # The start-up bound is the token capacity of the full-attention pool, never divided by W.
-    bound_tokens = sizing.capacity_tokens
-    capacity_blocks = blocks_per_pool[0] if bound_tokens is None else bound_tokens // t
-    try:
-        max_seq_len = sizing.max_seq_len()
-    except CacheTooSmallError:  # the plan reports it rather than failing
-        max_seq_len = 0
+    bound_tokens = layout.capacity_tokens
+    capacity_blocks = layout.pools[0].num_blocks if bound_tokens is None else bound_tokens // t
+    max_seq_len = layout.max_seq_len  # 0 when the cache holds not even one sequence: reported, not raised
+    kv_cache_bytes = layout.kv_cache_bytes
 
     budgets = cache.budgets(request)
     pools = [
@@ -228,6 +216,7 @@ def plan(arch: ModelArch, inputs: PlanInputs, draft_arch: ModelArch | None = Non
         "memory_bytes": inputs.memory_bytes,
         "weight_bytes": weight_bytes,
         "activation_reserve_bytes": reserve_bytes,
+        "activation_rows": layout.activation_rows,  # logits rows of the widest step: W x (1 + 2D)
         **({"catalogue": inputs.catalogue.entry()} if inputs.catalogue is not None else {}),
         "kv_cache_fraction": inputs.kv_cache_fraction,
         "kv_cache_bytes": kv_cache_bytes,
@@ -260,35 +249,16 @@ def plan(arch: ModelArch, inputs: PlanInputs, draft_arch: ModelArch | None = Non
     }
 
 
-def _reserve_pins(cache: KVCache, prefixes: tuple[tuple[int, ...], ...], arch: ModelArch) -> dict[str, int]:
-    """Hold, in the plan's cache, the blocks pinning these prefixes would hold in the engine's (the
-    same names, shared where prefixes share blocks), so every pool's capacity shows them gone.
-    Refuses what the engine refuses at start-up (widebeam/pinning.py), as a PlanError on --pin-prefix."""
-    if prefixes and arch.is_encoder_decoder:
-        raise PlanError(f"{arch.name} is an encoder-decoder model: its source is encoded whole per request, "
-                        "so there is no prefix to pin", argument="--pin-prefix")
-    t = cache.tokens_per_block
-    for index, token_ids in enumerate(prefixes):
-        if len(token_ids) < t:
-            raise PlanError(f"prefix {index} has {len(token_ids)} tokens, fewer than one block ({t}): "
-                            "nothing to pin", argument="--pin-prefix")
-        outside = [token for token in token_ids if not 0 <= token < arch.vocab_size]
-        if outside:
-            raise PlanError(f"prefix {index} holds token id {outside[0]}, outside the vocabulary "
-                            f"[0, {arch.vocab_size})", argument="--pin-prefix")
-        for name, block_hashes in cache.prefix_blocks(cache.prefix_key(token_ids)).items():
-            pool = cache[name].pool
-            for block_hash in block_hashes:
-                if pool.lookup(block_hash) is not None:  # shared with an earlier pin: held once
-                    continue
-                if not pool.num_free_blocks:
-                    raise PlanError(f"the pinned prefixes need more than the {pool.num_blocks} blocks of pool "
-                                    f"'{name}'; pin less or raise --memory", argument="--pin-prefix")
-                block_id = pool.allocate()
-                pool.register(block_id, block_hash)
-                pool.pin(block_id)
-                pool.dec_ref(block_id)  # the pin's reference stays
-    return {name: m.pool.num_pinned_blocks for name, m in cache.managers.items() if m.pool.num_pinned_blocks}
+def _hold_pins(cache: KVCache, layout: StartupLayout) -> None:
+    """Hold, in the plan's cache, the blocks the layout says pins hold (the engine's pins, under the
+    same names), so every pool's capacity shows them gone."""
+    for pool_layout in layout.pools:
+        pool = cache[pool_layout.name].pool
+        for block_hash in pool_layout.pinned_block_hashes:
+            block_id = pool.allocate()
+            pool.register(block_id, block_hash)
+            pool.pin(block_id)
+            pool.dec_ref(block_id)  # the pin's reference stays
 
 
 def _speculative_entry(config: SpeculativeConfig, draft_arch: ModelArch | None, draft_weight_bytes: int,

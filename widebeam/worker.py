@@ -8,12 +8,11 @@ of two models never clash while admission and the scheduler see all of them in o
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from widebeam.kv.spec import PoolSpec
-from widebeam.model.registry import activation_dtype, model_dtype
+from widebeam.layout import scoped_specs
+from widebeam.model.registry import model_dtype
 from widebeam.model.runner import ModelRunner, SequenceInput
 
 
@@ -23,13 +22,11 @@ class Worker:
         self.model = model
         self.prefix = prefix
         self.arch = model.arch
-        # Model pool name -> engine pool name, and each pool's spec under its engine name.
-        self.specs: list[PoolSpec] = []
-        self.pool_names: dict[str, str] = {}
-        for spec in self.arch.kv_pool_specs(activation_dtype(dtype)):  # int8 weights keep float KV
-            scoped = scoped_pool_name(prefix, spec.name)
-            self.pool_names[spec.name] = scoped
-            self.specs.append(_renamed(spec, scoped))
+        # Model pool name -> engine pool name, and each pool's spec under its engine name (the layout's
+        # rule: the engine sizes these pools from a `StartupLayout` computed with the same names).
+        scoped = scoped_specs(self.arch, dtype, prefix)  # int8 weights keep float KV
+        self.specs: list[PoolSpec] = list(scoped.values())
+        self.pool_names: dict[str, str] = {local: spec.name for local, spec in scoped.items()}
         self.runner: ModelRunner | None = None
 
     def start(self, blocks_per_pool: dict[str, int], tokens_per_block: int, device: torch.device,
@@ -66,18 +63,6 @@ class Worker:
                              {local_of[k]: v for k, v in seq.block_tables.items() if k in local_of},
                              {local_of[k]: v for k, v in seq.slots.items() if k in local_of},
                              seq.group, seq.cross_block_table, seq.num_encoder_tokens, seq.tree_parents)
-
-
-def scoped_pool_name(prefix: str, local_name: str) -> str:
-    """The engine's name of a worker's pool: the model's own without a prefix; else the prefix
-    alone for the self pool ("draft") and prefix/name for the others ("draft/sliding_512")."""
-    if not prefix:
-        return local_name
-    return prefix if local_name == "self" else f"{prefix}/{local_name}"
-
-
-def _renamed(spec: PoolSpec, name: str) -> PoolSpec:
-    return spec if spec.name == name else replace(spec, name=name)
 
 
 def _spec_named(specs: list[PoolSpec], name: str) -> PoolSpec:

@@ -10,11 +10,14 @@ import sys
 
 import pytest
 
+from widebeam import layout
 from widebeam.config import SpeculativeConfig
 from widebeam.defaults import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from widebeam.kv.budget import sliding_window_blocks
+from widebeam.layout import activation_rows, scoped_pool_name
+from widebeam.model.activation import estimate_activation_peak_bytes
 from widebeam.model.families import load_arch
-from widebeam.plan import PlanError, PlanInputs, plan, scoped_pool_name
+from widebeam.plan import PlanError, PlanInputs, plan
 
 SMOLLM2 = "smollm2-135m-instruct"
 P, N, W, T = 1000, 64, 8, 16
@@ -35,6 +38,11 @@ def draft(d: int, model: str = SMOLLM2) -> SpeculativeConfig:
 
 def by_name(result: dict) -> dict[str, dict]:
     return {p["name"]: p for p in result["pools"]}
+
+
+def reserve(arch, d: int = 0, dtype: str = "bfloat16") -> int:
+    """One worker's activation estimate for an engine whose widest step is W beams of 1 + 2D rows."""
+    return estimate_activation_peak_bytes(arch, DEFAULT_MAX_NUM_BATCHED_TOKENS, activation_rows(W, d), dtype)
 
 
 @pytest.mark.parametrize("d", [1, 4, 17])
@@ -68,9 +76,11 @@ def test_both_models_share_one_memory_budget():
     arch = load_arch(SMOLLM2)
     alone = plan(arch, inputs())
     both = plan(arch, inputs(draft(4)), arch)
-    # the draft's weights and activation reserve come off the same memory
+    # the draft's weights and activation reserve come off the same memory; each worker's reserve is
+    # sized for the widest speculative step, W x (1 + 2D) rows of logits, as the engine sizes it
     assert both["weight_bytes"] == 2 * alone["weight_bytes"]
-    assert both["activation_reserve_bytes"] == 2 * alone["activation_reserve_bytes"]
+    assert alone["activation_reserve_bytes"] == reserve(arch) and alone["activation_rows"] == W
+    assert both["activation_reserve_bytes"] == 2 * reserve(arch, 4) and both["activation_rows"] == W * 9
     left = both["memory_bytes"] - both["weight_bytes"] - both["activation_reserve_bytes"]
     assert both["kv_cache_bytes"] == int(left * both["kv_cache_fraction"])
     # two identical models: size_pools gives each half of the KV bytes
@@ -88,8 +98,11 @@ def test_ngram_adds_no_draft_pool_and_no_draft_weights():
     ngram = plan(arch, inputs(SpeculativeConfig("ngram", None, 5)))
     assert [p["name"] for p in ngram["pools"]] == ["self"]
     assert ngram["speculative"] == {"method": "ngram", "model": None, "num_speculative_tokens": 5}
-    for key in ("weight_bytes", "activation_reserve_bytes", "kv_cache_bytes", "capacity_blocks"):
-        assert ngram[key] == alone[key]
+    assert ngram["weight_bytes"] == alone["weight_bytes"]
+    # no draft model, but the target's widest step still scores W x (1 + 2D) rows: a larger reserve
+    assert ngram["activation_reserve_bytes"] == reserve(arch, 5) > alone["activation_reserve_bytes"]
+    left = ngram["memory_bytes"] - ngram["weight_bytes"] - ngram["activation_reserve_bytes"]
+    assert ngram["kv_cache_bytes"] == int(left * ngram["kv_cache_fraction"]) <= alone["kv_cache_bytes"]
     assert ngram["pools"][0]["required_blocks"] == required(P, N, W, T, 5)
 
 
@@ -116,9 +129,12 @@ def test_sliding_draft_pools_are_scoped_and_reserve_d_and_the_refeed():
 
 def test_scoped_pool_name_is_the_workers_rule():
     worker = pytest.importorskip("widebeam.worker")
-    for prefix in ("", "draft"):
-        for local in ("self", "sliding_512", "cross"):
-            assert scoped_pool_name(prefix, local) == worker.scoped_pool_name(prefix, local)
+    assert worker.scoped_specs is layout.scoped_specs  # one rule (layout.py), the workers' and plan's
+    names = {(prefix, local): scoped_pool_name(prefix, local) for prefix in ("", "draft")
+             for local in ("self", "sliding_512", "cross")}
+    assert names == {("", "self"): "self", ("", "sliding_512"): "sliding_512", ("", "cross"): "cross",
+                     ("draft", "self"): "draft", ("draft", "sliding_512"): "draft/sliding_512",
+                     ("draft", "cross"): "draft/cross"}
 
 
 def test_draft_method_needs_the_draft_arch():

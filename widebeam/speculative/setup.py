@@ -7,6 +7,7 @@ import torch
 
 from widebeam.config import SpeculativeConfig
 from widebeam.errors import InvalidParameterError
+from widebeam.layout import DRAFT_PREFIX
 from widebeam.model.loader import resolve_model
 from widebeam.model.registry import load_model, load_tokenizer
 from widebeam.speculative.drafter import ModelDrafter, NgramDrafter
@@ -32,7 +33,7 @@ def start_drafter(spec: SpeculativeConfig, target_arch, target_tokenizer, target
     if draft_model.arch.is_encoder_decoder:
         raise InvalidParameterError("speculative_model", "{speculative_model} {value!r} must be a decoder-only "
                                     "model", value=spec.model)
-    worker = Worker("draft", draft_model, spec.dtype or dtype, prefix="draft")
+    worker = Worker("draft", draft_model, spec.dtype or dtype, prefix=DRAFT_PREFIX)
     return ModelDrafter(worker, min(target_arch.vocab_size, draft_model.arch.vocab_size)), worker
 
 
