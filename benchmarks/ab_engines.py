@@ -64,7 +64,7 @@ def linears_only(llms: dict, repeats: int, row_counts=(1, 2, 4, 16, 64, 128, 256
                              **{f"{a}_median_ms": round(statistics.median(times[a]) * 1e3, 2) for a in arms},
                              **{f"{a}_min_ms": round(min(times[a]) * 1e3, 2) for a in arms},
                              f"median_pair_ratio_{reference}_over_{candidate}":
-                                 round(statistics.median(ratios), 3)})
+                             round(statistics.median(ratios), 3)})
             print(json.dumps(rows_out[-1]), flush=True)
     return rows_out
 
