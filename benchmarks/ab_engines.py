@@ -36,8 +36,8 @@ def add_ab_arguments(parser) -> None:
 def run_meta(**extra) -> dict:
     revision = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=False).stdout.strip()
-    return {"revision": revision, "cpus": os.cpu_count(), "machine": platform.machine(), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), **extra}
+    return {"revision": revision, "cpus": os.cpu_count(), "machine": platform.machine(),
+            "torch": torch.__version__, "threads": torch.get_num_threads(), **extra}
 
 
 def linears_only(llms: dict, repeats: int, row_counts=(1, 2, 4, 16, 64, 128, 256, 512)) -> list[dict]:
@@ -45,7 +45,8 @@ def linears_only(llms: dict, repeats: int, row_counts=(1, 2, 4, 16, 64, 128, 256
     {arm: LLM}, the reference first."""
     arms = list(llms)
     reference, candidate = arms
-    layers = {a: [m for m in llm.engine.model.modules() if hasattr(m, "in_features")] for a, llm in llms.items()}
+    layers = {a: [m for m in llm.engine.model.modules() if hasattr(m, "in_features")]
+              for a, llm in llms.items()}
     rows_out = []
     with torch.inference_mode():
         for rows in row_counts:
@@ -62,7 +63,8 @@ def linears_only(llms: dict, repeats: int, row_counts=(1, 2, 4, 16, 64, 128, 256
             rows_out.append({"rows": rows, "layers": len(layers[reference]), "pairs": len(ratios),
                              **{f"{a}_median_ms": round(statistics.median(times[a]) * 1e3, 2) for a in arms},
                              **{f"{a}_min_ms": round(min(times[a]) * 1e3, 2) for a in arms},
-                             f"median_pair_ratio_{reference}_over_{candidate}": round(statistics.median(ratios), 3)})
+                             f"median_pair_ratio_{reference}_over_{candidate}":
+                             round(statistics.median(ratios), 3)})
             print(json.dumps(rows_out[-1]), flush=True)
     return rows_out
 
@@ -88,7 +90,8 @@ def ab_points(llms: dict, widths: list[int], prompt_len: int, new_tokens: int, r
                 runs[name, a].append(result["wall_s"])
                 best.setdefault((name, a), result["best"])
                 assert result["best"] == best[name, a], f"{name} {a}: the best beam changed between repeats"
-            print(json.dumps({"repeat": repeat, "point": name, **{a: round(runs[name, a][-1], 3) for a in arms}}),
+            print(json.dumps({"repeat": repeat, "point": name,
+                              **{a: round(runs[name, a][-1], 3) for a in arms}}),
                   flush=True)
     rows = []
     for name, width, n in points:

@@ -81,7 +81,8 @@ def main() -> None:
                         best[name] = min(best[name], elapsed)
                     beams[name] = out[0].outputs[0].token_ids
             row = {"beam_width": width, "base_s": round(best["base"], 3), "new_s": round(best["new"], 3),
-                   "new_over_base": round(best["new"] / best["base"], 3), "same_best_beam": beams["base"] == beams["new"]}
+                   "new_over_base": round(best["new"] / best["base"], 3),
+                   "same_best_beam": beams["base"] == beams["new"]}
             rows.append(row)
             print(json.dumps(row), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)

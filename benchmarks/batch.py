@@ -7,9 +7,9 @@ the same rows and weights, in one process.
 On this 2-core machine, replicas share the same two cores (each replica gets one CPU slot and one
 thread; the in-process engine runs with --threads and with one thread), so the figures show the
 overhead and the scaling of the Ray path, not a cluster's throughput. Wall times include each
-job's engine start-up (the model is converted once into the cache before the first). On a cluster the same command line runs with
-`--replicas N --ray-address auto`, one GPU per replica where there are GPUs (see README: Batch
-jobs and Ray). Every configuration's beams are checked against the in-process run's.
+job's engine start-up (the model is converted once into the cache before the first). On a cluster the same
+command line runs with `--replicas N --ray-address auto`, one GPU per replica where there are GPUs (see
+README: Batch jobs and Ray). Every configuration's beams are checked against the in-process run's.
 
 Writes benchmarks/results/batch.json and batch.md.
 """
@@ -36,7 +36,8 @@ QUESTIONS = ["Name a colour.", "Suggest a book.", "What is a prime number?", "De
 def write_rows(path: Path, num_rows: int) -> None:
     with open(path, "w") as f:
         for i in range(num_rows):
-            row = {"id": f"q{i}", "messages": [{"role": "user", "content": f"{QUESTIONS[i % len(QUESTIONS)]} ({i})"}]}
+            row = {"id": f"q{i}",
+                   "messages": [{"role": "user", "content": f"{QUESTIONS[i % len(QUESTIONS)]} ({i})"}]}
             f.write(json.dumps(row) + "\n")
 
 
@@ -87,7 +88,8 @@ def main(argv=None) -> int:
     print_table("widebeam batch", headers, table, "lrrrrl")
     report = {"command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
               "model": MODEL, "num_rows": args.num_rows, "beam_width": args.beam_width,
-              "max_new_tokens": args.max_new_tokens, "machine": machine_info(args.threads), "results": results}
+              "max_new_tokens": args.max_new_tokens, "machine": machine_info(args.threads),
+              "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     md = (f"`widebeam batch`, {MODEL} float32, {args.num_rows} chat rows, beam width {args.beam_width}, "

@@ -38,7 +38,8 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/block_size.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    llms = {t: LLM(tokens_per_block=t, kv_cache_memory="2GiB", dtype="float32", max_beam_width=max(args.widths))
+    llms = {t: LLM(tokens_per_block=t, kv_cache_memory="2GiB", dtype="float32",
+                   max_beam_width=max(args.widths))
             for t in args.blocks}
     some = next(iter(llms.values()))
     prompt = make_prompt(some.tokenizer, args.prompt_len, some.engine.model.arch.vocab_size)
@@ -59,7 +60,8 @@ def main() -> None:
             print(json.dumps(rows[-1]))
     revision = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=False).stdout.strip()
-    meta = {"revision": revision, "threads": args.threads, "cpus": os.cpu_count(), "machine": platform.machine(),
+    meta = {"revision": revision, "threads": args.threads, "cpus": os.cpu_count(),
+            "machine": platform.machine(),
             "load_average": os.getloadavg(), "model": "smollm2-135m-instruct", "dtype": "float32"}
     Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
 

@@ -52,10 +52,12 @@ def main() -> None:
     alone = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
     sequential_s = time.perf_counter() - start
 
-    same = all([c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs] for a, b in zip(together, alone))
+    same = all([c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+               for a, b in zip(together, alone))
     tokens = beam_tokens(together, args.beam_width)
     result = {
-        "model": "smollm2-135m-instruct", "dtype": args.dtype, "threads": args.threads, "device": str(llm.engine.device),
+        "model": "smollm2-135m-instruct", "dtype": args.dtype, "threads": args.threads,
+        "device": str(llm.engine.device),
         "requests": args.requests, "beam_width": args.beam_width, "max_new_tokens": args.max_new_tokens,
         "beam_tokens": tokens,
         "concurrent_s": round(concurrent_s, 3), "sequential_s": round(sequential_s, 3),

@@ -18,7 +18,8 @@ def allowed_tokens_fn(catalogue: Catalogue, prompt_len: int, eos_ids: list[int])
         node = nodes.get(prefix)
         if node is None:
             parent = node_of(prefix[:-1])
-            node = -1 if parent < 0 else int(catalogue.child_nodes(torch.tensor([parent]), torch.tensor([prefix[-1]]))[0])
+            node = -1 if parent < 0 else int(catalogue.child_nodes(torch.tensor([parent]),
+                                                                   torch.tensor([prefix[-1]]))[0])
             nodes[prefix] = node
         return node
 

@@ -59,7 +59,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=RESULTS / "int8_accuracy.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    engines = {dtype: LLM(MODEL, device="cpu", dtype=dtype, kv_cache_memory="1GiB", enable_prefix_caching=False)
+    engines = {dtype: LLM(MODEL, device="cpu", dtype=dtype, kv_cache_memory="1GiB",
+                          enable_prefix_caching=False)
                for dtype in ("float32", "int8")}
     tokenizer = engines["float32"].tokenizer
     text = (Path(__file__).parents[1] / "README.md").read_text()
@@ -79,8 +80,8 @@ def main(argv=None) -> int:
                 beams[dtype] = [tuple(c.token_ids) for c in out.outputs]
             overlaps.append(len(set(beams["float32"]) & set(beams["int8"])) / width)
             same_best += beams["float32"][0] == beams["int8"][0]
-        rows.append({"width": width, "prompts": len(PROMPTS), "mean_beam_overlap": sum(overlaps) / len(overlaps),
-                     "same_best": same_best})
+        rows.append({"width": width, "prompts": len(PROMPTS),
+                     "mean_beam_overlap": sum(overlaps) / len(overlaps), "same_best": same_best})
     headers = ["measure", "value"]
     positions = f"{agreement['top1_agreement']:.3f} over {agreement['positions']} positions"
     table = [["top-1 agreement (teacher forced)", positions],

@@ -40,7 +40,8 @@ def load(model: str, arm: str, max_beam_width: int) -> LLM:
             stack.enter_context(patch)
         llm = LLM(model, dtype="int8", device="cpu", kv_cache_memory="512MiB", max_beam_width=max_beam_width)
     layer = llm.engine.model.model.layers[0]
-    assert llm.engine.model.lm_head.kernel == ("int_mm" if arm == "int_mm" else "fbgemm"), "not the kernel asked for"
+    assert llm.engine.model.lm_head.kernel == ("int_mm" if arm == "int_mm" else "fbgemm"), \
+        "not the kernel asked for"
     assert (layer.mlp.gate_up is not None) == (arm == "engine"), "not the fusion asked for"
     return llm
 
@@ -57,7 +58,8 @@ def main() -> None:
     if args.linears_only:
         result = {"meta": meta, "linears_only": linears_only(llms, args.repeats)}
     else:
-        result = {"meta": meta, "rows": ab_points(llms, args.widths, args.prompt_len, args.new_tokens, args.repeats)}
+        result = {"meta": meta,
+                  "rows": ab_points(llms, args.widths, args.prompt_len, args.new_tokens, args.repeats)}
     result["meta"]["load_average_at_end"] = os.getloadavg()
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     assert all(r["same_best_beam"] for r in result.get("rows", [])), "the arms disagree on a best beam"

@@ -4,7 +4,8 @@ every thread; widebeam/model/split_linear.py), "auto" (every linear's weight als
 oneDNN and run at 4-128 rows) or "onednn" (packed at every row count; widebeam/model/packed_linear.py),
 two engines over the same SmolLM2-135M weights in one process.
 
-    python benchmarks/linear_backend.py [--widths 1 4 16 64] [--prompt-len 512] [--new-tokens 32] [--repeats 5]
+    python benchmarks/linear_backend.py [--widths 1 4 16 64] [--prompt-len 512] [--new-tokens 32]
+        [--repeats 5]
 
 The same prompt as `widebeam bench` (`bench.make_prompt`), min_new_tokens = N, float32, 2 threads.
 Each repeat runs every point on both engines back to back, the order alternating between repeats;

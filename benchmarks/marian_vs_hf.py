@@ -65,14 +65,16 @@ def main() -> None:
     gen = torch.Generator().manual_seed(1)
     source = torch.randint(3, PAD, (args.source_len - 1,), generator=gen).tolist() + [EOS]
     n = args.max_new_tokens
-    hf_settings = {"do_sample": False, "eos_token_id": EOS, "pad_token_id": PAD, "decoder_start_token_id": PAD,
+    hf_settings = {"do_sample": False, "eos_token_id": EOS, "pad_token_id": PAD,
+                   "decoder_start_token_id": PAD,
                    "bad_words_ids": [[PAD]], "max_new_tokens": n, "min_new_tokens": n}
 
     def run_widebeam(width):
         reset_peak_rss()
         start = time.perf_counter()
         (out,) = llm.generate([{"prompt_token_ids": source}],
-                              BeamSearchParams(beam_width=width, max_new_tokens=n, min_new_tokens=n), use_tqdm=False)
+                              BeamSearchParams(beam_width=width, max_new_tokens=n, min_new_tokens=n),
+                              use_tqdm=False)
         wall = time.perf_counter() - start
         kv = sum(out.peak_blocks[name] * t * bytes_per_token[name] for name in bytes_per_token)
         return {"wall_s": wall, "peak_rss_bytes": peak_rss_bytes(), "peak_kv_bytes": kv,
@@ -100,14 +102,14 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"model": "opus-mt-en-de shape, random weights", "torch": torch.__version__,
-                                          "points": rows}, indent=2) + "\n")
+    Path(args.out).write_text(json.dumps({"model": "opus-mt-en-de shape, random weights",
+                                          "torch": torch.__version__, "points": rows}, indent=2) + "\n")
     for r in rows:
         wb, ref = r["widebeam"], r["transformers"]
         print(f"W={r['beam_width']:>3}  widebeam {wb['wall_s']:6.2f} s  transformers {ref['wall_s']:6.2f} s  "
-              f"{r['speedup']:5.2f}x  same best: {r['same_best_sequence']}  KV {wb['peak_kv_bytes'] / 2**20:6.1f} "
-              f"vs {ref['peak_kv_bytes'] / 2**20:7.1f} MiB  cross blocks {wb['peak_blocks']['cross']} "
-              f"(ceil(E/T) = {r['cross_blocks_expected']})")
+              f"{r['speedup']:5.2f}x  same best: {r['same_best_sequence']}  KV "
+              f"{wb['peak_kv_bytes'] / 2**20:6.1f} vs {ref['peak_kv_bytes'] / 2**20:7.1f} MiB  cross blocks "
+              f"{wb['peak_blocks']['cross']} (ceil(E/T) = {r['cross_blocks_expected']})")
 
 
 if __name__ == "__main__":

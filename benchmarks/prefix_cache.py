@@ -1,8 +1,8 @@
 """Prefix reuse on the default model, in one process: many requests sharing a long system prompt,
 with the prefix cache off, on, and with the system prompt pinned at start-up.
 
-    python benchmarks/prefix_cache.py                  # 64 x (2,048 + 64) tokens, W 1 and 16 (~18 min, 2 cores)
-    python benchmarks/prefix_cache.py --quick          # smoke run (about a minute); writes to the temp dir
+    python benchmarks/prefix_cache.py                # 64 x (2,048 + 64) tokens, W 1 and 16 (~18 min, 2 cores)
+    python benchmarks/prefix_cache.py --quick        # smoke run (about a minute); writes to the temp dir
 
 The prompts: a system prompt of exactly --system-tokens token ids of real text (this repository's
 README, tokenized with the model's tokenizer) and, per request, --user-tokens ids of the text that
@@ -56,14 +56,16 @@ TEXT = Path(__file__).parents[1] / "README.md"
 CONFIGS = ("no-cache", "cache", "pinned")
 
 
-def token_parts(tokenizer, system_tokens: int, user_tokens: int, count: int) -> tuple[list[int], list[list[int]]]:
+def token_parts(tokenizer, system_tokens: int, user_tokens: int,
+                count: int) -> tuple[list[int], list[list[int]]]:
     """A system prompt of exactly `system_tokens` tokens of real text, and `count` distinct user parts."""
     words = TEXT.read_text().split()
     ids = tokenizer.encode(" ".join(words), add_special_tokens=False)
     while len(ids) < system_tokens + count * user_tokens:
         ids = ids + ids
     system = ids[:system_tokens]
-    users = [ids[system_tokens + i * user_tokens: system_tokens + (i + 1) * user_tokens] for i in range(count)]
+    users = [ids[system_tokens + i * user_tokens: system_tokens + (i + 1) * user_tokens]
+             for i in range(count)]
     # a distinct first token per user part: no two requests share more than the system prompt
     return system, [[10_000 + i] + part[1:] for i, part in enumerate(users)]
 
@@ -71,13 +73,16 @@ def token_parts(tokenizer, system_tokens: int, user_tokens: int, count: int) -> 
 def make_params(width: int, new_tokens: int):
     """Greedy at W=1, beam search above; every request generates exactly `new_tokens` tokens."""
     if width == 1:
-        return SamplingParams(max_new_tokens=new_tokens, min_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    return BeamSearchParams(beam_width=width, max_new_tokens=new_tokens, min_new_tokens=new_tokens, ignore_eos=True)
+        return SamplingParams(max_new_tokens=new_tokens, min_new_tokens=new_tokens, temperature=0.0,
+                              ignore_eos=True)
+    return BeamSearchParams(beam_width=width, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                            ignore_eos=True)
 
 
 def held_blocks(llm: LLM) -> int:
     """KV blocks held right now, all pools: neither free nor cached-evictable (pinned ones count)."""
-    return sum(p["total_blocks"] - p["free_blocks"] - p["evictable_blocks"] for p in llm.stats()["pools"].values())
+    return sum(p["total_blocks"] - p["free_blocks"] - p["evictable_blocks"]
+               for p in llm.stats()["pools"].values())
 
 
 def run_batch(llm: LLM, prompts: list[list[int]], params) -> dict:
@@ -109,7 +114,8 @@ def run_batch(llm: LLM, prompts: list[list[int]], params) -> dict:
     return {"wall_s": wall, "mean_ttft_s": statistics.mean(first.values()), "beam_tokens": beam_tokens,
             "beam_tokens_per_s": beam_tokens / wall,
             "hit_tokens": sum(o.num_cached_tokens for o in ordered),  # RequestOutput.num_cached_tokens
-            "stats_hit_tokens": hits, "stats_queried_tokens": queried, "hit_rate": hits / queried if queried else 0.0,
+            "stats_hit_tokens": hits, "stats_queried_tokens": queried,
+            "hit_rate": hits / queried if queried else 0.0,
             "peak_held_blocks": peak_held, "peak_rss_bytes": rss_bytes("VmHWM"),
             "load1_before_after": [load_before, os.getloadavg()[0]],  # the host is shared: its 1-min load
             "required_blocks": sum(sum(o.required_blocks.values()) for o in ordered),
@@ -180,10 +186,13 @@ def main(argv=None) -> int:
     pools = {name: llm.stats()["pools"] for name, llm in llms.items()}
     for name, p in pools.items():
         print(f"pools {name}: " + "; ".join(f"{pool} total {s['total_blocks']} free {s['free_blocks']} "
-                                            f"pinned {s['pinned_blocks']}" for pool, s in p.items()), flush=True)
+                                            f"pinned {s['pinned_blocks']}" for pool, s in p.items()),
+              flush=True)
     prompt_len = args.system_tokens + args.user_tokens
-    whole_batch = {w: args.num_requests * sum(b.required_blocks for b in llms["no-cache"].engine.cache.budgets(
-        KVRequest(prompt_tokens=prompt_len, max_new_tokens=args.max_new_tokens, beam_width=w))) for w in args.widths}
+    whole_batch = {w: args.num_requests
+                   * sum(b.required_blocks for b in llms["no-cache"].engine.cache.budgets(
+                       KVRequest(prompt_tokens=prompt_len, max_new_tokens=args.max_new_tokens, beam_width=w)))
+                   for w in args.widths}
     capacity = sum(s["total_blocks"] for s in pools["no-cache"].values())
     for w, need in whole_batch.items():
         print(f"W={w}: the whole batch without reuse needs {need} blocks at once, the pool holds {capacity} "
@@ -239,8 +248,9 @@ def main(argv=None) -> int:
             row["expected_hit_tokens"] = want_batch
             if row["hit_tokens"] != want_batch or row["stats_hit_tokens"] != row["hit_tokens"] \
                     or any(c != want_alone for c in row["ttft_hit_cached_tokens"]):
-                print(f"NOTE: W={width} {name}: hit tokens {row['hit_tokens']} (stats {row['stats_hit_tokens']}), "
-                      f"expected {want_batch}; alone {row['ttft_hit_cached_tokens']}, expected {want_alone} each",
+                print(f"NOTE: W={width} {name}: hit tokens {row['hit_tokens']} (stats "
+                      f"{row['stats_hit_tokens']}), expected {want_batch}; alone "
+                      f"{row['ttft_hit_cached_tokens']}, expected {want_alone} each",
                       file=sys.stderr, flush=True)
         reference = rows["no-cache"]
         for name in CONFIGS:
@@ -261,8 +271,9 @@ def main(argv=None) -> int:
         b = base[r["width"]]
         r["ttft_speedup"] = b["ttft_hit_s"] / r["ttft_hit_s"]
         r["batch_speedup"] = b["wall_s"] / r["wall_s"]
-    headers = ["W", "config", "batch s", "x vs no-cache", "beam-tok/s", "mean TTFT in batch s", "TTFT of a hit s",
-               "x vs no-cache", "hit tokens", "hit rate", "peak blocks", "peak RSS GiB", "same best", "same beams"]
+    headers = ["W", "config", "batch s", "x vs no-cache", "beam-tok/s", "mean TTFT in batch s",
+               "TTFT of a hit s", "x vs no-cache", "hit tokens", "hit rate", "peak blocks", "peak RSS GiB",
+               "same best", "same beams"]
     aligns = "rlrrrrrrrrrrll"
 
     def cells(r: dict, rich: bool) -> list[str]:
@@ -270,7 +281,8 @@ def main(argv=None) -> int:
             return "yes" if ok else ("[bold red]NO[/]" if rich else "NO")
         return [str(r["width"]), r["config"], f"{r['wall_s']:.2f}", f"{r['batch_speedup']:.2f}",
                 f"{r['beam_tokens_per_s']:.1f}", f"{r['mean_ttft_s']:.2f}", f"{r['ttft_hit_s']:.3f}",
-                f"{r['ttft_speedup']:.1f}", str(r["hit_tokens"]), f"{r['hit_rate']:.1%}", str(r["peak_held_blocks"]),
+                f"{r['ttft_speedup']:.1f}", str(r["hit_tokens"]), f"{r['hit_rate']:.1%}",
+                str(r["peak_held_blocks"]),
                 f"{r['peak_rss_bytes'] / GIB:.2f}" if r["peak_rss_bytes"] else "-", flag(r["same_best"]),
                 flag(r["same_beams"])]
 
@@ -287,23 +299,25 @@ def main(argv=None) -> int:
         if w > 1:
             lines.append(f"whole batch >= 2x at W={w}: {cache_rows[w]['batch_speedup']:.2f}x, "
                          f"{'met' if targets[f'batch_2x_W{w}'] else 'MISSED'}")
-    print("targets (cache vs no-cache" + ("" if at_issue_size else "; NOT the issue's sizes, for information") + "):")
+    print("targets (cache vs no-cache"
+          + ("" if at_issue_size else "; NOT the issue's sizes, for information") + "):")
     for line in lines:
         print("  " + line)
     total_s = time.perf_counter() - t0
     report = {"command": command, "quick": args.quick, "model": MODEL, "dtype": "float32",
               "system_tokens": args.system_tokens, "user_tokens": args.user_tokens,
               "num_requests": args.num_requests, "widths": args.widths, "max_new_tokens": args.max_new_tokens,
-              "ttft_repeats": args.ttft_repeats, "kv_cache_memory": args.kv_cache_memory, "tokens_per_block": t,
+              "ttft_repeats": args.ttft_repeats, "kv_cache_memory": args.kv_cache_memory,
+              "tokens_per_block": t,
               "pools": pools, "whole_batch_blocks_without_reuse": whole_batch, "build_s": build_s,
               "pinned_startup_s": build_s["pinned"], "prefill_s": prefill_s, "targets": targets,
-              "targets_at_issue_size": at_issue_size, "peak_rss_bytes": rss_bytes("VmHWM"), "total_s": total_s,
-              "machine": machine_info(args.threads), "results": results}
+              "targets_at_issue_size": at_issue_size, "peak_rss_bytes": rss_bytes("VmHWM"),
+              "total_s": total_s, "machine": machine_info(args.threads), "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     md = (f"Prefix reuse, {MODEL} float32, {args.threads} threads, {args.kv_cache_memory} of KV per engine: "
-          f"{args.num_requests} requests of {args.system_tokens} shared + {args.user_tokens} own prompt tokens, "
-          f"{args.max_new_tokens} new tokens (`{command}`). Engine start-up: "
+          f"{args.num_requests} requests of {args.system_tokens} shared + {args.user_tokens} own prompt "
+          f"tokens, {args.max_new_tokens} new tokens (`{command}`). Engine start-up: "
           + ", ".join(f"{n} {s:.1f} s" for n, s in build_s.items())
           + f" (pinned computes the {args.system_tokens}-token prefix).\n\n"
           + markdown_table(headers, [cells(r, False) for r in results], aligns) + "\n"

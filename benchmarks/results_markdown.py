@@ -16,7 +16,8 @@ GIB, MIB = 2**30, 2**20
 def rows_to_markdown(points: list[dict]) -> str:
     lines = [
         ("| dtype | W | P | widebeam s | transformers s | speed-up | same best beam | beam-tokens/s wb / hf "
-         "| peak RSS wb / hf (GiB) | KV held wb / hf (MiB) | wb x dense floor | wb x dense+attention floor |"),
+         "| peak RSS wb / hf (GiB) | KV held wb / hf (MiB) | wb x dense floor "
+         "| wb x dense+attention floor |"),
         "|---|--:|--:|--:|--:|--:|:-:|--:|--:|--:|--:|--:|",
     ]
     for r in points:
@@ -24,14 +25,16 @@ def rows_to_markdown(points: list[dict]) -> str:
         ran = "wall_s" in hf
         lines.append(" | ".join([
             f"| {r['dtype']}", str(r["beam_width"]), str(r["prompt_len"]), f"{wb['wall_s']:.2f}",
-            f"{hf['wall_s']:.2f}" if ran else "skipped: " + hf["skipped"].split(" exceeds")[0].replace("its KV for ", ""),
+            (f"{hf['wall_s']:.2f}" if ran
+             else "skipped: " + hf["skipped"].split(" exceeds")[0].replace("its KV for ", "")),
             f"{r['speedup']:.1f}x" if ran else "-",
             ("yes" if r["same_best_sequence"] else "NO") if ran else "-",
             f"{wb['beam_tokens_per_s']:.0f} / " + (f"{hf['beam_tokens_per_s']:.0f}" if ran else "-"),
             f"{wb['peak_rss_bytes'] / GIB:.2f} / " + (f"{hf['peak_rss_bytes'] / GIB:.2f}" if ran else "-"),
             f"{wb['peak_kv_bytes'] / MIB:.0f} / " + (f"{hf['peak_kv_bytes'] / MIB:.0f}" if ran else "-"),
             f"{wb['x_compute_floor']:.2f}",
-            f"{wb['x_compute_and_attention_floor']:.2f} |" if "x_compute_and_attention_floor" in wb else "- |",
+            (f"{wb['x_compute_and_attention_floor']:.2f} |" if "x_compute_and_attention_floor" in wb
+             else "- |"),
         ]))
     return "\n".join(lines)
 
@@ -48,8 +51,8 @@ def peers_to_markdown(points: list[dict]) -> str:
         yes = {True: "yes", False: "NO"}
         lines.append(" | ".join([
             f"| {r['dtype']}", str(r["beam_width"]), f"{r['widebeam']['wall_s']:.2f}", f"{hf['wall_s']:.2f}",
-            f"{f32['wall_s']:.2f}", f"{i8['wall_s']:.2f}", f"{r['speedup']:.2f}x", f"{f32['widebeam_speedup']:.2f}x",
-            f"{i8['widebeam_speedup']:.2f}x", yes[r["same_best_sequence"]],
+            f"{f32['wall_s']:.2f}", f"{i8['wall_s']:.2f}", f"{r['speedup']:.2f}x",
+            f"{f32['widebeam_speedup']:.2f}x", f"{i8['widebeam_speedup']:.2f}x", yes[r["same_best_sequence"]],
             f"{yes[f32['same_best_sequence']]} / {yes[i8['same_best_sequence']]} |",
         ]))
     return "\n".join(lines)

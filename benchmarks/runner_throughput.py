@@ -20,7 +20,7 @@ host: each measurement waits for one, records the CPU other processes took meanw
 repeated when that was more than --max-other-share (two OpenMP threads on two shared cores slow
 down many-fold when a third process runs).
 
-    .venv/bin/python benchmarks/runner_throughput.py          # full run: ~7 min estimated on an idle 2-core host
+    .venv/bin/python benchmarks/runner_throughput.py  # full run: ~7 min estimated on an idle 2-core host
     .venv/bin/python benchmarks/runner_throughput.py --batch-sizes 1 8 --skip-first-load  # quick
 """
 
@@ -80,19 +80,22 @@ print(json.dumps({"import_s": t1 - t0, "construct_s": t2 - t1, "model_dir": str(
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"],
+                   choices=["float32", "bfloat16", "float16"])
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 64])
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--large-batch-prompt-len", type=int, default=None,
                    help="prompt length for batches above 8 (default: --prompt-len); use it if B x prompt-len "
                         "is too slow or too big; the JSON records the length actually used")
     p.add_argument("--warmup-max-tokens", type=int, default=8192,
-                   help="a prefill warm-up of more tokens than this runs at the same batch size with prompts cut "
-                        "to fit (the timed forward keeps its full shape); the JSON records the warm-up shape")
+                   help="a prefill warm-up of more tokens than this runs at the same batch size with "
+                        "prompts cut to fit (the timed forward keeps its full shape); the JSON records the "
+                        "warm-up shape")
     p.add_argument("--decode-steps", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3,
-                   help="timed prefill repeats when a warm-up forward takes under --repeat-budget-s / repeats")
+                   help="timed prefill repeats when a warm-up forward takes under --repeat-budget-s "
+                        "/ repeats")
     p.add_argument("--repeat-budget-s", type=float, default=6.0)
     p.add_argument("--profile-steps", type=int, default=3, help="decode steps under each profiler")
     p.add_argument("--profile-batch-sizes", nargs="+", type=int, default=None,
@@ -108,10 +111,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-other-share", type=float, default=0.10,
                    help="a measurement during which other processes took more than this share of all CPUs "
                         "is repeated (2 OpenMP threads on 2 shared cores slow down many-fold)")
-    p.add_argument("--retries", type=int, default=2, help="repeats of a contended prefill or decode measurement")
+    p.add_argument("--retries", type=int, default=2,
+                   help="repeats of a contended prefill or decode measurement")
     p.add_argument("--load-retries", type=int, default=1,
                    help="repeats of a contended load (each takes 15-60 s; the first load at most once)")
-    p.add_argument("--skip-first-load", action="store_true", help="skip the fresh-cache (GGUF conversion) load")
+    p.add_argument("--skip-first-load", action="store_true",
+                   help="skip the fresh-cache (GGUF conversion) load")
     p.add_argument("--out", default="benchmarks/results/runner_throughput.json")
     return p.parse_args(argv)
 
@@ -212,7 +217,8 @@ def top_torch_ops(prof, top: int) -> tuple[list[dict], float]:
     total = sum(e.self_cpu_time_total for e in events) or 1.0
     rows = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
     return [
-        {"op": e.key, "self_cpu_ms": e.self_cpu_time_total / 1e3, "self_pct": 100 * e.self_cpu_time_total / total,
+        {"op": e.key, "self_cpu_ms": e.self_cpu_time_total / 1e3,
+         "self_pct": 100 * e.self_cpu_time_total / total,
          "cpu_total_ms": e.cpu_time_total / 1e3, "calls": e.count}
         for e in rows
     ], total / 1e3
@@ -225,9 +231,11 @@ def top_python_functions(profiler: cProfile.Profile, top: int) -> tuple[list[dic
         if filename == "~":  # a builtin
             where = name
         else:
-            short = os.path.relpath(filename, REPO_ROOT) if filename.startswith(str(REPO_ROOT)) else Path(filename).name
+            short = (os.path.relpath(filename, REPO_ROOT) if filename.startswith(str(REPO_ROOT))
+                     else Path(filename).name)
             where = f"{short}:{line}({name})"
-        entries.append({"function": where, "self_ms": tottime * 1e3, "cum_ms": cumtime * 1e3, "calls": ncalls})
+        entries.append({"function": where, "self_ms": tottime * 1e3, "cum_ms": cumtime * 1e3,
+                        "calls": ncalls})
     total = sum(e["self_ms"] for e in entries) or 1.0
     entries.sort(key=lambda e: e["self_ms"], reverse=True)
     for e in entries:
@@ -235,7 +243,8 @@ def top_python_functions(profiler: cProfile.Profile, top: int) -> tuple[list[dic
     return entries[:top], total
 
 
-def profile_decode(bench: Bench, tables: list, tokens: list[int], steps: int, top: int) -> tuple[dict, list[int]]:
+def profile_decode(bench: Bench, tables: list, tokens: list[int], steps: int,
+                   top: int) -> tuple[dict, list[int]]:
     from torch.profiler import ProfilerActivity, profile
 
     context_start = tables[0].num_tokens
@@ -258,7 +267,8 @@ def profile_decode(bench: Bench, tables: list, tokens: list[int], steps: int, to
         "steps": steps,
         "context_start": context_start,
         "torch_profiler": {"wall_s": torch_wall, "self_cpu_total_ms": ops_total_ms, "top_ops": ops},
-        "cprofile": {"wall_s": cprofile_wall, "self_total_ms": functions_total_ms, "top_functions": functions},
+        "cprofile": {"wall_s": cprofile_wall, "self_total_ms": functions_total_ms,
+                     "top_functions": functions},
     }, tokens
 
 
@@ -292,12 +302,14 @@ def run_dtype(dtype: str, args: argparse.Namespace, console: Console) -> dict:
         notes = []
         if batch > 8 and args.large_batch_prompt_len:
             prompt_len = args.large_batch_prompt_len
-            notes.append(f"prompt length {prompt_len} (--large-batch-prompt-len) instead of {args.prompt_len}")
+            notes.append(f"prompt length {prompt_len} (--large-batch-prompt-len) instead of "
+                         f"{args.prompt_len}")
         # Warm-up tables are released before the timed ones are made, so one set must fit at a time.
         while blocks_for(batch, prompt_len + decode_tokens, args.tokens_per_block) > total_blocks:
             prompt_len //= 2
         if prompt_len != args.prompt_len and not notes:
-            notes.append(f"prompt length cut to {prompt_len}: {batch} x {args.prompt_len} does not fit the KV cache")
+            notes.append(f"prompt length cut to {prompt_len}: {batch} x {args.prompt_len} does not fit the "
+                         "KV cache")
 
         # Warm-up: one prefill and one decode step at this batch size, on tables then released. At the
         # timed shape unless that is big (a 64 x 512 forward takes a minute on 2 threads): then shorter
@@ -351,7 +363,8 @@ def run_dtype(dtype: str, args: argparse.Namespace, console: Console) -> dict:
         context_start = tables[0].num_tokens
         run_of_disturbed = 0
         wait_for_idle(args.idle_wait_s, idle_threshold(args), console)
-        while len(kept) < args.decode_steps and len(kept) + len(discarded) < args.decode_steps * (args.retries + 1):
+        while (len(kept) < args.decode_steps
+               and len(kept) + len(discarded) < args.decode_steps * (args.retries + 1)):
             context = tables[0].num_tokens
             with CpuMeter() as meter:
                 tokens, seconds, book = bench.decode_step(tables, tokens)
@@ -371,12 +384,14 @@ def run_dtype(dtype: str, args: argparse.Namespace, console: Console) -> dict:
         total = sum(step_ms) / 1e3
         decode_contended = used is not kept
         if discarded:
-            console.log(f"[yellow]{dtype} decode B={batch}: {len(discarded)} step(s) set aside (other processes "
-                        f"on the CPUs){'; too few quiet steps, all counted' if decode_contended else ''}[/]")
+            console.log(f"[yellow]{dtype} decode B={batch}: {len(discarded)} step(s) set aside (other "
+                        "processes on the "
+                        f"CPUs){'; too few quiet steps, all counted' if decode_contended else ''}[/]")
         out["decode"][str(batch)] = {
             "batch_size": batch, "steps": len(used), "context_start": context_start,
             "context_end": tables[0].num_tokens, "total_s": total, "tokens_per_s": batch * len(used) / total,
-            "step_ms_median": statistics.median(step_ms), "step_ms_min": min(step_ms), "step_ms_max": max(step_ms),
+            "step_ms_median": statistics.median(step_ms), "step_ms_min": min(step_ms),
+            "step_ms_max": max(step_ms),
             "bookkeeping_ms_per_step": statistics.mean(r["bookkeeping_ms"] for r in used), "notes": notes,
             "step_ms": step_ms, "step_contexts": [r["context"] for r in used],
             "warmup_step_ms": 1e3 * warm_decode_s, "warmup_context": warm_len,
@@ -386,7 +401,8 @@ def run_dtype(dtype: str, args: argparse.Namespace, console: Console) -> dict:
                     "attempts": len(kept) + len(discarded), "contended": decode_contended},
         }
         console.log(f"{dtype} B={batch}: decode {len(used)} steps {total:.2f} s "
-                    f"-> {batch * len(used) / total:,.1f} tok/s{' [red](contended)[/]' if decode_contended else ''}")
+                    f"-> {batch * len(used) / total:,.1f} "
+                    f"tok/s{' [red](contended)[/]' if decode_contended else ''}")
         if batch in profile_batches and args.profile_steps > 0:
             wait_for_idle(args.idle_wait_s, idle_threshold(args), console)
             with CpuMeter() as meter:
@@ -419,17 +435,18 @@ def main(argv: list[str] | None = None) -> int:
             "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
             **source_fingerprint(),
             "timing": "time.perf_counter around runner.execute only; one warm-up prefill + decode step per "
-                      "configuration at its batch size (prompts cut to --warmup-max-tokens/B); prefill tok/s = "
-                      "B*prompt_len/median; decode tok/s = B*steps/sum of step times; measurements during which "
-                      "other processes took > --max-other-share of the CPUs are repeated (see each 'cpu')",
+                      "configuration at its batch size (prompts cut to --warmup-max-tokens/B); prefill "
+                      "tok/s = B*prompt_len/median; decode tok/s = B*steps/sum of step times; measurements "
+                      "during which other processes took > --max-other-share of the CPUs are repeated (see "
+                      "each 'cpu')",
         },
         "results": {},
     }
     if not args.skip_first_load:
         console.log("first load: float32 in a fresh process with an empty cache (GGUF conversion) ...")
         report["load"] = first_and_fresh_process_loads(args, console)
-        console.log(f"first load {report['load']['fresh_cache']['construct_s']:.1f} s, fresh process warm cache "
-                    f"{report['load']['warm_cache_fresh_process']['construct_s']:.1f} s")
+        console.log(f"first load {report['load']['fresh_cache']['construct_s']:.1f} s, fresh process "
+                    f"warm cache {report['load']['warm_cache_fresh_process']['construct_s']:.1f} s")
     # Later LLM(...) timings should not pay for one-off imports (the tokenizer pulls in transformers).
     import transformers  # noqa: F401
     from transformers import AutoTokenizer  # noqa: F401

@@ -2,22 +2,23 @@
 worst case, W beams x N tokens, never preempt) against `max_utilization` (admit on the next step's
 blocks, preempt the newest request when a step runs short, resume it by recomputation).
 
-    python benchmarks/scheduling.py                                  # tiny random model, 64 requests (minutes)
+    python benchmarks/scheduling.py                                # tiny random model, 64 requests (minutes)
     python benchmarks/scheduling.py --model smollm2-135m-instruct --quick --kv-cache-memory 60MiB \
-        --out benchmarks/results/scheduling_smollm2_quick.json        # the real model, 8 requests, N <= 64
+        --out benchmarks/results/scheduling_smollm2_quick.json      # the real model, 8 requests, N <= 64
 
 A mixed workload, drawn once from --seed: --num-requests prompts (with the tiny random model, 8-32
-random token ids; with a real model, short questions through its chat template), beam width W from {1, 2, 4, 8, 16} (W=1: greedy sampling), max_new_tokens N
-from {32, 64, 128, 256}, all submitted at once to an engine whose KV pool (--kv-cache-memory) is too
-small for their worst cases together, so requests queue. Two workloads over the same requests:
+random token ids; with a real model, short questions through its chat template), beam width W from
+{1, 2, 4, 8, 16} (W=1: greedy sampling), max_new_tokens N from {32, 64, 128, 256}, all submitted at
+once to an engine whose KV pool (--kv-cache-memory) is too small for their worst cases together, so
+requests queue. Two workloads over the same requests:
 - **eos**: the model stops where it stops (EOS; the tiny model names 16 of its 256 ids EOS, so beams end
   at random lengths); most requests end long before N, which the guaranteed policy reserved anyway;
 - **no-eos**: `ignore_eos` (beams) / `ignore_eos` (greedy): every request runs to N, its worst case,
   which is what the guaranteed policy planned for, and max_utilization's preemptions are pure cost.
-Both engines (same float32 weights, same pool, T=16, max_num_batched_tokens 512) are built once and warmed up; the policies run in
-turn (their order flips between workloads), each reporting: wall time, requests/s, beam-tokens/s
-(W x generated tokens per request, summed, over the wall time), mean and p99 latency (submission to
-finish; all are submitted at t=0), engine steps, preemptions and recomputed tokens
+Both engines (same float32 weights, same pool, T=16, max_num_batched_tokens 512) are built once and
+warmed up; the policies run in turn (their order flips between workloads), each reporting: wall time,
+requests/s, beam-tokens/s (W x generated tokens per request, summed, over the wall time), mean and p99
+latency (submission to finish; all are submitted at t=0), engine steps, preemptions and recomputed tokens
 (`stats()["scheduling"]`), the most KV blocks in use at once, and whether every request's beams
 (token ids) equal the other policy's; --repeats runs each (order alternating), the median kept.
 Figures are what they are on this host; nothing is asserted.
@@ -67,8 +68,8 @@ def save_tiny_model(path: Path, vocab_size: int = 256, num_eos: int = 6) -> None
 
     eos = list(range(2, 2 + num_eos))
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=1,
-                         eos_token_id=eos, pad_token_id=0, tie_word_embeddings=False)
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         bos_token_id=1, eos_token_id=eos, pad_token_id=0, tie_word_embeddings=False)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
@@ -145,19 +146,23 @@ def run_batch(llm: LLM, workload, ignore_eos: bool) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny",
-                        help=f"'tiny' (default: a tiny random Llama built here, --num-eos EOS ids of 256) or a model, "
-                             f"e.g. {DEFAULT_MODEL} (SmolLM2-135M: ~2 s a step on 2 busy cores; use --quick)")
+                        help="'tiny' (default: a tiny random Llama built here, --num-eos EOS ids of 256) or "
+                             f"a model, e.g. {DEFAULT_MODEL} (SmolLM2-135M: ~2 s a step on 2 busy cores; use "
+                             "--quick)")
     parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--num-eos", type=int, default=16, help="the tiny model's EOS ids, of its 256 (default 16)")
+    parser.add_argument("--num-eos", type=int, default=16,
+                        help="the tiny model's EOS ids, of its 256 (default 16)")
     parser.add_argument("--kv-cache-memory", default=None,
-                        help="the pool both engines get (default: 3MiB for the tiny model, 384 blocks of 16 tokens, "
-                             "about 1.4 W=16 x N=256 worst cases; 240MiB for another model)")
+                        help="the pool both engines get (default: 3MiB for the tiny model, 384 blocks of 16 "
+                             "tokens, about 1.4 W=16 x N=256 worst cases; 240MiB for another model)")
     parser.add_argument("--max-preemptions", type=int, default=3)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeats", type=int, default=3, help="runs per policy and workload; the median is kept")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs per policy and workload; the median is kept")
     parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (default 1: on a busy 2-core host two threads spin-wait on each other)")
+                        help="torch threads (default 1: on a busy 2-core host two threads spin-wait on "
+                             "each other)")
     parser.add_argument("--workloads", nargs="+", default=["eos", "no-eos"], choices=["eos", "no-eos"])
     parser.add_argument("--quick", action="store_true", help="8 requests, N <= 64: a smoke run")
     parser.add_argument("--out", default=None)
@@ -168,7 +173,8 @@ def main() -> None:
         NEW_TOKENS = (16, 32, 64)
         args.num_requests = min(args.num_requests, 8)
         args.repeats = 1
-    out_path = Path(args.out) if args.out else (Path(tempfile.gettempdir()) if args.quick else RESULTS) / "scheduling.json"
+    out_path = (Path(args.out) if args.out
+                else (Path(tempfile.gettempdir()) if args.quick else RESULTS) / "scheduling.json")
     model = args.model
     if model == "tiny":
         model = tempfile.mkdtemp(prefix="widebeam-tiny-eos-")
@@ -190,7 +196,8 @@ def main() -> None:
         for repeat in range(args.repeats):
             for policy in order if repeat % 2 == 0 else order[::-1]:
                 runs[policy].append(run_batch(llms[policy], workload, ignore_eos=name == "no-eos"))
-                print(name, policy, json.dumps({key: v for key, v in runs[policy][-1].items() if key != "_outputs"}),
+                print(name, policy,
+                      json.dumps({key: v for key, v in runs[policy][-1].items() if key != "_outputs"}),
                       file=sys.stderr)
         # the run of median wall time (the scheduling figures are the same in every run)
         results = {policy: sorted(r, key=lambda x: x["wall_s"])[len(r) // 2] for policy, r in runs.items()}
@@ -205,23 +212,27 @@ def main() -> None:
     headers = ["workload", "policy", "req/s", "beam-tok/s", "mean lat s", "p99 lat s", "steps", "preempt",
                "recomputed", "max blocks", "same beams"]
     table = [[r["workload"], r["policy"], f"{r['requests_per_s']:.3f}", f"{r['beam_tokens_per_s']:.0f}",
-              f"{r['latency_mean_s']:.1f}", f"{r['latency_p99_s']:.1f}", str(r["steps"]), str(r["preemptions"]),
+              f"{r['latency_mean_s']:.1f}", f"{r['latency_p99_s']:.1f}", str(r["steps"]),
+              str(r["preemptions"]),
               str(r["recomputed_tokens"]), f"{r['max_blocks_in_use']}/{r['total_blocks']}",
               f"{r['same_beams_as_guaranteed']}/{args.num_requests}"] for r in rows]
     print_table("capacity policies", headers, table, "llrrrrrrrrr")
     revision = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=False).stdout.strip()
-    meta = {"revision": revision, "num_eos_ids": args.num_eos if args.model == "tiny" else None, "command": "python " + " ".join(sys.argv), "model": args.model,
+    meta = {"revision": revision, "num_eos_ids": args.num_eos if args.model == "tiny" else None,
+            "command": "python " + " ".join(sys.argv), "model": args.model,
             "dtype": "float32", "tokens_per_block": 16, "kv_cache_memory": args.kv_cache_memory,
             "max_num_batched_tokens": args.max_num_batched_tokens, "max_preemptions": args.max_preemptions,
-            "repeats": args.repeats, "num_requests": args.num_requests, "seed": args.seed, "widths": WIDTHS, "new_tokens": NEW_TOKENS,
+            "repeats": args.repeats, "num_requests": args.num_requests, "seed": args.seed, "widths": WIDTHS,
+            "new_tokens": NEW_TOKENS,
             "load_average_at_end": list(__import__("os").getloadavg()), **machine_info(args.threads)}
     workload_rows = [{"beam_width": w, "max_new_tokens": n} for _, w, n in workload]
     meta["mean_prompt_tokens"] = round(statistics.fmean(
         len(p["prompt_token_ids"]) if isinstance(p, dict) else len(llms[POLICIES[0]].tokenizer.encode(p))
         for p, _, _ in workload), 1)
     out_path.write_text(json.dumps({"meta": meta, "requests": workload_rows, "rows": rows,
-                                    "markdown": markdown_table(headers, table, "llrrrrrrrrr")}, indent=2) + "\n")
+                                    "markdown": markdown_table(headers, table, "llrrrrrrrrr")},
+                                   indent=2) + "\n")
     print(f"wrote {out_path}", file=sys.stderr)
 
 

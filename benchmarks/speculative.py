@@ -8,8 +8,8 @@ on a copy-heavy task and on free text.
 
 Every engine is built once (float32 target, same weights) and warmed up once; every (task, W) runs
 its configurations back to back, --repeats times in alternating order, and keeps each one's best
-wall time (the host is shared: each run's 1-minute load average is recorded in the JSON). W=1 runs one prompt at a time
-(the latency case speculation is for; the wall time is the sum over prompts) and, unless
+wall time (the host is shared: each run's 1-minute load average is recorded in the JSON). W=1 runs one prompt
+at a time (the latency case speculation is for; the wall time is the sum over prompts) and, unless
 --no-w1-batch, also all prompts in one batch; W>1 runs all prompts of the task in one batch. Every
 configuration's token ids are checked against plain's (all returned beams, in order): a mismatch is
 printed loudly and recorded, never hidden.
@@ -83,7 +83,8 @@ def build_configs(names: list[str], ds: list[int], draft_dtype: str) -> list[tup
                                                    "speculative_adaptive": False}))
         if "draft" in names:
             configs.append((f"{draft_dtype} draft D={d}",
-                            {"speculative_model": MODEL, "speculative_dtype": draft_dtype, "num_speculative_tokens": d}))
+                            {"speculative_model": MODEL, "speculative_dtype": draft_dtype,
+                             "num_speculative_tokens": d}))
     return configs
 
 
@@ -166,8 +167,8 @@ def styled(r: dict) -> list[str]:
 
 
 def print_results(rows: list[dict]) -> None:
-    print_table("speculative decoding vs plain (same process, same weights)", HEADERS, [styled(r) for r in rows],
-                ALIGNS, plain_rows=[fmt_row(r) for r in rows])
+    print_table("speculative decoding vs plain (same process, same weights)", HEADERS,
+                [styled(r) for r in rows], ALIGNS, plain_rows=[fmt_row(r) for r in rows])
 
 
 def main() -> None:
@@ -177,7 +178,8 @@ def main() -> None:
                         help="new tokens for every width (default: 64 at W=1, 32 for beams)")
     parser.add_argument("--num-speculative-tokens", type=int, nargs="+", default=[4],
                         help="D; several values build one engine per (method, D)")
-    parser.add_argument("--configs", nargs="+", default=["ngram", "draft"], choices=["ngram", "ngram-fixed", "draft"])
+    parser.add_argument("--configs", nargs="+", default=["ngram", "draft"],
+                        choices=["ngram", "ngram-fixed", "draft"])
     parser.add_argument("--draft-dtype", default="bfloat16")
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     parser.add_argument("--num-prompts", type=int, default=6)
@@ -186,7 +188,8 @@ def main() -> None:
                         help="timed runs per (task, W, config), configurations alternating; the best is kept")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--kv-cache-memory", default="512MiB")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 2 prompts, 8/16 new tokens, W 1 and 4")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: 2 prompts, 8/16 new tokens, W 1 and 4")
     parser.add_argument("--out", default="benchmarks/results/speculative.json")
     args = parser.parse_args()
     if args.quick:
@@ -213,7 +216,8 @@ def main() -> None:
                              max_beam_width=max_width, enable_prefix_caching=False, **kwargs)
         build[label] = {"kwargs": kwargs, "build_s": round(time.perf_counter() - start, 2),
                         "rss_added_bytes": (rss_bytes() or 0) - (rss0 or 0)}
-        print(f"built {label}: {build[label]['build_s']} s, +{build[label]['rss_added_bytes'] / MIB:.0f} MiB RSS",
+        print(f"built {label}: {build[label]['build_s']} s, "
+              f"+{build[label]['rss_added_bytes'] / MIB:.0f} MiB RSS",
               flush=True)
     chat = engines["plain"].engine.apply_chat_template
     prompts = {task: [chat(m) for m in TASKS[task][:args.num_prompts]] for task in args.tasks}
@@ -265,7 +269,8 @@ def main() -> None:
                     msg = (f"!!! OUTPUTS DIFFER FROM PLAIN: task={task} W={width} mode={mode} config={label} "
                            f"({len(bad)} of {len(checks)} runs) prompts {check['mismatched_prompts']}; "
                            f"first: {check['first_mismatch']}")
-                    print("\n" + "!" * 100 + "\n" + msg + "\n" + "!" * 100 + "\n", file=sys.stderr, flush=True)
+                    print("\n" + "!" * 100 + "\n" + msg + "\n" + "!" * 100 + "\n", file=sys.stderr,
+                          flush=True)
                     problems.append(msg)
                 generated = sum(len(out.outputs[0].token_ids) for out in best["outputs"])
                 row = {"task": task, "mode": mode, "beam_width": width, "one_by_one": one_by_one,
@@ -278,8 +283,9 @@ def main() -> None:
                 rows.append(row)
                 s = spec
                 print(f"{task:5s} W={mode:11s} {label:20s} {wall:7.2f} s  {generated / wall:6.1f} tok/s  "
-                      f"x{plain_s / wall:.2f}  steps/round {s['steps'] / s['rounds'] if s['rounds'] else 0:.2f}  "
-                      f"acc {s['accepted_tokens'] / s['drafted_tokens'] if s['drafted_tokens'] else 0:.2f}  "
+                      f"x{plain_s / wall:.2f}  steps/round "
+                      f"{s['steps'] / s['rounds'] if s['rounds'] else 0:.2f}  acc "
+                      f"{s['accepted_tokens'] / s['drafted_tokens'] if s['drafted_tokens'] else 0:.2f}  "
                       f"same={'yes' if check['identical'] else 'NO'}  runs {row['all_wall_s']}", flush=True)
     total_s = time.perf_counter() - t_all
 

@@ -34,7 +34,8 @@ class GrammarTimer:
     def __init__(self):
         self.seconds, self.num_calls = 0.0, 0
         for name in ("__call__", "reorder"):
-            setattr(GrammarConstraint, name, self._timed(getattr(GrammarConstraint, name), name == "__call__"))
+            setattr(GrammarConstraint, name,
+                    self._timed(getattr(GrammarConstraint, name), name == "__call__"))
 
     def _timed(self, method, counts_step: bool):
         def timed(*args, **kwargs):
@@ -49,7 +50,8 @@ class GrammarTimer:
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "colours"],
           "properties": {"name": {"type": "string", "maxLength": 12},
                          "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                         "colours": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3}}}
+                         "colours": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
+                                     "maxItems": 3}}}
 FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
 QUESTIONS = ["Describe a person as JSON: name, age and favourite colours.",
              "Invent a character. Answer in JSON with name, age and colours.",

@@ -68,8 +68,9 @@ def print_report(report: dict, console: Console) -> None:
     for dtype, r in results.items():
         for b, row in r["prefill"].items():
             detail.add_row(dtype, "prefill", b, str(row["prompt_len"]),
-                           f"{row['median_s']:.3f} (median of {row['repeats']})", fmt(row["tokens_per_s"]), "",
-                           f"{row['bookkeeping_s_median'] * 1e3:.1f} ms", share(row["cpu"]), "; ".join(row["notes"]))
+                           f"{row['median_s']:.3f} (median of {row['repeats']})", fmt(row["tokens_per_s"]),
+                           "", f"{row['bookkeeping_s_median'] * 1e3:.1f} ms", share(row["cpu"]),
+                           "; ".join(row["notes"]))
         for b, row in r["decode"].items():
             detail.add_row(dtype, "decode", b, f"{row['context_start']}->{row['context_end']}",
                            f"{row['total_s']:.3f} ({row['steps']} steps)", fmt(row["tokens_per_s"]),
@@ -85,28 +86,30 @@ def print_report(report: dict, console: Console) -> None:
             t.add_column(col)
         for name, key in (("empty (GGUF conversion)", "fresh_cache"), ("warm", "warm_cache_fresh_process")):
             row = loads[key]
-            t.add_row(name, f"{row['import_s']:.2f}", f"{row['construct_s']:.2f}", f"{row['process_wall_s']:.2f}",
-                      share(row["cpu"]))
+            t.add_row(name, f"{row['import_s']:.2f}", f"{row['construct_s']:.2f}",
+                      f"{row['process_wall_s']:.2f}", share(row["cpu"]))
         console.print(t)
 
     for dtype, r in results.items():
         for b, prof in r["profile"].items():
             tp = prof["torch_profiler"]
-            t = Table(title=f"{dtype} decode B={b}: top ops by self CPU time (torch.profiler, {prof['steps']} steps, "
-                            f"context {prof['context_start']}+, {tp['self_cpu_total_ms']:.0f} ms self in all, "
-                            f"other processes {share(prof['cpu'])} of the CPUs)")
+            t = Table(title=f"{dtype} decode B={b}: top ops by self CPU time (torch.profiler, "
+                            f"{prof['steps']} steps, context {prof['context_start']}+, "
+                            f"{tp['self_cpu_total_ms']:.0f} ms self in all, other processes "
+                            f"{share(prof['cpu'])} of the CPUs)")
             for col in ("op", "self ms", "self %", "calls"):
                 t.add_column(col)
             for row in tp["top_ops"]:
                 t.add_row(row["op"], f"{row['self_cpu_ms']:.1f}", f"{row['self_pct']:.1f}", str(row["calls"]))
             console.print(t)
             cp = prof["cprofile"]
-            t = Table(title=f"{dtype} decode B={b}: top functions by self time (cProfile, {prof['steps']} steps, "
-                            f"{cp['self_total_ms']:.0f} ms in all)")
+            t = Table(title=f"{dtype} decode B={b}: top functions by self time (cProfile, "
+                            f"{prof['steps']} steps, {cp['self_total_ms']:.0f} ms in all)")
             for col in ("function", "self ms", "self %", "calls"):
                 t.add_column(col)
             for row in cp["top_functions"]:
-                t.add_row(row["function"], f"{row['self_ms']:.1f}", f"{row['self_pct']:.1f}", str(row["calls"]))
+                t.add_row(row["function"], f"{row['self_ms']:.1f}", f"{row['self_pct']:.1f}",
+                          str(row["calls"]))
             console.print(t)
 
 

@@ -57,7 +57,8 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
-    print(f"peak KV {format_bytes(result['peak_kv_bytes'])} vs per-beam copies {format_bytes(result['naive_kv_bytes'])}")
+    print(f"peak KV {format_bytes(result['peak_kv_bytes'])} vs per-beam copies "
+          f"{format_bytes(result['naive_kv_bytes'])}")
 
 
 if __name__ == "__main__":

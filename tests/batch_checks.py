@@ -17,7 +17,8 @@ def mixed_rows(num_rows: int, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     rows = []
     for i in range(num_rows):
-        row = {"id": f"q{i}", "prompt_token_ids": [rng.randrange(5, 120) for _ in range(rng.randrange(2, 24))]}
+        row = {"id": f"q{i}",
+               "prompt_token_ids": [rng.randrange(5, 120) for _ in range(rng.randrange(2, 24))]}
         kind = i % 4
         if kind == 1:
             row.update(temperature=0.8, top_p=0.9, seed=i)
@@ -45,6 +46,7 @@ def assert_same_results(got: dict[str, dict], expected: dict[str, dict]):
     for row_id, record in expected.items():
         other = got[row_id]
         assert bool(other["error"]) == bool(record["error"]), row_id
-        assert [o["token_ids"] for o in other["outputs"]] == [o["token_ids"] for o in record["outputs"]], row_id
+        assert [o["token_ids"] for o in other["outputs"]] == \
+               [o["token_ids"] for o in record["outputs"]], row_id
         for a, b in zip(other["outputs"], record["outputs"]):
             assert a["cumulative_logprob"] == pytest.approx(b["cumulative_logprob"], abs=1e-4)

@@ -19,7 +19,8 @@ def assert_beams_match(output, expected, start: int, pad: int, eos: int, beam_wi
         assert set(generated[n:]) <= {pad, eos} and (n == len(generated) or beam.token_ids[-1] == eos)
         saw_eos |= beam.token_ids[-1] == eos
         if beam_width > 1:
-            torch.testing.assert_close(beam.score, float(expected.sequences_scores[rank]), atol=1e-4, rtol=1e-5)
+            torch.testing.assert_close(beam.score, float(expected.sequences_scores[rank]), atol=1e-4,
+                                       rtol=1e-5)
     return saw_eos
 
 
@@ -28,12 +29,14 @@ def hf_beam_search(hf, prompt: list[int], params, eos: int, pad: int):
     with torch.no_grad():
         return hf.generate(torch.tensor([prompt]), num_beams=params.beam_width, do_sample=False,
                            max_new_tokens=params.max_new_tokens, length_penalty=params.length_penalty,
-                           early_stopping=params.early_stopping, num_return_sequences=params.num_return_sequences,
+                           early_stopping=params.early_stopping,
+                           num_return_sequences=params.num_return_sequences,
                            min_new_tokens=params.min_new_tokens, eos_token_id=eos, pad_token_id=pad,
                            output_scores=True, return_dict_in_generate=True)
 
 
-def assert_greedy_matches_transformers(llm, hf, prompts: list[list[int]], pad: int, max_new_tokens: int = 32) -> None:
+def assert_greedy_matches_transformers(llm, hf, prompts: list[list[int]], pad: int,
+                                       max_new_tokens: int = 32) -> None:
     """widebeam's greedy tokens (EOS ignored) equal transformers' for every prompt, run as one batch."""
     from widebeam.params import SamplingParams
 

@@ -48,7 +48,8 @@ def save_tiny_marian(path, eos_logit_bias: float = 3.5, vocab_size: int = 128, p
 
     base = {
         "vocab_size": vocab_size, "decoder_vocab_size": vocab_size, "d_model": 64, "encoder_layers": 2,
-        "decoder_layers": 2, "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 96,
+        "decoder_layers": 2, "encoder_attention_heads": 4, "decoder_attention_heads": 4,
+        "encoder_ffn_dim": 96,
         "decoder_ffn_dim": 80, "max_position_embeddings": 128, "pad_token_id": pad, "eos_token_id": eos,
         "decoder_start_token_id": pad, "forced_eos_token_id": eos if forced_eos else None,
         "activation_function": "swish",
@@ -83,12 +84,13 @@ def save_tiny_marian_tokenizer(path):
     import sentencepiece as spm
     from transformers import MarianTokenizer
 
-    sentences = ["the cat sat on the mat", "a dog runs in the park", "hello world", "translate this sentence please",
+    sentences = ["the cat sat on the mat", "a dog runs in the park", "hello world",
+                 "translate this sentence please",
                  "beam search finds good translations", "the quick brown fox jumps over the lazy dog"] * 20
     proto = io.BytesIO()
     spm.SentencePieceTrainer.train(sentence_iterator=iter(sentences), model_writer=proto, vocab_size=60,
-                                   model_type="unigram", character_coverage=1.0, bos_id=-1, eos_id=-1, unk_id=0,
-                                   pad_id=-1, hard_vocab_limit=False, minloglevel=2)
+                                   model_type="unigram", character_coverage=1.0, bos_id=-1, eos_id=-1,
+                                   unk_id=0, pad_id=-1, hard_vocab_limit=False, minloglevel=2)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     for name in ("source.spm", "target.spm"):

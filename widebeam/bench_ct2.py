@@ -34,8 +34,8 @@ def converted_dir(model_dir: Path, quantization: str, cache_dir: Path) -> Path:
     out = cache_dir / "ct2" / f"{model_dir.name}-{digest}-{quantization}"
     if not (out / "model.bin").exists():
         out.parent.mkdir(parents=True, exist_ok=True)
-        ctranslate2.converters.TransformersConverter(str(model_dir)).convert(str(out), quantization=quantization,
-                                                                            force=True)
+        ctranslate2.converters.TransformersConverter(str(model_dir)).convert(
+            str(out), quantization=quantization, force=True)
     return out
 
 
@@ -54,8 +54,8 @@ def _load(model_dir: Path, compute_type: str, threads: int, cache_dir: Path) -> 
 def _generate(tokens: list[str], width: int, new_tokens: int, end: str) -> tuple[float, list[int]]:
     start = time.perf_counter()
     (result,) = _generator.generate_batch([tokens], beam_size=width, num_hypotheses=1, max_length=new_tokens,
-                                          min_length=new_tokens, end_token=end, include_prompt_in_result=False,
-                                          return_scores=True)
+                                          min_length=new_tokens, end_token=end,
+                                          include_prompt_in_result=False, return_scores=True)
     return time.perf_counter() - start, list(result.sequences_ids[0])
 
 
@@ -68,7 +68,8 @@ class CT2Peer:
             raise RuntimeError("--peers ctranslate2 needs CTranslate2: pip install ctranslate2")
         self.compute_type = compute_type
         self.tokenizer = tokenizer
-        self._worker = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_load,
+        self._worker = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                           initializer=_load,
                                            initargs=(Path(model_dir), compute_type, threads, Path(cache_dir)))
 
     def run(self, prompt_ids: list[int], width: int, new_tokens: int, eos_id: int) -> dict:

@@ -146,7 +146,8 @@ class RequestTooLargeError(_TemplatedError, ValueError):
                     f"{self.beam_width_that_fits}"
                 )
             else:
-                hints.append(f"at {{max_new_tokens}}={self.max_new_tokens} no {{beam_width}} fits this prompt")
+                hints.append(f"at {{max_new_tokens}}={self.max_new_tokens} no {{beam_width}} fits "
+                             "this prompt")
         if hints:
             msg += "; " + "; ".join(hints)
         return msg

@@ -29,8 +29,8 @@ def _as_tuple(params, name: str, kind: type) -> None:
     elif isinstance(value, (str, int)):
         value = (value,)
     elif not isinstance(value, (list, tuple)):
-        raise InvalidParameterError(name, "{" + name + "} must be a list of " + kind.__name__ + " values, got {value!r}",
-                                    value=value)
+        raise InvalidParameterError(name, "{" + name + "} must be a list of " + kind.__name__
+                                    + " values, got {value!r}", value=value)
     value = tuple(value)
     for item in value:
         _require(isinstance(item, kind) and not isinstance(item, bool), name,
@@ -66,7 +66,8 @@ MAX_ABS_PRESENCE_FREQUENCY_PENALTY = 2.0  # OpenAI's range
 def _check_penalties(params) -> None:
     """repetition_penalty > 0 (1 = off); presence_penalty and frequency_penalty in [-2, 2] (0 = off)."""
     _require(_is_number(params.repetition_penalty) and 0 < params.repetition_penalty < math.inf,
-             "repetition_penalty", "must be a finite number > 0 (1 = off, > 1 discourages repeats), got {value!r}",
+             "repetition_penalty",
+             "must be a finite number > 0 (1 = off, > 1 discourages repeats), got {value!r}",
              value=params.repetition_penalty)
     _as_float(params, "repetition_penalty")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -76,7 +77,8 @@ def _check_penalties(params) -> None:
                  limit=MAX_ABS_PRESENCE_FREQUENCY_PENALTY, value=value)
 
 
-MAX_LOGPROBS = 20  # alternatives per token at most (vLLM's default max_logprobs; OpenAI chat's top_logprobs limit)
+# alternatives per token at most (vLLM's default max_logprobs; OpenAI chat's top_logprobs limit)
+MAX_LOGPROBS = 20
 
 
 def _check_logprobs(params) -> None:
@@ -125,7 +127,8 @@ class SamplingParams:
         _as_tuple(self, "stop", str)
         _as_tuple(self, "stop_token_ids", int)
         _require(self.max_new_tokens is None or (_is_int(self.max_new_tokens) and self.max_new_tokens >= 1),
-                 "max_new_tokens", "must be an integer >= 1 or None, got {value!r}", value=self.max_new_tokens)
+                 "max_new_tokens", "must be an integer >= 1 or None, got {value!r}",
+                 value=self.max_new_tokens)
         _require(_is_number(self.temperature) and 0 <= self.temperature < math.inf, "temperature",
                  "must be a finite number >= 0, got {value!r}", value=self.temperature)
         _as_float(self, "temperature")
@@ -134,7 +137,8 @@ class SamplingParams:
         _require(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1], got {value!r}",
                  value=self.top_p)
         _require(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**64), "seed",
-                 "must be an integer in [-2**63, 2**64) (torch's seeds) or None, got {value!r}", value=self.seed)
+                 "must be an integer in [-2**63, 2**64) (torch's seeds) or None, got {value!r}",
+                 value=self.seed)
         _require(isinstance(self.ignore_eos, bool), "ignore_eos", "must be true or false, got {value!r}",
                  value=self.ignore_eos)
         _require(_is_int(self.min_new_tokens) and self.min_new_tokens >= 0, "min_new_tokens",
@@ -214,7 +218,8 @@ class BeamSearchParams:
         _require(isinstance(self.beam_width, int) and not isinstance(self.beam_width, bool)
                  and self.beam_width >= 1, "beam_width", "must be an integer >= 1, got {value!r}",
                  value=self.beam_width)
-        _require(self.catalogue is None or (isinstance(self.catalogue, str) and bool(self.catalogue)), "catalogue",
+        _require(self.catalogue is None or (isinstance(self.catalogue, str) and bool(self.catalogue)),
+                 "catalogue",
                  "must be the name of a registered catalogue, got {value!r}", value=self.catalogue)
         _require(self.catalogue is None or self.allowed_sequences is None, "allowed_sequences",
                  "and {catalogue} exclude each other: give one")
@@ -223,14 +228,18 @@ class BeamSearchParams:
         _require(self.max_new_tokens is None or (isinstance(self.max_new_tokens, int)
                                                  and not isinstance(self.max_new_tokens, bool)
                                                  and self.max_new_tokens >= 1),
-                 "max_new_tokens", "must be an integer >= 1 or None, got {value!r}", value=self.max_new_tokens)
+                 "max_new_tokens", "must be an integer >= 1 or None, got {value!r}",
+                 value=self.max_new_tokens)
         _require(isinstance(self.length_penalty, (int, float)) and not isinstance(self.length_penalty, bool)
-                 and abs(self.length_penalty) <= MAX_ABS_LENGTH_PENALTY and math.isfinite(self.length_penalty),
-                 "length_penalty", "must be a finite number in [-{limit}, {limit}] (> 0 favours longer hypotheses), "
+                 and abs(self.length_penalty) <= MAX_ABS_LENGTH_PENALTY
+                 and math.isfinite(self.length_penalty),
+                 "length_penalty",
+                 "must be a finite number in [-{limit}, {limit}] (> 0 favours longer hypotheses), "
                  "got {value!r}", limit=MAX_ABS_LENGTH_PENALTY, value=self.length_penalty)
         _require(self.early_stopping is True or self.early_stopping is False
                  or (isinstance(self.early_stopping, str) and self.early_stopping == "never"),
-                 "early_stopping", "must be True, False or \"never\", got {value!r}", value=self.early_stopping)
+                 "early_stopping", "must be True, False or \"never\", got {value!r}",
+                 value=self.early_stopping)
         if self.num_return_sequences is None:
             object.__setattr__(self, "num_return_sequences", self.beam_width)
         num_return = self.num_return_sequences

@@ -39,7 +39,8 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
 
 
 def verify_draft_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
-                       draft_token: int | None, logprobs: torch.Tensor | None = None) -> tuple[int, float, bool]:
+                       draft_token: int | None,
+                       logprobs: torch.Tensor | None = None) -> tuple[int, float, bool]:
     """Speculative rejection sampling against a point-mass proposal (the draft proposes one token,
     deterministically): accept `draft_token` with probability p(draft), else sample from p with the
     draft token removed and renormalised. The token's distribution is p exactly:

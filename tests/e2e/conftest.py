@@ -27,8 +27,8 @@ STARTUP_TIMEOUT_S = 180.0
 
 # The two tiny-model servers' sizing. KV bytes per token: 2 layers x 2 kv heads x 8 dims x (K, V) x 4 B.
 TINY_KV_BYTES_PER_BLOCK = 2 * 2 * 8 * 2 * 4 * 16
-SMALL_POOL_OPTIONS = {"kv_cache_memory": 32 * TINY_KV_BYTES_PER_BLOCK, "max_seq_len": 64, "max_beam_width": 16,
-                      "max_num_batched_tokens": 256, "tokens_per_block": 16}
+SMALL_POOL_OPTIONS = {"kv_cache_memory": 32 * TINY_KV_BYTES_PER_BLOCK, "max_seq_len": 64,
+                      "max_beam_width": 16, "max_num_batched_tokens": 256, "tokens_per_block": 16}
 SMALL_POOL_ARGS = [arg for key, value in SMALL_POOL_OPTIONS.items()
                    for arg in ("--" + key.replace("_", "-"), str(value))]
 
@@ -60,8 +60,8 @@ class ServerProcess:
         self.api_key = api_key
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115  (open as long as the server runs)
-        self.command = [*SERVE_COMMAND, "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning",
-                        *args]
+        self.command = [*SERVE_COMMAND, "--host", "127.0.0.1", "--port", str(self.port), "--log-level",
+                        "warning", *args]
         # One intra-op thread: the tiny model runs fastest so, and on a 2-core machine a server and the test
         # process must not oversubscribe OpenMP threads (spinning threads slow a step tenfold).
         self.proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT,
@@ -93,10 +93,12 @@ class ServerProcess:
         raise RuntimeError(f"server not ready after {STARTUP_TIMEOUT_S} s:\n{self.log_tail()}")
 
     def client(self, **kwargs) -> httpx.Client:
-        return httpx.Client(base_url=self.url, headers=self.headers, timeout=kwargs.pop("timeout", 60), **kwargs)
+        return httpx.Client(base_url=self.url, headers=self.headers, timeout=kwargs.pop("timeout", 60),
+                            **kwargs)
 
     def metrics(self) -> dict[str, float]:
-        """The Prometheus samples, keyed by name with labels: {'widebeam_kv_blocks_free{pool="self"}': 64.0}."""
+        """The Prometheus samples, keyed by name with labels:
+        {'widebeam_kv_blocks_free{pool="self"}': 64.0}."""
         text = httpx.get(f"{self.url}/metrics", headers=self.headers, timeout=10).text
         samples = {}
         for line in text.splitlines():

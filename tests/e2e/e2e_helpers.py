@@ -50,7 +50,8 @@ class ScriptedEngine:
         return bool(self.requests)
 
     def stats(self):
-        return {"pools": {"self": {"total_blocks": TOTAL_BLOCKS, "free_blocks": TOTAL_BLOCKS - len(self.requests)}},
+        return {"pools": {"self": {"total_blocks": TOTAL_BLOCKS,
+                                   "free_blocks": TOTAL_BLOCKS - len(self.requests)}},
                 "running": len(self.requests), "waiting": 0, "rejected": 0}
 
     def step(self):

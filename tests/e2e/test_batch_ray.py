@@ -38,12 +38,14 @@ def test_two_replicas_give_the_in_process_outputs(local_ray, tiny_llama_dir, row
     source, reference = rows_and_reference
     summary = run(source, tmp_path / "out.jsonl", str(tiny_llama_dir), defaults=DEFAULTS, replicas=2,
                   progress=False, **ENGINE)
-    assert summary.num_written == 200 and summary.num_errors == sum(1 for r in reference.values() if r["error"]) > 0
+    assert (summary.num_written == 200
+            and summary.num_errors == sum(1 for r in reference.values() if r["error"]) > 0)
     assert_same_results(by_id(read_output(tmp_path / "out.jsonl")), reference)
 
 
 def replica_pids() -> list[int]:
-    return [p.pid for p in psutil.process_iter(["cmdline"]) if "MapWorker" in " ".join(p.info["cmdline"] or [])]
+    return [p.pid for p in psutil.process_iter(["cmdline"])
+            if "MapWorker" in " ".join(p.info["cmdline"] or [])]
 
 
 def test_a_replica_killed_mid_run_loses_and_duplicates_nothing(local_ray, tiny_llama_dir, rows_and_reference,

@@ -43,9 +43,10 @@ HTTP_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "n
 
 def http_beams(client, **fields):
     """The same request through the openai client: the engine's names mapped to the API's."""
-    body = {HTTP_NAMES.get(k, k): list(v) if isinstance(v, tuple) else v for k, v in {**BASE, **fields}.items()}
-    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=body.pop("max_tokens"), n=body.pop("n"),
-                                    extra_body={"use_beam_search": True, **body})
+    body = {HTTP_NAMES.get(k, k): list(v) if isinstance(v, tuple) else v
+            for k, v in {**BASE, **fields}.items()}
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=body.pop("max_tokens"),
+                                    n=body.pop("n"), extra_body={"use_beam_search": True, **body})
     return [(c.text, c.finish_reason, round(c.model_extra["beam_score"], 4)) for c in out.choices]
 
 
@@ -107,7 +108,8 @@ def test_streamed_text_with_a_stop_string_equals_the_whole_answer(client, chat):
     """The stop string starts inside one streamed piece and ends in the next."""
     greedy = {"model": MODEL, "max_tokens": 24, "temperature": 0}
     if chat:
-        create, greedy["messages"] = client.chat.completions.create, [{"role": "user", "content": "Tell a story."}]
+        create, greedy["messages"] = (client.chat.completions.create,
+                                      [{"role": "user", "content": "Tell a story."}])
         text_of = lambda choice: choice.message.content
         piece_of = lambda choice: choice.delta.content or ""
     else:
@@ -118,7 +120,8 @@ def test_streamed_text_with_a_stop_string_equals_the_whole_answer(client, chat):
     assert "".join(pieces) == unstopped
     # a stop string across a piece boundary: the stream must hold the first piece's end back
     stop = next(a[-2:] + b[:1] for i, (a, b) in enumerate(itertools.pairwise(pieces))
-                if i >= 2 and len(a) >= 2 and b and unstopped.find(a[-2:] + b[:1]) == len("".join(pieces[:i + 1])) - 2)
+                if i >= 2 and len(a) >= 2 and b
+                and unstopped.find(a[-2:] + b[:1]) == len("".join(pieces[:i + 1])) - 2)
     whole = create(stop=[stop], **greedy).choices[0]
     assert whole.finish_reason == "stop" and text_of(whole) == unstopped[:unstopped.index(stop)]
     chunks = list(create(stop=[stop], stream=True, **greedy))
@@ -127,7 +130,8 @@ def test_streamed_text_with_a_stop_string_equals_the_whole_answer(client, chat):
 
 
 def test_streamed_sampling_with_n_choices_equals_the_whole_answer(client):
-    kwargs = {"model": MODEL, "prompt": "Random words:", "max_tokens": 10, "temperature": 1.0, "n": 3, "seed": 7}
+    kwargs = {"model": MODEL, "prompt": "Random words:", "max_tokens": 10, "temperature": 1.0, "n": 3,
+              "seed": 7}
     whole = client.completions.create(**kwargs)
     chunks = list(client.completions.create(stream=True, **kwargs))
     texts, finishes = {}, {}
@@ -166,7 +170,8 @@ def test_advertised_metrics_count_tokens_latency_and_finish_reasons(client, serv
             == beams.usage.completion_tokens + greedy.usage.completion_tokens == 3 * 8 + 5)
     assert (after["widebeam_time_per_output_token_seconds_count"]
             - before["widebeam_time_per_output_token_seconds_count"]) == 2
-    assert after["widebeam_time_per_output_token_seconds_sum"] > before["widebeam_time_per_output_token_seconds_sum"]
+    assert (after["widebeam_time_per_output_token_seconds_sum"]
+            > before["widebeam_time_per_output_token_seconds_sum"])
     length = 'widebeam_requests_finished_total{finish_reason="length"}'
     assert after[length] - before.get(length, 0) == 2
     # every pool reports its total, and the engine's free count comes back to it
@@ -199,7 +204,8 @@ def test_api_key_flag_is_required_by_the_server(api_key_server):
     body = {"model": "scripted", "prompt": "hi", "max_tokens": 2}
     with api_key_server.client() as http:
         assert http.post("/v1/completions", json=body).status_code == 401
-        assert http.post("/v1/completions", json=body, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert http.post("/v1/completions", json=body,
+                         headers={"Authorization": "Bearer wrong"}).status_code == 401
         ok = http.post("/v1/completions", json=body, headers={"Authorization": "Bearer flag-key"})
         assert ok.status_code == 200, ok.text
         assert ok.json()["choices"][0]["text"] == "t1 t2 "

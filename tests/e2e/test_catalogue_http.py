@@ -32,7 +32,8 @@ def catalogue(tmp_path_factory, tokenizer):
     token-id items, one a prefix of another (written as lists)."""
     path = tmp_path_factory.mktemp("catalogue") / "items.jsonl"
     extra = [[1012, 2047, 3001], [1012, 2047]]
-    lines = [json.dumps(text) for text in TEXTS] + [json.dumps({"tokens": ids, "sku": i}) for i, ids in enumerate(extra)]
+    lines = [json.dumps(text) for text in TEXTS] + [json.dumps({"tokens": ids, "sku": i})
+                                                    for i, ids in enumerate(extra)]
     path.write_text("\n".join(lines) + "\n")
     items = [tokenizer.encode(text, add_special_tokens=False) for text in TEXTS] + extra
     return path, items
@@ -44,7 +45,8 @@ def server(tiny_chat_model_dir, catalogue, tmp_path_factory):
     ids = tmp_path_factory.mktemp("catalogue-npy") / "ids.npy"
     np.save(ids, np.array([[1005, 1006, 1007], [1005, 1006, -1], [1009, 1010, 1011]]))
     proc = ServerProcess(["--model", str(tiny_chat_model_dir), *ARGS, "--catalogue", f"items={path}",
-                          "--catalogue", f"ids={ids}"], tmp_path_factory.mktemp("catalogue-server") / "server.log")
+                          "--catalogue", f"ids={ids}"],
+                         tmp_path_factory.mktemp("catalogue-server") / "server.log")
     yield proc.wait_ready()
     proc.stop()
 
@@ -84,19 +86,22 @@ def test_chat_completions_return_catalogue_items(server, catalogue, tokenizer):
     c = client(server)
     out = c.chat.completions.create(model=c.models.list().data[0].id, n=4,
                                     messages=[{"role": "user", "content": PROMPT}],
-                                    extra_body={"use_beam_search": True, "beam_width": 8, "catalogue": "items"})
+                                    extra_body={"use_beam_search": True, "beam_width": 8,
+                                                "catalogue": "items"})
     assert_ranked_items(out.choices, item_texts(tokenizer, items), 4)
 
 
 def test_a_second_catalogue_from_npy(server, tokenizer):
     out = complete(server, n=3, extra_body={"use_beam_search": True, "beam_width": 8, "catalogue": "ids"})
-    assert_ranked_items(out.choices, item_texts(tokenizer, [[1005, 1006, 1007], [1005, 1006], [1009, 1010, 1011]]), 3)
+    assert_ranked_items(out.choices,
+                        item_texts(tokenizer, [[1005, 1006, 1007], [1005, 1006], [1009, 1010, 1011]]), 3)
 
 
 def test_inline_allowed_sequences_and_an_exhausted_catalogue(server, tokenizer):
     items = [[tokenizer.encode(" apple", add_special_tokens=False)[0]], [1012, 2047], [1012, 2048, 77]]
     # n = 8 asked, 3 items exist: 3 come back, never an invalid one
-    out = complete(server, n=8, extra_body={"use_beam_search": True, "beam_width": 8, "allowed_sequences": items})
+    out = complete(server, n=8,
+                   extra_body={"use_beam_search": True, "beam_width": 8, "allowed_sequences": items})
     assert_ranked_items(out.choices, item_texts(tokenizer, items), 3)
 
 

@@ -32,7 +32,8 @@ def check_aborted(server, before: dict[str, float]) -> None:
     assert after["widebeam_requests_running"] == 0 and after["widebeam_requests_waiting"] == 0
     assert all(free == total for free, total in server.pools().values()), server.pools()
     assert after["widebeam_requests_aborted_total"] == before["widebeam_requests_aborted_total"] + 1
-    assert finished_total(after) == finished_total(before), "the request ran to the end instead of being aborted"
+    assert finished_total(after) == finished_total(before), \
+        "the request ran to the end instead of being aborted"
 
 
 @pytest.mark.parametrize("body", [LONG, LONG_BEAM], ids=["sampled", "beam"])

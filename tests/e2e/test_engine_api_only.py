@@ -59,7 +59,8 @@ class ScriptedEngine:
                     outputs = [CompletionOutput(i, f"beam {i}", [1, 2, 3], -1.0 - i, "length", -0.5 - i)
                                for i in range(2)]
                 else:
-                    outputs = [CompletionOutput(0, "".join(PIECES), [101 + i for i in range(last)], -2.0, "length")]
+                    outputs = [CompletionOutput(0, "".join(PIECES), [101 + i for i in range(last)], -2.0,
+                                                "length")]
                 delta.finished = True
                 delta.output = RequestOutput(request_id, state["prompt"], list(PROMPT_IDS), outputs, True)
                 del self._requests[request_id]
@@ -84,8 +85,9 @@ def metric(client, name: str) -> float:
 
 def test_streamed_text_is_the_engines_deltas(client):
     events = []
-    with client.stream("POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 8, "stream": True,
-                                                         "stream_options": {"include_usage": True}}) as response:
+    with client.stream("POST", "/v1/completions",
+                       json={"prompt": "hi", "max_tokens": 8, "stream": True,
+                             "stream_options": {"include_usage": True}}) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -104,8 +106,9 @@ def test_whole_and_beam_responses_and_first_token_metric(client):
     assert [c["text"] for c in whole["choices"]] == ["".join(PIECES)] * 2
     assert whole["usage"] == {"prompt_tokens": 3, "completion_tokens": 10, "total_tokens": 13,
                               "prompt_tokens_details": {"cached_tokens": 0}}
-    beams = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 8, "n": 2, "use_beam_search": True,
-                                                 "beam_width": 2}).json()
+    beams = client.post("/v1/completions",
+                        json={"prompt": "hi", "max_tokens": 8, "n": 2, "use_beam_search": True,
+                              "beam_width": 2}).json()
     assert [(c["text"], c["beam_score"]) for c in beams["choices"]] == [("beam 0", -0.5), ("beam 1", -1.5)]
     # one observation per engine request (two samples, one beam search), none for the prefill steps
     assert metric(client, "widebeam_time_to_first_token_seconds_count") == 3

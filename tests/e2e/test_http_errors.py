@@ -9,7 +9,8 @@ import httpx
 import pytest
 
 
-def assert_error(response: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> dict:
+def assert_error(response: httpx.Response, status: int, param: str | None = None,
+                 code: str | None = None) -> dict:
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
@@ -22,10 +23,12 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
 
 
 # -- the API key -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("method,path", [("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions"),
-                                         ("POST", "/v1/chat/completions"), ("GET", "/openapi.json")])
-@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic e2e-secret-key"},
-                                     {"Authorization": "Bearer"}])
+@pytest.mark.parametrize("method,path",
+                         [("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions"),
+                          ("POST", "/v1/chat/completions"), ("GET", "/openapi.json")])
+@pytest.mark.parametrize("headers",
+                         [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic e2e-secret-key"},
+                          {"Authorization": "Bearer"}])
 def test_missing_or_wrong_api_key_is_401(server, method, path, headers):
     body = {"prompt": "hi", "max_tokens": 1} if method == "POST" else None
     response = httpx.request(method, server.url + path, headers=headers, json=body, timeout=10)
@@ -96,9 +99,11 @@ def test_invalid_completion_fields_are_400_naming_the_field(server, body, param)
     ({"messages": []}, "messages"),
     ({"messages": "hello"}, "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}, "max_tokens"),
-    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5000}, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5000},
+     "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": []}, "tools"),
 ])
 def test_invalid_chat_fields_are_400_naming_the_field(server, body, param):
@@ -133,13 +138,15 @@ def test_oversized_body_is_413(server):
     assert_error(response, 413, code="request_too_large")
     # just under the limit is accepted (and then judged on its content)
     small = b'{"prompt": "hello", "max_tokens": 2, "temperature": 0}'
-    assert httpx.post(f"{server.url}/v1/completions", content=small, headers=headers, timeout=30).status_code == 200
+    assert httpx.post(f"{server.url}/v1/completions", content=small, headers=headers,
+                      timeout=30).status_code == 200
 
 
 def test_declared_length_over_the_limit_is_413_before_the_body_is_read(server):
     """A raw request that declares 5 MiB and sends two bytes: the header alone decides."""
-    request = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {server.api_key}\r\n"
-               f"Content-Type: application/json\r\nContent-Length: {5 * 2**20}\r\n\r\n{{}}").encode()
+    request = ("POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
+               f"{server.api_key}\r\nContent-Type: application/json\r\nContent-Length: "
+               f"{5 * 2**20}\r\n\r\n{{}}").encode()
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
         sock.sendall(request)
         head = sock.recv(65536).decode(errors="replace")
@@ -155,7 +162,8 @@ def test_infeasible_request_gets_the_engines_message(small_server, tiny_chat_mod
 
     prompt = "An infeasible beam search"
     response = httpx.post(f"{small_server.url}/v1/completions", timeout=30,
-                          json={"prompt": prompt, "max_tokens": 40, "use_beam_search": True, "beam_width": 16})
+                          json={"prompt": prompt, "max_tokens": 40, "use_beam_search": True,
+                                "beam_width": 16})
     error = assert_error(response, 400, code="kv_cache_capacity_exceeded")
     assert error["type"] == "invalid_request_error"
 

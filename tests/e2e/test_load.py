@@ -21,15 +21,20 @@ def specs() -> list[tuple[str, dict]]:
     out = []
     for prompt in PROMPTS:
         out.append(("greedy", {"prompt": prompt, "max_tokens": 12, "temperature": 0}))
-        out.append(("sampled", {"prompt": prompt, "max_tokens": 12, "temperature": 0.9, "top_p": 0.95, "seed": 7}))
-        out.append(("stream", {"prompt": prompt, "max_tokens": 12, "temperature": 0.8, "top_k": 50, "seed": 11,
-                               "stream": True}))
+        out.append(("sampled",
+                    {"prompt": prompt, "max_tokens": 12, "temperature": 0.9, "top_p": 0.95, "seed": 7}))
+        out.append(("stream",
+                    {"prompt": prompt, "max_tokens": 12, "temperature": 0.8, "top_k": 50, "seed": 11,
+                     "stream": True}))
         for width in (2, 4, 8, 16):
-            out.append(("beam", {"prompt": prompt, "max_tokens": 8, "use_beam_search": True, "beam_width": width,
-                                 "n": min(width, 3)}))
+            out.append(("beam",
+                        {"prompt": prompt, "max_tokens": 8, "use_beam_search": True, "beam_width": width,
+                         "n": min(width, 3)}))
         # 16 beams x ceil((P + 40) / 16) = 48 blocks, 12 x 4 = 48: more than the 32 the pool has
-        out.append(("infeasible", {"prompt": prompt, "max_tokens": 40, "use_beam_search": True, "beam_width": 16}))
-        out.append(("infeasible", {"prompt": prompt, "max_tokens": 50, "use_beam_search": True, "beam_width": 12}))
+        out.append(("infeasible",
+                    {"prompt": prompt, "max_tokens": 40, "use_beam_search": True, "beam_width": 16}))
+        out.append(("infeasible",
+                    {"prompt": prompt, "max_tokens": 50, "use_beam_search": True, "beam_width": 12}))
     return out
 
 
@@ -134,5 +139,6 @@ def test_concurrent_mixed_load_on_a_small_pool(small_server):
     assert after["widebeam_requests_running"] == 0 and after["widebeam_requests_waiting"] == 0
     assert (after["widebeam_requests_rejected_total"] - before["widebeam_requests_rejected_total"]
             == len(infeasible_latencies))
-    assert after["widebeam_time_to_first_token_seconds_count"] > before["widebeam_time_to_first_token_seconds_count"]
+    assert (after["widebeam_time_to_first_token_seconds_count"]
+            > before["widebeam_time_to_first_token_seconds_count"])
 

@@ -45,32 +45,37 @@ def _greedy_reference(hf, prompt: list[int], num_tokens: int) -> tuple[list[int]
 
 
 def test_completion_logprobs_are_the_models(client, hf, tokenizer):
-    out = client.completions.create(model="tiny-chat", prompt=PROMPT_IDS, max_tokens=6, temperature=0, logprobs=3)
+    out = client.completions.create(model="tiny-chat", prompt=PROMPT_IDS, max_tokens=6, temperature=0,
+                                    logprobs=3)
     logprobs = out.choices[0].logprobs
     tokens, rows = _greedy_reference(hf, PROMPT_IDS, 6)
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 6
     for i, (token, row) in enumerate(zip(tokens, rows)):
-        assert logprobs.tokens[i] == tokenizer.convert_tokens_to_string([tokenizer.convert_ids_to_tokens(token)])
+        assert logprobs.tokens[i] == tokenizer.convert_tokens_to_string(
+            [tokenizer.convert_ids_to_tokens(token)])
         assert logprobs.token_logprobs[i] == pytest.approx(float(row[token]), abs=ATOL)
         top = logprobs.top_logprobs[i]
         assert 3 <= len(top) <= 4 and logprobs.tokens[i] in top  # the top 3 and the chosen token
-        assert sorted(top.values(), reverse=True)[:3] == pytest.approx(torch.topk(row, 3).values.tolist(), abs=ATOL)
+        assert sorted(top.values(), reverse=True)[:3] == pytest.approx(torch.topk(row, 3).values.tolist(),
+                                                                       abs=ATOL)
     offsets = logprobs.text_offset
     assert offsets[0] == 0 and all(b - a == len(t) for a, b, t in zip(offsets, offsets[1:], logprobs.tokens))
 
 
 def test_chat_logprobs_whole_and_streamed(client):
-    kwargs = {"model": "tiny-chat", "messages": [{"role": "user", "content": "Count to three."}], "max_tokens": 8,
-              "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    kwargs = {"model": "tiny-chat", "messages": [{"role": "user", "content": "Count to three."}],
+              "max_tokens": 8, "temperature": 0, "logprobs": True, "top_logprobs": 2}
     whole = client.chat.completions.create(**kwargs).choices[0]
     content = whole.logprobs.content
     assert len(content) == 8
     for entry in content:
-        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs),
+                                                                 reverse=True)
         assert len(entry.top_logprobs) == 2 and entry.logprob <= entry.top_logprobs[0].logprob + 1e-6
         assert entry.bytes == list(entry.token.encode("utf-8"))
     # sampled: the chosen token is often not the most likely; top_logprobs are still the k most likely
-    sampled = client.chat.completions.create(**{**kwargs, "temperature": 2.0, "seed": 3, "max_tokens": 16}).choices[0]
+    sampled = client.chat.completions.create(**{**kwargs, "temperature": 2.0, "seed": 3,
+                                                "max_tokens": 16}).choices[0]
     assert any(e.logprob < e.top_logprobs[0].logprob - 1e-3 for e in sampled.logprobs.content)
     for entry in sampled.logprobs.content:
         logprobs = [t.logprob for t in entry.top_logprobs]
@@ -87,10 +92,12 @@ def test_chat_logprobs_whole_and_streamed(client):
 
 def test_sampled_stream_logprobs_cover_every_token(client):
     chunks = list(client.completions.create(model="tiny-chat", prompt="Once", max_tokens=12, temperature=1.0,
-                                            seed=5, logprobs=1, stream=True, stream_options={"include_usage": True}))
+                                            seed=5, logprobs=1, stream=True,
+                                            stream_options={"include_usage": True}))
     tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
     assert len(tokens) == chunks[-1].usage.completion_tokens
-    offsets = [o for c in chunks if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    offsets = [o for c in chunks if c.choices and c.choices[0].logprobs
+               for o in c.choices[0].logprobs.text_offset]
     assert offsets == sorted(offsets) and offsets[0] == 0
 
 
@@ -164,6 +171,6 @@ def test_bad_completion_logprobs_are_400(client, kwargs, param):
 ])
 def test_bad_chat_logprobs_are_400(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "x"}], max_tokens=2,
-                                       **kwargs)
+        client.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=2, **kwargs)
     assert info.value.body["param"] == param

@@ -38,7 +38,8 @@ def test_greedy_completion(client, tokenizer):
 
 
 def test_chat_completion_uses_the_chat_template(client, tokenizer):
-    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+    messages = [{"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "Name a colour."}]
     out = client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=6, temperature=0)
     assert out.object == "chat.completion"
     message = out.choices[0].message
@@ -94,7 +95,8 @@ def test_beam_search_returns_n_beams_best_first(client):
 
 def test_beam_search_chat_with_best_of(client):
     out = client.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "Hello"}],
-                                         max_tokens=6, n=2, extra_body={"use_beam_search": True, "best_of": 4})
+                                         max_tokens=6, n=2,
+                                         extra_body={"use_beam_search": True, "best_of": 4})
     assert len(out.choices) == 2
     assert out.choices[0].model_extra["beam_score"] >= out.choices[1].model_extra["beam_score"]
     assert all(c.message.content for c in out.choices)

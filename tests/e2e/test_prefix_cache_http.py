@@ -32,9 +32,12 @@ def test_a_repeated_prompt_reports_cached_tokens_and_the_metrics_count_them(tiny
     server = start(tiny_chat_model_dir, tmp_path, "cached")
     try:
         c, model = client(server), str(tiny_chat_model_dir)
-        first = c.completions.create(model=model, prompt=SYSTEM + "Name a colour.", max_tokens=6, temperature=0)
-        second = c.completions.create(model=model, prompt=SYSTEM + "Name a shape.", max_tokens=6, temperature=0)
-        again = c.completions.create(model=model, prompt=SYSTEM + "Name a colour.", max_tokens=6, temperature=0)
+        first = c.completions.create(model=model, prompt=SYSTEM + "Name a colour.", max_tokens=6,
+                                     temperature=0)
+        second = c.completions.create(model=model, prompt=SYSTEM + "Name a shape.", max_tokens=6,
+                                      temperature=0)
+        again = c.completions.create(model=model, prompt=SYSTEM + "Name a colour.", max_tokens=6,
+                                     temperature=0)
         assert first.usage.prompt_tokens_details.cached_tokens == 0
         cached = second.usage.prompt_tokens_details.cached_tokens
         assert cached > 0 and cached % 16 == 0 and cached < second.usage.prompt_tokens
@@ -49,9 +52,11 @@ def test_a_repeated_prompt_reports_cached_tokens_and_the_metrics_count_them(tiny
         # the counters are the responses' own figures, summed (one engine request each)
         assert metrics["widebeam_prefix_cache_hit_tokens_total"] == sum(
             r.usage.prompt_tokens_details.cached_tokens for r in responses)
-        assert metrics["widebeam_prefix_cache_queried_tokens_total"] == sum(r.usage.prompt_tokens for r in responses)
+        assert metrics["widebeam_prefix_cache_queried_tokens_total"] == sum(
+            r.usage.prompt_tokens for r in responses)
         assert metrics["widebeam_prefix_cache_hit_rate"] == pytest.approx(
-            metrics["widebeam_prefix_cache_hit_tokens_total"] / metrics["widebeam_prefix_cache_queried_tokens_total"])
+            metrics["widebeam_prefix_cache_hit_tokens_total"]
+            / metrics["widebeam_prefix_cache_queried_tokens_total"])
         assert 0 < metrics["widebeam_prefix_cache_hit_rate"] < 1
         assert metrics['widebeam_kv_blocks_evictable{pool="self"}'] > 0
         assert metrics['widebeam_kv_blocks_pinned{pool="self"}'] == 0
@@ -104,7 +109,8 @@ def test_a_pinned_prefix_is_there_before_the_first_request(tiny_chat_model_dir, 
     pin.write_text(json.dumps(system_ids))
     text_pin = tmp_path / "examples.txt"
     text_pin.write_text(TEXT_PIN, encoding="utf-8")
-    server = start(tiny_chat_model_dir, tmp_path, "pinned", "--pin-prefix", str(pin), "--pin-prefix", str(text_pin))
+    server = start(tiny_chat_model_dir, tmp_path, "pinned", "--pin-prefix", str(pin), "--pin-prefix",
+                   str(text_pin))
     try:
         pinned = server.metrics()['widebeam_kv_blocks_pinned{pool="self"}']
         assert pinned == len(system_ids) // 16 + len(text_ids) // 16 > 0

@@ -37,14 +37,16 @@ def test_two_replicas_answer_the_openai_client_as_one_engine_does(servers, tiny_
     answers = []
     for server in (replicated, single):
         c = client(server)
-        greedy = [c.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text
+        greedy = [c.completions.create(model=model, prompt=PROMPT, max_tokens=8,
+                                       temperature=0).choices[0].text
                   for _ in range(4)]  # several calls: both replicas answer some
         beams = c.completions.create(model=model, prompt=PROMPT, max_tokens=6, n=3,
                                      extra_body={"use_beam_search": True, "beam_width": 3})
         streamed = "".join(chunk.choices[0].text for chunk in
-                           c.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0, stream=True))
-        chat = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
-                                         temperature=0)
+                           c.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0,
+                                                stream=True))
+        chat = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                         max_tokens=5, temperature=0)
         answers.append((greedy, [ch.text for ch in beams.choices], streamed, chat.choices[0].message.content))
         assert len(set(greedy)) == 1 and streamed == greedy[0]
     assert answers[0] == answers[1]

@@ -22,7 +22,8 @@ from e2e_helpers import ThreadServer, stream_post, stream_text
 
 GOOD = {
     "greedy": {"prompt": "The weather today", "max_tokens": 12, "temperature": 0},
-    "sampled": {"prompt": "In a galaxy far away", "max_tokens": 12, "temperature": 0.9, "top_p": 0.95, "seed": 7},
+    "sampled": {"prompt": "In a galaxy far away", "max_tokens": 12, "temperature": 0.9, "top_p": 0.95,
+                "seed": 7},
     "beam": {"prompt": "Lists of numbers: 1, 2,", "max_tokens": 8, "use_beam_search": True, "beam_width": 4,
              "n": 2},
 }
@@ -52,7 +53,8 @@ def references(server):
 
 
 def alongside_good_calls(server, references, path: str, content: bytes) -> httpx.Response:
-    """Send `content` to `path` while each good call runs twice; check the good answers; return the response."""
+    """Send `content` to `path` while each good call runs twice; check the good answers; return the
+    response."""
     barrier = threading.Barrier(2 * len(GOOD) + 1)
 
     def good(name: str):
@@ -118,8 +120,8 @@ def test_stop_token_ids_outside_the_vocabulary_are_a_400(server, references, tok
     ("/v1/completions", b'{"prompt": ["ok", "x\\udfffy"], "max_tokens": 4}', "prompt"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "abc\\ud800def"}], "max_tokens": 4}',
      "messages"),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}',
-     "messages"),
+    ("/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}', "messages"),
 ])
 def test_lone_surrogates_are_a_400(server, references, path, content, param):
     response = alongside_good_calls(server, references, path, content)
@@ -140,14 +142,17 @@ FAULT_SPECS = {  # 10 calls: greedy, seeded samples, beams; some streamed
     "sampled-n2": {"prompt": "Random words:", "max_tokens": 12, "temperature": 1.0, "seed": 100, "n": 2},
     "sampled-stream": {"prompt": "A poem:", "max_tokens": 12, "temperature": 0.8, "top_k": 50, "seed": 11,
                        "stream": True},
-    "beam-2": {"prompt": "Lists of numbers: 1, 2,", "max_tokens": 8, "use_beam_search": True, "beam_width": 2},
-    "beam-4": {"prompt": "A list of fruits:", "max_tokens": 10, "use_beam_search": True, "beam_width": 4, "n": 3},
+    "beam-2": {"prompt": "Lists of numbers: 1, 2,", "max_tokens": 8, "use_beam_search": True,
+               "beam_width": 2},
+    "beam-4": {"prompt": "A list of fruits:", "max_tokens": 10, "use_beam_search": True, "beam_width": 4,
+               "n": 3},
     "beam-8": {"prompt": "Hello", "max_tokens": 6, "use_beam_search": True, "beam_width": 8, "n": 2},
 }
 FAULTY = {
     "faulty-greedy": {"prompt": f"{FAULT_MARKER} greedy", "max_tokens": 30, "temperature": 0},
     "faulty-stream": {"prompt": f"{FAULT_MARKER} stream", "max_tokens": 30, "temperature": 0, "stream": True},
-    "faulty-beam": {"prompt": f"{FAULT_MARKER} beam", "max_tokens": 30, "use_beam_search": True, "beam_width": 4},
+    "faulty-beam": {"prompt": f"{FAULT_MARKER} beam", "max_tokens": 30, "use_beam_search": True,
+                    "beam_width": 4},
 }
 
 
@@ -230,7 +235,8 @@ def test_a_failing_request_fails_alone_and_the_others_get_their_own_answers(faul
                 break
             time.sleep(0.05)
         assert health["status"] == "ok" and health["running"] == health["waiting"] == 0, health
-        assert all(pool["free_blocks"] == pool["total_blocks"] for pool in health["kv_blocks"].values()), health
+        assert all(pool["free_blocks"] == pool["total_blocks"]
+                   for pool in health["kv_blocks"].values()), health
         metrics = client.get("/metrics").text
         assert "widebeam_requests_failed_total 3.0" in metrics
         status, again = call(client, FAULT_SPECS["beam-4"])  # still serving, still the same answer

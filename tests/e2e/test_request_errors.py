@@ -108,7 +108,8 @@ def test_a_failed_request_fails_only_its_own_call(served):
     status, events, done_last = outcomes["stream"]
     assert status == 200 and done_last, events
     assert stream_text(events[:-1]) == expected_text(3)  # the text of the steps before the fault went out
-    assert events[-1]["error"]["type"] == "server_error" and "scripted fault" in events[-1]["error"]["message"]
+    assert (events[-1]["error"]["type"] == "server_error"
+            and "scripted fault" in events[-1]["error"]["message"])
 
     with served.client() as client:
         assert metric(client, "widebeam_requests_failed_total") == 2
@@ -140,7 +141,8 @@ def test_the_openai_client_raises_on_the_error_event(served):
     assert "".join(texts) == expected_text(2)
     with pytest.raises(openai.InternalServerError, match="scripted fault"):
         client.completions.create(model="scripted", prompt="fail@3", max_tokens=20)
-    assert client.completions.create(model="scripted", prompt="ok", max_tokens=3).choices[0].text == expected_text(3)
+    assert client.completions.create(model="scripted", prompt="ok",
+                                     max_tokens=3).choices[0].text == expected_text(3)
 
 
 def test_a_failed_shared_step_fails_every_call_in_flight(served):
@@ -174,7 +176,8 @@ def test_a_bug_while_streaming_still_ends_with_an_error_event_and_done(served, m
 
     monkeypatch.setattr(protocol, "chunk_choice", breaks_on_the_second_piece)
     with served.client() as client:
-        status, events, done_last = stream_post(client, "/v1/completions", {"prompt": "x", "max_tokens": 1000})
+        status, events, done_last = stream_post(client, "/v1/completions",
+                                                {"prompt": "x", "max_tokens": 1000})
         assert status == 200 and done_last, events
         assert stream_text(events[:-1]) == expected_text(1)
         assert events[-1]["error"]["type"] == "server_error"

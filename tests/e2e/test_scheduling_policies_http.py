@@ -17,8 +17,8 @@ PROMPTS = ["The weather today", "In a galaxy far away", "Lists of numbers: 1, 2,
 
 def ask_all(server, model) -> list[list[str]]:
     def ask(prompt):
-        body = {"model": model, "prompt": prompt, "max_tokens": 40, "ignore_eos": True, "use_beam_search": True,
-                "beam_width": 4, "n": 2}
+        body = {"model": model, "prompt": prompt, "max_tokens": 40, "ignore_eos": True,
+                "use_beam_search": True, "beam_width": 4, "n": 2}
         response = httpx.post(f"{server.url}/v1/completions", json=body, headers=server.headers, timeout=300)
         assert response.status_code == 200, response.text
         return [choice["text"] for choice in response.json()["choices"]]
@@ -27,7 +27,8 @@ def ask_all(server, model) -> list[list[str]]:
         return list(pool.map(ask, PROMPTS))
 
 
-def test_max_utilization_preempts_answers_the_same_and_counts_it(small_server, server_factory, tiny_chat_model_dir):
+def test_max_utilization_preempts_answers_the_same_and_counts_it(small_server, server_factory,
+                                                                 tiny_chat_model_dir):
     server = server_factory(["--model", str(tiny_chat_model_dir), *SMALL_POOL_ARGS,
                              "--scheduling-policy", "max_utilization", "--max-preemptions", "2"]).wait_ready()
     got = ask_all(server, str(tiny_chat_model_dir))

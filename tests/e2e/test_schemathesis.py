@@ -26,8 +26,8 @@ def test_schema_fuzzing_finds_no_server_errors(small_server, tmp_path):
     log_before = small_server.log_path.read_text(errors="replace")
     run = subprocess.run(
         [schemathesis, "run", f"{small_server.url}/openapi.json", "--checks", "not_a_server_error",
-         "--max-examples", str(MAX_EXAMPLES), "--seed", "20261130", "--workers", "1", "--request-timeout", "30",
-         "--phases", "examples,coverage,fuzzing", "--no-color"],
+         "--max-examples", str(MAX_EXAMPLES), "--seed", "20261130", "--workers", "1", "--request-timeout",
+         "30", "--phases", "examples,coverage,fuzzing", "--no-color"],
         cwd=tmp_path, capture_output=True, text=True, timeout=170, check=False)
     output = run.stdout + run.stderr
     assert run.returncode == 0, output[-6000:]

@@ -25,7 +25,8 @@ REAL_ARGS = ["--device", "cpu", "--kv-cache-memory", "256MiB", "--max-beam-width
              "--max-num-batched-tokens", "256", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
 STORY = "Tell me a long story"
 LONG_STREAM = {"prompt": STORY, "max_tokens": 2000, "temperature": 0, "ignore_eos": True, "stream": True}
-LONG_BEAM = {"prompt": STORY, "max_tokens": 1000, "ignore_eos": True, "use_beam_search": True, "beam_width": 2}
+LONG_BEAM = {"prompt": STORY, "max_tokens": 1000, "ignore_eos": True, "use_beam_search": True,
+             "beam_width": 2}
 SHORT_STREAM = {"prompt": "Hi", "max_tokens": 48, "temperature": 0, "ignore_eos": True, "stream": True}
 QUEUED = {"prompt": STORY, "max_tokens": 2000, "temperature": 0, "ignore_eos": True}
 

@@ -17,10 +17,12 @@ def servers(tiny_chat_model_dir, tmp_path_factory):
     model = ["--model", str(tiny_chat_model_dir)]
     procs = {
         "plain": ServerProcess([*model, *ARGS], tmp_path_factory.mktemp("spec-plain") / "server.log"),
-        "ngram": ServerProcess([*model, *ARGS, "--speculative-method", "ngram", "--num-speculative-tokens", "4"],
+        "ngram": ServerProcess([*model, *ARGS, "--speculative-method", "ngram", "--num-speculative-tokens",
+                                "4"],
                                tmp_path_factory.mktemp("spec-ngram") / "server.log"),
         "draft": ServerProcess([*model, *ARGS, "--speculative-model", str(tiny_chat_model_dir),
-                                "--num-speculative-tokens", "3"], tmp_path_factory.mktemp("spec-draft") / "server.log"),
+                                "--num-speculative-tokens", "3"],
+                               tmp_path_factory.mktemp("spec-draft") / "server.log"),
     }
     yield {name: proc.wait_ready() for name, proc in procs.items()}
     for proc in procs.values():

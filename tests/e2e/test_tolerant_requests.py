@@ -1,6 +1,7 @@
 """What real clients send besides the fields that matter: bookkeeping (`store`, `metadata`, `user`,
 `service_tier`, `parallel_tool_calls`) is accepted and changes nothing; function calling (`tools`,
-`tool_choice` other than "none") is a 400 naming the field; the model may be named by its `--model` value too."""
+`tool_choice` other than "none") is a 400 naming the field; the model may be named by its `--model`
+value too."""
 
 from __future__ import annotations
 
@@ -68,7 +69,8 @@ def test_penalties_reach_the_engine(client):
                                           extra_body={"ignore_eos": True, "repetition_penalty": 1.0})
     assert penalised.usage.completion_tokens == 16
     assert penalised.choices[0].text != plain.choices[0].text
-    beams = client.completions.create(model="tiny-chat", prompt="Hello", max_tokens=8, n=2, frequency_penalty=1.0,
+    beams = client.completions.create(model="tiny-chat", prompt="Hello", max_tokens=8, n=2,
+                                      frequency_penalty=1.0,
                                       extra_body={"use_beam_search": True, "beam_width": 4,
                                                   "repetition_penalty": 1.3})
     assert len(beams.choices) == 2

@@ -37,7 +37,8 @@ def test_ctranslate2_best_beam_is_widebeams(tiny_with_vocab, tmp_path, width):
     n = 8
     result = peer.run(prompt, width, n, eos_id=2)
     (out,) = llm.generate([{"prompt_token_ids": prompt}],
-                          BeamSearchParams(beam_width=width, max_new_tokens=n, min_new_tokens=n), use_tqdm=False)
+                          BeamSearchParams(beam_width=width, max_new_tokens=n, min_new_tokens=n),
+                          use_tqdm=False)
     assert len(result["best"]) == n  # min_length = max_length = N generated tokens, the prompt not counted
     assert result["best"] == out.outputs[0].token_ids
     again = CT2Peer(tiny_with_vocab, "float32", 1, tmp_path, llm.tokenizer)  # converted once, then reused

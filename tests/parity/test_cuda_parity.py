@@ -11,7 +11,8 @@ from beam_checks import assert_beams_match, assert_greedy_matches_transformers, 
 from widebeam.engine import LLM
 from widebeam.params import BeamSearchParams
 
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 PROMPTS = [[(i * 31 + k) % 120 + 3 for i in range(n)] for k, n in ((1, 9), (5, 23), (11, 40))]
 

@@ -46,7 +46,8 @@ def llms(tiny_family_dir):
 
 def get_llm(llms, path, tokens_per_block):
     if tokens_per_block not in llms:
-        llms[tokens_per_block] = LLM(str(path), dtype="float32", device="cpu", tokens_per_block=tokens_per_block,
+        llms[tokens_per_block] = LLM(str(path), dtype="float32", device="cpu",
+                                     tokens_per_block=tokens_per_block,
                                      kv_cache_memory="16MiB", max_num_batched_tokens=64, max_beam_width=16)
     return llms[tokens_per_block]
 
@@ -57,7 +58,8 @@ def new_tables(engine):
 
 def seq_input(engine, tables, token_ids, num_computed):
     slots = {name: engine.cache[name].append_slots(table, len(token_ids)) for name, table in tables.items()}
-    return SequenceInput(list(token_ids), num_computed, {name: t.block_ids for name, t in tables.items()}, slots)
+    return SequenceInput(list(token_ids), num_computed, {name: t.block_ids for name, t in tables.items()},
+                         slots)
 
 
 def assert_all_blocks_free(llm):
@@ -95,10 +97,12 @@ def test_prefill_and_decode_logits_match(tiny_family_dir, hf, tokens_per_block):
         expected = [hf(torch.tensor([p + d])).logits[0] for p, d in zip(PROMPTS, decoded)]
     tables = [new_tables(engine) for _ in PROMPTS]
     # All prompts (different lengths) in one forward, logits of every token.
-    logits = engine.runner.execute([seq_input(engine, t, p, 0) for p, t in zip(PROMPTS, tables)], all_logits=True)
+    logits = engine.runner.execute([seq_input(engine, t, p, 0) for p, t in zip(PROMPTS, tables)],
+                                   all_logits=True)
     offset = 0
     for prompt, exp in zip(PROMPTS, expected):
-        torch.testing.assert_close(logits[offset:offset + len(prompt)], exp[:len(prompt)], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(logits[offset:offset + len(prompt)], exp[:len(prompt)], atol=1e-4,
+                                   rtol=1e-4)
         offset += len(prompt)
     for step in range(num_decode):
         inputs = [seq_input(engine, t, [d[step]], len(p) + step) for p, d, t in zip(PROMPTS, decoded, tables)]
@@ -114,11 +118,12 @@ def test_greedy_generation_matches_transformers(tiny_family_dir, hf, llms):
 
 @pytest.mark.parametrize("beam_width, tokens_per_block, length_penalty, early_stopping, num_return, min_new",
                          BEAM_CASES)
-def test_beam_search_matches_transformers(tiny_family_dir, hf, llms, beam_width, tokens_per_block, length_penalty,
-                                          early_stopping, num_return, min_new):
+def test_beam_search_matches_transformers(tiny_family_dir, hf, llms, beam_width, tokens_per_block,
+                                          length_penalty, early_stopping, num_return, min_new):
     llm = get_llm(llms, tiny_family_dir, tokens_per_block)
     max_new_tokens = 12
-    params = BeamSearchParams(beam_width=beam_width, max_new_tokens=max_new_tokens, length_penalty=length_penalty,
+    params = BeamSearchParams(beam_width=beam_width, max_new_tokens=max_new_tokens,
+                              length_penalty=length_penalty,
                               early_stopping=early_stopping, num_return_sequences=num_return,
                               min_new_tokens=min_new)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)

@@ -52,8 +52,8 @@ def hf(tiny_gemma3_dir):
 @pytest.fixture(scope="module")
 def llm(tiny_gemma3_dir):
     """One engine per model for the generate tests; each test checks every block came back."""
-    return LLM(str(tiny_gemma3_dir), dtype="float32", device="cpu", tokens_per_block=4, kv_cache_memory="16MiB",
-               max_num_batched_tokens=64, max_beam_width=8)
+    return LLM(str(tiny_gemma3_dir), dtype="float32", device="cpu", tokens_per_block=4,
+               kv_cache_memory="16MiB", max_num_batched_tokens=64, max_beam_width=8)
 
 
 def new_tables(engine):
@@ -63,7 +63,8 @@ def new_tables(engine):
 
 def seq_input(engine, tables, token_ids, num_computed):
     slots = {name: engine.cache[name].append_slots(table, len(token_ids)) for name, table in tables.items()}
-    return SequenceInput(list(token_ids), num_computed, {name: t.block_ids for name, t in tables.items()}, slots)
+    return SequenceInput(list(token_ids), num_computed, {name: t.block_ids for name, t in tables.items()},
+                         slots)
 
 
 @pytest.mark.parametrize("tokens_per_block", [1, 4])
@@ -92,7 +93,8 @@ def test_prefill_and_decode_logits_match(tiny_gemma3_dir, hf, tokens_per_block):
     logits = engine.runner.execute(inputs, all_logits=True)
     offset = 0
     for prompt, exp in zip(prompts[:-1], expected):
-        torch.testing.assert_close(logits[offset:offset + len(prompt)], exp[:len(prompt)], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(logits[offset:offset + len(prompt)], exp[:len(prompt)], atol=1e-4,
+                                   rtol=1e-4)
         offset += len(prompt)
     torch.testing.assert_close(logits[offset:], expected[-1][split:len(long_prompt)], atol=1e-4, rtol=1e-4)
     # Decode all sequences together, one token each per step.
@@ -148,7 +150,8 @@ def test_multimodal_checkpoint_runs_text_only(tmp_path):
                                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
     vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
               "image_size": 28, "patch_size": 14}
-    config = HFGemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=127,
+    config = HFGemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                            image_token_index=127,
                             boi_token_index=125, eoi_token_index=126, bos_token_id=1, eos_token_id=2,
                             pad_token_id=0)
     torch.manual_seed(0)
@@ -180,7 +183,8 @@ def test_sparse_configs_get_transformers_defaults():
 
     from widebeam.model.gemma3 import Gemma3Config
 
-    sparse = {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text", "num_hidden_layers": 34,
+    sparse = {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+              "num_hidden_layers": 34,
               "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024}
     hf_text = HFGemma3Config(text_config=dict(sparse)).text_config
     for raw in ({"model_type": "gemma3", "text_config": dict(sparse)}, dict(sparse)):

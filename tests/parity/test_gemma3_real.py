@@ -11,9 +11,9 @@ from widebeam.engine import LLM
 from widebeam.model import loader
 from widebeam.params import SamplingParams
 
-PARAGRAPH = ("The history of the city begins with a small settlement on the river, where traders met to exchange "
-             "grain, salt and cloth. Over the centuries the town grew into a busy port, and its merchants built "
-             "bridges, markets and a cathedral whose spire could be seen from the sea. ")
+PARAGRAPH = ("The history of the city begins with a small settlement on the river, where traders met to "
+             "exchange grain, salt and cloth. Over the centuries the town grew into a busy port, and its "
+             "merchants built bridges, markets and a cathedral whose spire could be seen from the sea. ")
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +37,8 @@ def test_greedy_tokens_equal_transformers_past_the_window(gemma3):
                           SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True), use_tqdm=False)
     hf = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=torch.float32).eval()
     with torch.no_grad():
-        expected = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=32, do_sample=False, eos_token_id=None,
-                               pad_token_id=0)[0, len(prompt_ids):].tolist()
+        expected = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=32, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)[0, len(prompt_ids):].tolist()
     assert out.outputs[0].token_ids == expected
     assert all(out.peak_blocks[p] <= out.required_blocks[p] for p in out.peak_blocks)
     assert all(p["free_blocks"] == p["total_blocks"] for p in llm.stats()["pools"].values())

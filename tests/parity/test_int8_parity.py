@@ -22,7 +22,8 @@ PROMPTS = [[(i * 31 + k) % 120 + 3 for i in range(n)] for k, n in ((1, 9), (5, 2
 def models(tiny_llama_dir):
     from transformers import AutoModelForCausalLM
 
-    llm = LLM(str(tiny_llama_dir), dtype="int8", device="cpu", kv_cache_memory="2MiB", enable_prefix_caching=False)
+    llm = LLM(str(tiny_llama_dir), dtype="int8", device="cpu", kv_cache_memory="2MiB",
+              enable_prefix_caching=False)
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
     return llm, quantize_int8(hf, torch.device("cpu"), kernel="int_mm")
 

@@ -79,7 +79,8 @@ def test_greedy_generation_matches_transformers(model_dir):
 
 def test_rope_scaling_and_mistral_variants_match(tiny_variant_dir):
     """RoPE scaling types (llama3, linear) and the Mistral family, decoded past the original context."""
-    llm = LLM(str(tiny_variant_dir), dtype="float32", device="cpu", tokens_per_block=4, kv_cache_memory="8MiB")
+    llm = LLM(str(tiny_variant_dir), dtype="float32", device="cpu", tokens_per_block=4,
+              kv_cache_memory="8MiB")
     hf = hf_model(tiny_variant_dir)
     prompt = list(range(3, 43))
     (output,) = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_new_tokens=24, temperature=0,

@@ -58,7 +58,8 @@ def models(tiny_marian_dir):
 def get_llm(models, tokens_per_block):
     llms, _, path = models
     if tokens_per_block not in llms:
-        llms[tokens_per_block] = LLM(str(path), dtype="float32", device="cpu", tokens_per_block=tokens_per_block,
+        llms[tokens_per_block] = LLM(str(path), dtype="float32", device="cpu",
+                                     tokens_per_block=tokens_per_block,
                                      kv_cache_memory="8MiB", max_num_batched_tokens=64, max_beam_width=16)
     return llms[tokens_per_block]
 
@@ -83,7 +84,8 @@ def test_logits_match_with_cross_attention_from_the_pool(models, tokens_per_bloc
     offset = 0
     with torch.no_grad():
         for source, decoder in zip(SOURCES, decoder_ids):
-            expected = hf(input_ids=torch.tensor([source]), decoder_input_ids=torch.tensor([decoder])).logits[0]
+            expected = hf(input_ids=torch.tensor([source]),
+                          decoder_input_ids=torch.tensor([decoder])).logits[0]
             torch.testing.assert_close(logits[offset:offset + len(decoder)], expected, atol=1e-4, rtol=1e-4)
             offset += len(decoder)
     # Then decode steps of all sequences together.
@@ -94,7 +96,8 @@ def test_logits_match_with_cross_attention_from_the_pool(models, tokens_per_bloc
             decoder.extend(token)
         with torch.no_grad():
             for row, source, decoder in zip(logits, SOURCES, decoder_ids):
-                expected = hf(input_ids=torch.tensor([source]), decoder_input_ids=torch.tensor([decoder])).logits[0, -1]
+                expected = hf(input_ids=torch.tensor([source]),
+                              decoder_input_ids=torch.tensor([decoder])).logits[0, -1]
                 torch.testing.assert_close(row, expected, atol=1e-4, rtol=1e-4)
     for table in tables:
         self_manager.release(table)
@@ -104,19 +107,22 @@ def test_logits_match_with_cross_attention_from_the_pool(models, tokens_per_bloc
     assert engine.stats()["pools"]["cross"]["free_blocks"] == engine.stats()["pools"]["cross"]["total_blocks"]
 
 
-@pytest.mark.parametrize("beam_width, tokens_per_block, length_penalty, early_stopping, num_return, min_new", CASES)
-def test_beam_search_matches_transformers(models, beam_width, tokens_per_block, length_penalty, early_stopping,
-                                          num_return, min_new):
+@pytest.mark.parametrize("beam_width, tokens_per_block, length_penalty, early_stopping, num_return, min_new",
+                         CASES)
+def test_beam_search_matches_transformers(models, beam_width, tokens_per_block, length_penalty,
+                                          early_stopping, num_return, min_new):
     llm, hf = get_llm(models, tokens_per_block), models[1]
     max_new_tokens = 12
-    params = BeamSearchParams(beam_width=beam_width, max_new_tokens=max_new_tokens, length_penalty=length_penalty,
+    params = BeamSearchParams(beam_width=beam_width, max_new_tokens=max_new_tokens,
+                              length_penalty=length_penalty,
                               early_stopping=early_stopping, num_return_sequences=num_return,
                               min_new_tokens=min_new)
     outputs = llm.generate([{"prompt_token_ids": s} for s in SOURCES], params, use_tqdm=False)
     saw_eos = False
     for source, output in zip(SOURCES, outputs):
         with torch.no_grad():
-            expected = hf.generate(torch.tensor([source]), num_beams=beam_width, max_new_tokens=max_new_tokens,
+            expected = hf.generate(torch.tensor([source]), num_beams=beam_width,
+                                   max_new_tokens=max_new_tokens,
                                    length_penalty=length_penalty, early_stopping=early_stopping,
                                    num_return_sequences=num_return, min_new_tokens=min_new,
                                    output_scores=True, return_dict_in_generate=True, **HF_SETTINGS)
@@ -141,7 +147,8 @@ def test_greedy_and_sampling_through_the_engine(models):
                            SamplingParams(temperature=0.0, max_new_tokens=10), use_tqdm=False)
     for source, output in zip(SOURCES, outputs):
         with torch.no_grad():
-            expected = hf.generate(torch.tensor([source]), num_beams=1, max_new_tokens=10, **HF_SETTINGS)[0, 1:]
+            expected = hf.generate(torch.tensor([source]), num_beams=1, max_new_tokens=10,
+                                   **HF_SETTINGS)[0, 1:]
         assert len(output.outputs) == 1
         assert output.outputs[0].token_ids == expected.tolist()  # whole: an empty output fails
     sampled = llm.generate([{"prompt_token_ids": s} for s in SOURCES],
@@ -163,19 +170,22 @@ def test_forced_eos_of_the_generation_config_matches_transformers(tmp_path, beam
     llm = LLM(str(tmp_path), dtype="float32", device="cpu", tokens_per_block=4, kv_cache_memory="4MiB",
               max_num_batched_tokens=64, max_beam_width=8)
     max_new_tokens = 6
-    params = BeamSearchParams(beam_width=beam_width, max_new_tokens=max_new_tokens, num_return_sequences=beam_width)
+    params = BeamSearchParams(beam_width=beam_width, max_new_tokens=max_new_tokens,
+                              num_return_sequences=beam_width)
     outputs = llm.generate([{"prompt_token_ids": s} for s in SOURCES], params, use_tqdm=False)
     for source, output in zip(SOURCES, outputs):
         with torch.no_grad():
-            expected = hf.generate(torch.tensor([source]), num_beams=beam_width, num_return_sequences=beam_width,
-                                   max_new_tokens=max_new_tokens, output_scores=True, return_dict_in_generate=True,
+            expected = hf.generate(torch.tensor([source]), num_beams=beam_width,
+                                   num_return_sequences=beam_width, max_new_tokens=max_new_tokens,
+                                   output_scores=True, return_dict_in_generate=True,
                                    **{**HF_SETTINGS, "forced_eos_token_id": EOS})
         assert len(output.outputs) == beam_width
         for rank, beam in enumerate(output.outputs):
             assert beam.token_ids == unpadded(expected.sequences[rank, 1:])
             assert beam.token_ids[-1] == EOS
             if beam_width > 1:
-                torch.testing.assert_close(beam.score, float(expected.sequences_scores[rank]), atol=1e-4, rtol=1e-5)
+                torch.testing.assert_close(beam.score, float(expected.sequences_scores[rank]), atol=1e-4,
+                                           rtol=1e-5)
 
 
 def test_a_generation_config_without_forced_eos_wins_over_config_json(tmp_path):
@@ -199,7 +209,8 @@ def test_a_generation_config_without_forced_eos_wins_over_config_json(tmp_path):
 def test_loads_through_the_registry_with_shared_embeddings(models):
     model = get_llm(models, 4).engine.model
     shared = model.model.shared.weight
-    assert model.model.encoder.embed_tokens.weight is shared and model.model.decoder.embed_tokens.weight is shared
+    assert (model.model.encoder.embed_tokens.weight is shared
+            and model.model.decoder.embed_tokens.weight is shared)
     assert model.lm_head.weight is shared
     torch.testing.assert_close(model.final_logits_bias, models[1].final_logits_bias)
 
@@ -225,7 +236,8 @@ def test_generate_cli_translates_text_like_transformers(tmp_path):
         expected = hf.generate(torch.tensor([source]), num_beams=4, num_return_sequences=4, max_new_tokens=8,
                                output_scores=True, return_dict_in_generate=True,
                                **{**HF_SETTINGS, "eos_token_id": tokenizer.eos_token_id,
-                                  "pad_token_id": tokenizer.pad_token_id, "bad_words_ids": [[tokenizer.pad_token_id]],
+                                  "pad_token_id": tokenizer.pad_token_id,
+                                  "bad_words_ids": [[tokenizer.pad_token_id]],
                                   "decoder_start_token_id": tokenizer.pad_token_id})
     for rank, beam in enumerate(result["outputs"]):
         generated = expected.sequences[rank, 1:].tolist()

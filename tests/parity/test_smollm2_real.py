@@ -41,7 +41,8 @@ def test_cli_chat_answers_paris(smollm2):
     proc = subprocess.run(
         [sys.executable, "-m", "widebeam", "generate", "--chat", "What is the capital of France?",
          "--kv-cache-memory", "128MiB"],
-        capture_output=True, text=True, timeout=300, check=False, env={**os.environ, "WIDEBEAM_CACHE": str(cache)},
+        capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "WIDEBEAM_CACHE": str(cache)},
     )
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
@@ -58,7 +59,8 @@ def test_stop_strings_and_token_ids_end_a_completion(llm):
     assert stopped.outputs[0].finish_reason == "stop"
     assert stopped.outputs[0].text == text[: text.index(stop)]
     first = free.outputs[0].token_ids[2]
-    (by_id,) = llm.generate([prompt], SamplingParams(max_new_tokens=24, temperature=0, stop_token_ids=[first]),
+    (by_id,) = llm.generate([prompt],
+                            SamplingParams(max_new_tokens=24, temperature=0, stop_token_ids=[first]),
                             use_tqdm=False)
     assert by_id.outputs[0].token_ids == free.outputs[0].token_ids[:3]
     assert by_id.outputs[0].finish_reason == "stop"
@@ -111,7 +113,8 @@ def test_beam_search_stop_strings_finish_beams_and_free_blocks(llm):
     assert all(stop not in c.text for c in stopped.outputs)
     assert stopped.outputs[0].text != text
     assert all(c.finish_reason in ("stop", "length") for c in stopped.outputs)
-    assert any(c.finish_reason == "stop" for c in stopped.outputs), "a beam cut by the stop string is returned"
+    assert any(c.finish_reason == "stop" for c in stopped.outputs), \
+        "a beam cut by the stop string is returned"
     assert stopped.peak_blocks["self"] <= stopped.required_blocks["self"]
     pool = llm.stats()["pools"]["self"]
     assert pool["free_blocks"] == pool["total_blocks"]

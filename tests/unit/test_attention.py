@@ -66,7 +66,8 @@ def build_beam_case(num_beams, prompt_tokens, generated_tokens, tokens_per_block
             slot = table[p // t] * t + p % t
             k_cache[slot] = torch.randn(num_kv_heads, head_dim, generator=gen)
             v_cache[slot] = torch.randn(num_kv_heads, head_dim, generator=gen)
-    layout = {"query_start_loc": list(range(num_beams + 1)), "seq_lens": [seq_len] * num_beams, "block_tables": tables,
+    layout = {"query_start_loc": list(range(num_beams + 1)), "seq_lens": [seq_len] * num_beams,
+              "block_tables": tables,
               "slot_mapping": [tb[(seq_len - 1) // t] * t + (seq_len - 1) % t for tb in tables],
               "tokens_per_block": t, "device": CPU, "groups": ["request-a"] * num_beams}
     q = torch.randn(num_beams, num_heads, head_dim, generator=gen)
@@ -84,7 +85,8 @@ def test_reference_matches_dense_causal_attention():
     t, table = 4, layout["block_tables"][0]
     slots = torch.tensor([table[p // t] * t + p % t for p in range(10)])
     k, v = k_cache[slots].transpose(0, 1), v_cache[slots].transpose(0, 1)
-    dense = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k, v, is_causal=True, scale=0.5)
+    dense = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k, v, is_causal=True,
+                                                             scale=0.5)
     for name in attention_backend_names():
         torch.testing.assert_close(attend(name, q, k_cache, v_cache, layout, 0.5), dense.transpose(0, 1),
                                    atol=1e-5, rtol=1e-5)
@@ -160,7 +162,8 @@ def test_runner_chooses_the_backend_once_and_every_pool_uses_it(monkeypatch, tin
     monkeypatch.setattr(model, "forward", spy)
     logits = {}
     for name, runner in runners.items():
-        logits[name] = runner.execute([SequenceInput([5, 6, 7, 8, 9], 0, {"self": [3, 1]}, {"self": [12, 13, 14, 15, 4]})])
+        logits[name] = runner.execute([SequenceInput([5, 6, 7, 8, 9], 0, {"self": [3, 1]},
+                                                     {"self": [12, 13, 14, 15, 4]})])
         assert seen[-1] is runner.attention_backend
     torch.testing.assert_close(logits[None], logits["sdpa"], atol=1e-5, rtol=1e-5)
 
@@ -172,7 +175,8 @@ def test_shared_prefix_group_matches_reference(tokens_per_block, prompt_tokens, 
     (group,) = get_attention_backend("sdpa").build_metadata(**layout).decode_groups
     assert group.prefix_tokens == (prompt_tokens // tokens_per_block) * tokens_per_block
     expected = attend("reference", q, k_cache, v_cache, layout, 0.35)
-    torch.testing.assert_close(attend("sdpa", q, k_cache, v_cache, layout, 0.35), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(attend("sdpa", q, k_cache, v_cache, layout, 0.35), expected, atol=1e-5,
+                               rtol=1e-5)
 
 
 def test_groups_and_loose_sequences_and_prefills_in_one_batch():
@@ -187,13 +191,15 @@ def test_groups_and_loose_sequences_and_prefills_in_one_batch():
     seq_lens = la["seq_lens"] + lb["seq_lens"] + [24, 20]
     query_start_loc = list(range(len(seq_lens))) + [len(seq_lens) - 1 + 5]
     layout = {"query_start_loc": query_start_loc, "seq_lens": seq_lens, "block_tables": tables,
-              "slot_mapping": [], "tokens_per_block": 4, "device": CPU, "groups": ["a"] * 4 + ["b"] * 3 + [None, None]}
+              "slot_mapping": [], "tokens_per_block": 4, "device": CPU,
+              "groups": ["a"] * 4 + ["b"] * 3 + [None, None]}
     q = torch.randn(query_start_loc[-1], 6, 8, generator=torch.Generator().manual_seed(3))
     meta = get_attention_backend("sdpa").build_metadata(**layout)
     assert sorted(g.prefix_tokens for g in meta.decode_groups) == [0, 8, 20]
     assert [(s.start, s.end) for s in meta.sequences] == [(8, 13)]
     expected = attend("reference", q, k_cache, v_cache, layout, 0.3)
-    torch.testing.assert_close(attend("sdpa", q, k_cache, v_cache, layout, 0.3), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(attend("sdpa", q, k_cache, v_cache, layout, 0.3), expected, atol=1e-5,
+                               rtol=1e-5)
 
 
 @pytest.mark.parametrize("tokens_per_block", [1, 3, 4])

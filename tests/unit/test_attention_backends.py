@@ -21,7 +21,8 @@ from widebeam.model.attention import attention_backend_names, get_attention_back
 class Layout:
     """A paged cache filled token by token; `seqs` hold each sequence's table and its keys/values."""
 
-    def __init__(self, t: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, num_blocks: int, seed: int):
+    def __init__(self, t: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, num_blocks: int,
+                 seed: int):
         self.t, self.rng = t, random.Random(seed)
         self.gen = torch.Generator().manual_seed(seed)
         self.free = list(range(num_blocks))
@@ -55,7 +56,8 @@ class Layout:
             if seq["len"] % self.t == 0:
                 seq["table"].append(self.free.pop())
             slot = seq["table"][seq["len"] // self.t] * self.t + seq["len"] % self.t
-            k, v = (torch.randn(self.k_cache.shape[1:], generator=self.gen).to(self.k_cache.dtype) for _ in range(2))
+            k, v = (torch.randn(self.k_cache.shape[1:], generator=self.gen).to(self.k_cache.dtype)
+                    for _ in range(2))
             self.k_cache[slot], self.v_cache[slot] = k, v
             seq["k"].append(k.double())
             seq["v"].append(v.double())
@@ -83,7 +85,8 @@ class Layout:
         query_start_loc = [0]
         for s in seqs:
             query_start_loc.append(query_start_loc[-1] + s["queries"])
-        slots = [s["table"][p // self.t] * self.t + p % self.t for s in seqs for p in range(s["len"] - s["queries"], s["len"])]
+        slots = [s["table"][p // self.t] * self.t + p % self.t for s in seqs
+                 for p in range(s["len"] - s["queries"], s["len"])]
         return backend.build_metadata(query_start_loc=query_start_loc, seq_lens=[s["len"] for s in seqs],
                                       block_tables=[s["table"] for s in seqs], slot_mapping=slots,
                                       tokens_per_block=self.t, device=torch.device("cpu"),
@@ -152,7 +155,8 @@ def test_backend_matches_dense_attention(backend_name, dtype, num_heads, num_kv_
         lay.release_behind(window)
     backend = get_attention_backend(backend_name)
     meta = lay.metadata(backend, window)
-    q = torch.randn(meta.query_start_loc[-1], num_heads, head_dim, generator=torch.Generator().manual_seed(seed))
+    q = torch.randn(meta.query_start_loc[-1], num_heads, head_dim,
+                    generator=torch.Generator().manual_seed(seed))
     q = q.to(dtype)
     actual = backend.forward(q, lay.k_cache, lay.v_cache, meta, 0.4)
     expected = lay.dense(q, 0.4, window)

@@ -135,7 +135,8 @@ def test_npy_malformed(tmp_path, array, fragment):
 def test_parquet_list_column_with_an_id_column(tmp_path):
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
-    table = pa.table({"item_id": list(range(len(ITEMS))), "tokens": pa.array(ITEMS, type=pa.list_(pa.int32()))})
+    table = pa.table({"item_id": list(range(len(ITEMS))),
+                      "tokens": pa.array(ITEMS, type=pa.list_(pa.int32()))})
     pq.write_table(table, tmp_path / "c.parquet", row_group_size=2)  # two chunks
     loaded = load_items(tmp_path / "c.parquet")
     np.testing.assert_array_equal(loaded, _padded(ITEMS))

@@ -76,7 +76,8 @@ def test_random_token_sequences_match_decode(tokenizer):
     rng = random.Random(0)
     vocab = len(tokenizer)
     for _ in range(200):
-        ids = [rng.randrange(vocab) if rng.random() < 0.9 else rng.randrange(17) for _ in range(rng.randrange(1, 30))]
+        ids = [rng.randrange(vocab) if rng.random() < 0.9 else rng.randrange(17)
+               for _ in range(rng.randrange(1, 30))]
         for skip in (True, False):
             detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip)
             text = "".join(stream(detokenizer, ids, (1, 2, 3))) + detokenizer.flush()

@@ -24,13 +24,15 @@ def test_str_renders_engine_names_and_render_the_callers():
 
 def test_values_are_never_read_as_names_even_with_braces():
     """User input goes in as a value: braces in it stay as they are, names inside it are not renamed."""
-    exc = InvalidParameterError("stop", "{stop} must hold only str values, got {value!r}", value="{max_new_tokens}")
+    exc = InvalidParameterError("stop", "{stop} must hold only str values, got {value!r}",
+                                value="{max_new_tokens}")
     assert str(exc) == "stop must hold only str values, got '{max_new_tokens}'"
     assert exc.render(API) == str(exc)
 
 
 @pytest.mark.parametrize("message", ["the source is empty: give at least one token",
-                                     "expected SamplingParams, got {'a': 1}", "a lone { brace", "}{", "{0}", "{}"])
+                                     "expected SamplingParams, got {'a': 1}", "a lone { brace", "}{",
+                                     "{0}", "{}"])
 def test_plain_messages_read_as_written(message):
     """A message written as plain text (no template fields) renders as itself under any names."""
     exc = InvalidParameterError("prompt", message)
@@ -45,8 +47,8 @@ def test_doubled_braces_are_literal():
 @pytest.mark.parametrize("make, engine_text, api_text", [
     (lambda: SamplingParams(max_new_tokens=0), "max_new_tokens must be an integer >= 1 or None, got 0",
      "max_tokens must be an integer >= 1 or None, got 0"),
-    (lambda: SamplingParams(max_new_tokens=4, min_new_tokens=10), "min_new_tokens must be <= max_new_tokens (4), got 10",
-     "min_tokens must be <= max_tokens (4), got 10"),
+    (lambda: SamplingParams(max_new_tokens=4, min_new_tokens=10),
+     "min_new_tokens must be <= max_new_tokens (4), got 10", "min_tokens must be <= max_tokens (4), got 10"),
     (lambda: BeamSearchParams(beam_width=2, num_return_sequences=3),
      "num_return_sequences must be an integer in [1, beam_width=2] or None, got 3",
      "n must be an integer in [1, best_of=2] or None, got 3"),
@@ -57,7 +59,8 @@ def test_doubled_braces_are_literal():
      "early_stopping must be True, False or \"never\", got 'sometimes'"),
     (lambda: SamplingParams(stop=("{x}", 5)), "stop must hold only str values, got 5",
      "stop must hold only str values, got 5"),
-    (lambda: SamplingParams(stop=("",)), "stop must not contain empty strings", "stop must not contain empty strings"),
+    (lambda: SamplingParams(stop=("",)), "stop must not contain empty strings",
+     "stop must not contain empty strings"),
 ])
 def test_params_errors_render_in_both_vocabularies(make, engine_text, api_text):
     with pytest.raises(InvalidParameterError) as info:
@@ -77,24 +80,27 @@ def test_admission_error_renders_max_tokens():
     assert str(info.value) == ("prompt (60 tokens) + max_new_tokens (10) exceeds max_seq_len (64); "
                                "use max_new_tokens <= 4")
     assert info.value.render({"max_new_tokens": "max_completion_tokens"}) == (
-        "prompt (60 tokens) + max_completion_tokens (10) exceeds max_seq_len (64); use max_completion_tokens <= 4")
+        "prompt (60 tokens) + max_completion_tokens (10) exceeds max_seq_len (64); use "
+        "max_completion_tokens <= 4")
 
 
 def too_large(**changes) -> RequestTooLargeError:
-    fields = {"pool": "self", "required_blocks": 48, "capacity_blocks": 32, "prompt_len": 5, "max_new_tokens": 40,
-              "beam_width": 16, "tokens_per_block": 16, "max_new_tokens_that_fit": 16, "beam_width_that_fits": 10}
+    fields = {"pool": "self", "required_blocks": 48, "capacity_blocks": 32, "prompt_len": 5,
+              "max_new_tokens": 40, "beam_width": 16, "tokens_per_block": 16, "max_new_tokens_that_fit": 16,
+              "beam_width_that_fits": 10}
     return RequestTooLargeError(**{**fields, **changes})
 
 
 def test_request_too_large_keeps_its_message_and_renders_names():
     exc = too_large()
-    assert str(exc) == ("request can never fit the KV cache: pool 'self' needs 48 blocks but holds 32 blocks of "
-                        "16 tokens (prompt_len=5, max_new_tokens=40, beam_width=16); at beam_width=16 it fits with "
-                        "max_new_tokens <= 16; at max_new_tokens=40 it fits with beam_width <= 10")
+    assert str(exc) == ("request can never fit the KV cache: pool 'self' needs 48 blocks but holds 32 "
+                        "blocks of 16 tokens (prompt_len=5, max_new_tokens=40, beam_width=16); at "
+                        "beam_width=16 it fits with max_new_tokens <= 16; at max_new_tokens=40 it fits with "
+                        "beam_width <= 10")
     assert exc.render({"max_new_tokens": "max_tokens"}) == str(exc).replace("max_new_tokens", "max_tokens")
     none_fit = too_large(max_new_tokens_that_fit=0, beam_width_that_fits=0, detail="odd {detail} {text}")
-    assert str(none_fit).endswith("; odd {detail} {text}; at beam_width=16 no max_new_tokens fits this prompt; "
-                                  "at max_new_tokens=40 no beam_width fits this prompt")
+    assert str(none_fit).endswith("; odd {detail} {text}; at beam_width=16 no max_new_tokens fits this "
+                                  "prompt; at max_new_tokens=40 no beam_width fits this prompt")
     assert none_fit.pool == "self" and none_fit.max_new_tokens == 40
 
 
@@ -113,7 +119,8 @@ def test_the_api_builds_its_error_with_render():
     assert error.param == "min_tokens"
     assert error.message == "min_tokens must be <= max_completion_tokens (4), got 9"
     capacity = p.engine_error(too_large())
-    assert capacity.code == p.KV_CAPACITY_CODE and capacity.message == str(too_large()) and capacity.param is None
+    assert (capacity.code == p.KV_CAPACITY_CODE and capacity.message == str(too_large())
+            and capacity.param is None)
     plain = p.engine_error(InvalidParameterError("prompt", "prompt is empty: give at least one token"),
                            prompt_field="messages")
     assert plain.param == "messages" and plain.message == "prompt is empty: give at least one token"

@@ -29,10 +29,11 @@ VARIANTS = {
     # (a) multimodal Gemma 3 whose text_config stores four fields; (b) gemma3_text without layer_types
     "gemma3-multimodal-sparse": {"model_type": "gemma3", "text_config": dict(GEMMA3_SPARSE_TEXT)},
     "gemma3-text-no-layer-types": dict(GEMMA3_SPARSE_TEXT),
-    "gemma3-text-pattern-3": {**SMALL, "model_type": "gemma3_text", "sliding_window": 8, "sliding_window_pattern": 3},
+    "gemma3-text-pattern-3": {**SMALL, "model_type": "gemma3_text", "sliding_window": 8,
+                              "sliding_window_pattern": 3},
     "qwen2-window-off-by-default": {**SMALL, "model_type": "qwen2", "sliding_window": 16},
-    "qwen2-window-from-layer-2": {**SMALL, "model_type": "qwen2", "sliding_window": 16, "use_sliding_window": True,
-                                  "max_window_layers": 2},
+    "qwen2-window-from-layer-2": {**SMALL, "model_type": "qwen2", "sliding_window": 16,
+                                  "use_sliding_window": True, "max_window_layers": 2},
     "qwen3-layer-types": {**SMALL, "model_type": "qwen3", "sliding_window": 8, "use_sliding_window": True,
                           "layer_types": ["full_attention", "sliding_attention"] * 3},
     "qwen3-default-head-dim": {**SMALL, "model_type": "qwen3"},
@@ -45,7 +46,8 @@ VARIANTS = {
 
 
 def pool_facts(specs):
-    return [(s.name, s.kind, s.num_layers, s.bytes_per_token, getattr(s, "window_tokens", None)) for s in specs]
+    return [(s.name, s.kind, s.num_layers, s.bytes_per_token, getattr(s, "window_tokens", None))
+            for s in specs]
 
 
 def test_every_family_has_a_variant_here():
@@ -122,7 +124,8 @@ def test_gemma3_text_without_layer_types_is_five_sliding_to_one_full(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(GEMMA3_SPARSE_TEXT))
     arch = load_arch(str(tmp_path))
     assert arch.layer_windows == (((1024,) * 5 + (None,)) * 6)[:34]
-    assert [(s.name, s.num_layers) for s in arch.kv_pool_specs("bfloat16")] == [("self", 5), ("sliding_1024", 29)]
+    assert ([(s.name, s.num_layers) for s in arch.kv_pool_specs("bfloat16")]
+            == [("self", 5), ("sliding_1024", 29)])
 
 
 TINY_EVERY_FAMILY = {
@@ -154,9 +157,11 @@ def test_activation_names_match_the_implementations():
 
 
 @pytest.mark.parametrize("config, match", [
-    ({**SMALL, "model_type": "gpt2"}, r"'gpt2'.*llama, qwen2, mistral, gemma3_text, gemma3, marian, qwen3, phi3"),
+    ({**SMALL, "model_type": "gpt2"},
+     r"'gpt2'.*llama, qwen2, mistral, gemma3_text, gemma3, marian, qwen3, phi3"),
     ({**SMALL, "model_type": "phi3", "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8,
-                                                      "long_factor": [1.0] * 8}}, r"'longrope'.*supported: default$"),
+                                                      "long_factor": [1.0] * 8}},
+     r"'longrope'.*supported: default$"),
     ({**SMALL, "model_type": "qwen3", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
      r"'yarn'.*supported: default, linear, llama3"),
     ({**SMALL, "model_type": "phi3", "partial_rotary_factor": 0.2}, r"partial_rotary_factor 0.2 gives 3"),
@@ -176,10 +181,12 @@ def test_missing_shape_field_is_a_config_error():
 
 
 def test_family_table_and_plan_do_not_import_torch():
-    code = ("import sys; from widebeam.model.families import load_arch; from widebeam.model import families, gemma3;"
+    code = ("import sys; from widebeam.model.families import load_arch; "
+            "from widebeam.model import families, gemma3;"
             "[load_arch(m) for m in ('gemma3-270m', 'qwen3-0.6b', 'phi-3-mini-4k', 'opus-mt-en-de')];"
             "print('torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True,
+                         timeout=60)
     assert out.stdout.strip() == "False", out.stderr
 
 
@@ -190,8 +197,10 @@ def test_phi3_packed_tensors_split_into_the_decoders_parameters():
     out = to_model_names({"model.layers.3.self_attn.qkv_proj.weight": qkv,
                           "model.layers.3.mlp.gate_up_proj.weight": gate_up,
                           "model.norm.weight": torch.ones(64)}, PHI3_LAYOUT, arch)
-    assert sorted(out) == sorted(["model.layers.3.self_attn.q_proj.weight", "model.layers.3.self_attn.k_proj.weight",
-                                  "model.layers.3.self_attn.v_proj.weight", "model.layers.3.mlp.gate_proj.weight",
+    assert sorted(out) == sorted(["model.layers.3.self_attn.q_proj.weight",
+                                  "model.layers.3.self_attn.k_proj.weight",
+                                  "model.layers.3.self_attn.v_proj.weight",
+                                  "model.layers.3.mlp.gate_proj.weight",
                                   "model.layers.3.mlp.up_proj.weight", "model.norm.weight"])
     assert torch.equal(out["model.layers.3.self_attn.q_proj.weight"], qkv[:64])
     assert torch.equal(out["model.layers.3.self_attn.k_proj.weight"], qkv[64:80])

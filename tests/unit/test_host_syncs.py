@@ -28,9 +28,11 @@ T = 4  # tokens per block
 WINDOW = 8
 # Calls that copy a tensor's value to the host (or need it there to know an output's shape).
 HOST_READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "__complex__", "nonzero",
-              "argwhere", "masked_select", "unique", "unique_consecutive", "numpy", "cpu", "equal", "allclose"}
+              "argwhere", "masked_select", "unique", "unique_consecutive", "numpy", "cpu", "equal",
+              "allclose"}
 # Tensors made from host values: an index tensor built inside a layer (the runner builds them).
-FACTORIES = {"tensor", "as_tensor", "asarray", "from_numpy", "arange", "range", "linspace", "full", "ones", "zeros"}
+FACTORIES = {"tensor", "as_tensor", "asarray", "from_numpy", "arange", "range", "linspace", "full", "ones",
+             "zeros"}
 
 
 class HostReadCounter(TorchFunctionMode):
@@ -66,7 +68,8 @@ class HostReadCounter(TorchFunctionMode):
         return False
 
 
-def count_forward_host_reads(runner: ModelRunner, seqs: list[SequenceInput]) -> tuple[HostReadCounter, torch.Tensor]:
+def count_forward_host_reads(runner: ModelRunner,
+                             seqs: list[SequenceInput]) -> tuple[HostReadCounter, torch.Tensor]:
     """Run one step; count what happens inside `model.forward` only."""
     model = runner.model
     counter = HostReadCounter()
@@ -147,12 +150,14 @@ def mixed_step(runner: ModelRunner, pools: list[str], cross: dict | None = None)
             own = tables.new(p, 1)
             runner.copy_blocks(p, [(prompt_tables[p][shared], own[0])])
             beam_tables[p] = prompt_tables[p][:shared] + own
-        step.append(SequenceInput([7 + beam], prompt, {p: windowed(p, beam_tables[p], prompt + 1, 1) for p in pools},
+        step.append(SequenceInput([7 + beam], prompt,
+                                  {p: windowed(p, beam_tables[p], prompt + 1, 1) for p in pools},
                                   {p: slots_of(beam_tables[p], prompt, prompt + 1) for p in pools}, group="a",
                                   **cross))
     step.append(SequenceInput([50], loose, {p: windowed(p, loose_tables[p], loose + 1, 1) for p in pools},
                               {p: slots_of(loose_tables[p], loose, loose + 1) for p in pools}, **cross))
-    step.append(SequenceInput(list(range(70, 76)), third, {p: windowed(p, third_tables[p], third + 6, 6) for p in pools},
+    step.append(SequenceInput(list(range(70, 76)), third,
+                              {p: windowed(p, third_tables[p], third + 6, 6) for p in pools},
                               {p: slots_of(third_tables[p], third, third + 6) for p in pools}, **cross))
     return step
 
@@ -185,7 +190,8 @@ def test_decode_step_makes_no_host_reads_in_the_forward(tiny_gemma3, backend):
     step = mixed_step(runner, list(runner.kv_tensors))
     counter, logits = count_forward_host_reads(runner, step)
     assert counter.reads == [], f"{len(counter.reads)} host reads in the forward: {counter.reads[:6]}"
-    assert counter.built_in_attention == [], f"tensors built in attention layers: {counter.built_in_attention[:6]}"
+    assert counter.built_in_attention == [], \
+        f"tensors built in attention layers: {counter.built_in_attention[:6]}"
     assert logits.shape == (len(step), tiny_gemma3.arch.vocab_size) and torch.isfinite(logits).all()
 
 
@@ -198,7 +204,8 @@ def test_encoder_decoder_step_makes_no_host_reads_in_the_forward(tiny_marian, ba
     step = mixed_step(runner, ["self"], cross)
     counter, logits = count_forward_host_reads(runner, step)
     assert counter.reads == [], f"{len(counter.reads)} host reads in the forward: {counter.reads[:6]}"
-    assert counter.built_in_attention == [], f"tensors built in attention layers: {counter.built_in_attention[:6]}"
+    assert counter.built_in_attention == [], \
+        f"tensors built in attention layers: {counter.built_in_attention[:6]}"
     assert torch.isfinite(logits).all()
 
 

@@ -56,7 +56,8 @@ def test_each_kernel_computes_the_definition_exactly(kernel, in_features, out_fe
     assert layer.kernel == kernel
     for rows in ROW_COUNTS:
         x = inputs(rows, in_features, seed=rows)
-        assert torch.equal(layer(x), definition(x, linear)), f"{kernel} {in_features}x{out_features} at {rows} rows"
+        assert torch.equal(layer(x), definition(x, linear)), \
+            f"{kernel} {in_features}x{out_features} at {rows} rows"
 
 
 @needs_fbgemm
@@ -130,7 +131,8 @@ def test_concatenated_layers_equal_the_parts_bit_for_bit(kernel, biases):
 
 def test_concat_refuses_mixed_inputs_or_kernels():
     with pytest.raises(ValueError, match="one kernel and one input size"):
-        Int8Linear.concat([Int8Linear(torch.nn.Linear(8, 4), "int_mm"), Int8Linear(torch.nn.Linear(6, 4), "int_mm")])
+        Int8Linear.concat([Int8Linear(torch.nn.Linear(8, 4), "int_mm"),
+                           Int8Linear(torch.nn.Linear(6, 4), "int_mm")])
 
 
 def test_an_int8_engine_runs_fused_projections_and_holds_each_weight_once(tiny_llama_dir):
@@ -139,9 +141,11 @@ def test_an_int8_engine_runs_fused_projections_and_holds_each_weight_once(tiny_l
 
     model = LLM(str(tiny_llama_dir), dtype="int8", device="cpu", kv_cache_memory="1MiB").engine.model
     layer = model.model.layers[0]
-    assert isinstance(layer.self_attn.qkv, FusedProjections) and isinstance(layer.mlp.gate_up, FusedProjections)
+    assert (isinstance(layer.self_attn.qkv, FusedProjections)
+            and isinstance(layer.mlp.gate_up, FusedProjections))
     assert not hasattr(layer.self_attn, "q_proj") and not hasattr(layer.mlp, "gate_proj")
     arch = model.arch
-    assert layer.self_attn.qkv.sizes == [arch.num_heads * arch.head_dim] + [arch.num_kv_heads * arch.head_dim] * 2
+    assert (layer.self_attn.qkv.sizes
+            == [arch.num_heads * arch.head_dim] + [arch.num_kv_heads * arch.head_dim] * 2)
     # 4 int8 layers a decoder layer (qkv, o, gate_up, down) and the lm_head
     assert sum(isinstance(m, Int8Linear) for m in model.modules()) == 4 * arch.num_layers + 1

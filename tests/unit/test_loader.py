@@ -59,7 +59,8 @@ def test_safetensors_directory_resolves_in_place(tmp_path, tiny_llama):
     assert set(state) == set(expected)
     for name, tensor in expected.items():
         assert torch.equal(state[name], tensor), name
-    assert {t.dtype for t in loader.load_state_dict(source, dtype=torch.bfloat16).values()} == {torch.bfloat16}
+    assert ({t.dtype for t in loader.load_state_dict(source, dtype=torch.bfloat16).values()}
+            == {torch.bfloat16})
 
 
 def test_sharded_safetensors_directory_loads_every_shard(tmp_path, tiny_llama):
@@ -216,7 +217,8 @@ def test_smollm2_converted_config_and_weights(smollm2):
     config = loader.load_config(source)
     assert config["model_type"] == "llama"
     assert config["num_hidden_layers"] == 30
-    assert (config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]) == (576, 9, 3)
+    assert ((config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"])
+            == (576, 9, 3))
     state = loader.load_state_dict(source)
     assert state["model.embed_tokens.weight"].shape == (49152, 576)
     assert state["model.layers.29.self_attn.k_proj.weight"].shape == (3 * 64, 576)
@@ -283,8 +285,9 @@ def test_shard_index_naming_a_pickle_is_refused_by_name(tmp_path, monkeypatch, t
         loader.load_state_dict(loader.ModelSource("x", model_dir, has_tokenizer=False))
 
 
-@pytest.mark.parametrize("case", ["not-json", "no-weight-map", "missing-shard", "outside-dir", "not-safetensors",
-                                  "corrupt-shard", "corrupt-single", "config-not-json"])
+@pytest.mark.parametrize("case",
+                         ["not-json", "no-weight-map", "missing-shard", "outside-dir", "not-safetensors",
+                          "corrupt-shard", "corrupt-single", "config-not-json"])
 def test_unreadable_checkpoints_give_one_line_errors(tmp_path, monkeypatch, tiny_llama, case):
     model_dir = tmp_path / case
     tiny_llama.save_pretrained(model_dir, safe_serialization=True)

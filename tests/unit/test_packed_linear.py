@@ -66,7 +66,8 @@ def test_packed_linear_takes_leading_dims_and_strided_input():
 
 @needs_onednn
 def test_pack_linears_swaps_every_float32_linear_lm_head_included():
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Sequential(torch.nn.Linear(16, 4)))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                torch.nn.Sequential(torch.nn.Linear(16, 4)))
     pack_linears(model, torch.device("cpu"), "onednn")
     assert isinstance(model[0], PackedLinear) and isinstance(model[2][0], PackedLinear)
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
@@ -115,7 +116,8 @@ def test_engine_model_holds_packed_linears_only_under_onednn_and_auto(engines):
         assert isinstance(llm.engine.model.lm_head, PackedLinear)
         assert not any(isinstance(m, torch.nn.Linear) for m in llm.engine.model.modules())
     assert all(m.packed_rows is None for m in packed.engine.model.modules() if isinstance(m, PackedLinear))
-    assert all(m.packed_rows == PACKED_ROWS for m in auto.engine.model.modules() if isinstance(m, PackedLinear))
+    assert all(m.packed_rows == PACKED_ROWS
+               for m in auto.engine.model.modules() if isinstance(m, PackedLinear))
 
 
 PROMPTS = [[(i * 31 + k) % 120 + 3 for i in range(n)] for k, n in ((1, 9), (5, 23), (11, 40))]
@@ -151,8 +153,8 @@ def test_beam_sequences_equal_the_f_linear_path(engines, width):
 def test_a_tied_weight_stays_reachable_and_an_untied_one_is_freed():
     embed, head, proj = torch.nn.Embedding(10, 8), torch.nn.Linear(8, 10, bias=False), torch.nn.Linear(8, 8)
     head.weight = embed.weight
-    model = pack_linears(torch.nn.ModuleDict({"embed": embed, "head": head, "proj": proj}), torch.device("cpu"),
-                         "onednn")
+    model = pack_linears(torch.nn.ModuleDict({"embed": embed, "head": head, "proj": proj}),
+                         torch.device("cpu"), "onednn")
     assert model["head"].weight is embed.weight
     assert [name for name, _ in model["proj"].named_parameters()] == []  # the float copy is freed
     assert torch.equal(model["proj"].weight, proj.weight.detach())  # unpacked on read

@@ -78,7 +78,8 @@ class Harness:
         for pool, window in self.runner.pool_windows.items():
             tables[pool] = list(table)
             if window is not None:
-                first_visible_position = min(positions(num_computed + len(tokens), tree)[num_computed:]) - window + 1
+                first_visible_position = (min(positions(num_computed + len(tokens), tree)[num_computed:])
+                                          - window + 1)
                 for b in range(len(table)):
                     if (b + 1) * T <= first_visible_position:
                         self.runner.kv_tensors[pool][:, :, table[b] * T:(table[b] + 1) * T] = float("nan")
@@ -120,10 +121,12 @@ def test_tree_after_linear_tokens_matches_each_root_to_node_path(model, backend)
     h = Harness(model, backend)
     table = h.new_table(len(PROMPT) + len(LINEAR) + len(DFS_TREE))
     h.runner.execute([h.seq(table, PROMPT, 0)])
-    logits = h.runner.execute([h.seq(table, LINEAR + DFS_TOKENS, len(PROMPT), tree=DFS_TREE)], all_logits=True)
+    logits = h.runner.execute([h.seq(table, LINEAR + DFS_TOKENS, len(PROMPT), tree=DFS_TREE)],
+                              all_logits=True)
     assert logits.shape[0] == len(LINEAR) + len(DFS_TREE)
     expected = h.linear_logits([PROMPT + LINEAR[:i + 1] for i in range(len(LINEAR))]
-                               + [PROMPT + LINEAR + path(DFS_TREE, DFS_TOKENS, j) for j in range(len(DFS_TREE))])
+                               + [PROMPT + LINEAR + path(DFS_TREE, DFS_TOKENS, j)
+                                  for j in range(len(DFS_TREE))])
     assert_close(logits, expected)
 
 
@@ -140,7 +143,8 @@ def test_tree_fed_one_level_per_forward(model, backend):
     for depth, (level, level_tokens) in enumerate(zip(LEVELS, LEVEL_TOKENS)):
         new_tokens = LINEAR + level_tokens if depth == 0 else level_tokens
         num_nodes += len(level)
-        logits = h.runner.execute([h.seq(table, new_tokens, num_computed, tree=tree[:num_nodes])], all_logits=True)
+        logits = h.runner.execute([h.seq(table, new_tokens, num_computed, tree=tree[:num_nodes])],
+                                  all_logits=True)
         nodes = range(num_nodes - len(level), num_nodes)
         expected = h.linear_logits([PROMPT + LINEAR + path(tree, tokens, j) for j in nodes])
         assert_close(logits[-len(level):], expected)
@@ -167,7 +171,8 @@ def test_trees_beside_plain_decoding_sequences(model, backend):
     logits = h.runner.execute(step, all_logits=True)
     expected = h.linear_logits([prompt + [70], prompt + [71]]
                                + [PROMPT + LINEAR[:i + 1] for i in range(len(LINEAR))]
-                               + [PROMPT + LINEAR + path(DFS_TREE, DFS_TOKENS, j) for j in range(len(DFS_TREE))]
+                               + [PROMPT + LINEAR + path(DFS_TREE, DFS_TOKENS, j)
+                                  for j in range(len(DFS_TREE))]
                                + [PROMPT + [61, 62]])
     assert_close(logits, expected)
     # And the two beams read the same as a batch of them alone.
@@ -203,7 +208,8 @@ def test_tree_mask_and_key_start_follow_the_definition(backend, window, num_quer
     seq_len = 17
     table = list(range(math.ceil(seq_len / T)))
     meta = get_attention_backend(backend).build_metadata(
-        query_start_loc=[0, num_queries], seq_lens=[seq_len], block_tables=[table], slot_mapping=[0] * num_queries,
+        query_start_loc=[0, num_queries], seq_lens=[seq_len], block_tables=[table],
+        slot_mapping=[0] * num_queries,
         tokens_per_block=T, device=CPU, groups=["g"], sliding_window=window, trees=[tree])
     assert meta.trees == [tree] and not meta.decode_groups
     (keys,) = meta.sequences
@@ -211,7 +217,8 @@ def test_tree_mask_and_key_start_follow_the_definition(backend, window, num_quer
     min_position = min(positions(seq_len, tree)[first_query:])
     key_start = 0 if window is None else max(0, min_position - window + 1)
     assert meta.key_start(0) == key_start and not keys.causal
-    assert keys.key_slots.tolist() == list(range(key_start, seq_len))  # blocks 0, 1, ... in order: slot = index
+    # blocks 0, 1, ... in order: slot = index
+    assert keys.key_slots.tolist() == list(range(key_start, seq_len))
     expected = [[visible(seq_len, tree, window, q, k) for k in range(key_start, seq_len)]
                 for q in range(first_query, seq_len)]
     assert keys.mask.tolist() == expected
@@ -225,25 +232,30 @@ def test_plain_sequences_build_what_they_did_without_trees():
               "tokens_per_block": T, "device": CPU, "groups": ["g", "g", None]}
     for window in (None, 6):
         plain = get_attention_backend("sdpa").build_metadata(**layout, sliding_window=window)
-        treeless = get_attention_backend("sdpa").build_metadata(**layout, sliding_window=window, trees=[None] * 3)
+        treeless = get_attention_backend("sdpa").build_metadata(**layout, sliding_window=window,
+                                                                trees=[None] * 3)
         assert treeless.trees is None
-        assert [g.prefix_tokens for g in plain.decode_groups] == [g.prefix_tokens for g in treeless.decode_groups]
+        assert ([g.prefix_tokens for g in plain.decode_groups]
+                == [g.prefix_tokens for g in treeless.decode_groups])
         for a, b in zip(plain.sequences, treeless.sequences):
-            assert torch.equal(a.mask, b.mask) and torch.equal(a.key_slots, b.key_slots) and a.causal == b.causal
+            assert (torch.equal(a.mask, b.mask) and torch.equal(a.key_slots, b.key_slots)
+                    and a.causal == b.causal)
 
 
 def test_invalid_tree_parents_are_refused(tiny_llama_dir):
     model = load_model(resolve_model(str(tiny_llama_dir)), "float32", CPU)
     runner = ModelRunner(model, {"self": 8}, T, CPU, torch.float32)
     with pytest.raises(ValueError, match="parent"):
-        runner.execute([SequenceInput([5, 6, 7], 0, {"self": [0]}, {"self": [0, 1, 2]}, tree_parents=[-1, 1])])
+        runner.execute([SequenceInput([5, 6, 7], 0, {"self": [0]}, {"self": [0, 1, 2]},
+                                      tree_parents=[-1, 1])])
 
 
 def test_a_scoped_worker_keeps_the_tree(tiny_llama_dir):
     """A draft worker renames pools in its inputs; the tree must come through."""
     from widebeam.worker import Worker
 
-    draft = Worker("draft", load_model(resolve_model(str(tiny_llama_dir)), "float32", CPU), "float32", prefix="draft")
+    draft = Worker("draft", load_model(resolve_model(str(tiny_llama_dir)), "float32", CPU), "float32",
+                   prefix="draft")
     seq = SequenceInput([5, 6], 3, {"draft": [0, 1]}, {"draft": [3, 4]}, "g", tree_parents=[-1, 0])
     local = draft._localized(seq)
     assert local.tree_parents == [-1, 0] and local.block_tables == {"self": [0, 1]} and local.group == "g"

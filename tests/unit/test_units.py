@@ -5,8 +5,8 @@ from widebeam.units import format_bytes, parse_bytes
 
 @pytest.mark.parametrize(
     "text, expected",
-    [("1024", 1024), ("64MiB", 64 * 2**20), ("1.5GB", 1_500_000_000), ("141GiB", 141 * 2**30), ("2g", 2 * 2**30),
-     (" 10 KiB ", 10240), (4096, 4096)],
+    [("1024", 1024), ("64MiB", 64 * 2**20), ("1.5GB", 1_500_000_000), ("141GiB", 141 * 2**30),
+     ("2g", 2 * 2**30), (" 10 KiB ", 10240), (4096, 4096)],
 )
 def test_parse_bytes(text, expected):
     assert parse_bytes(text) == expected

@@ -146,7 +146,8 @@ def read_output(path: str | Path) -> list[dict]:
     if fmt == "parquet":
         import pyarrow.parquet as pq
 
-        return [row for part in sorted(path.glob("part-*.parquet")) for row in pq.read_table(part).to_pylist()]
+        return [row for part in sorted(path.glob("part-*.parquet"))
+                for row in pq.read_table(part).to_pylist()]
     if fmt == "jsonl":
         with open(path, encoding="utf-8") as f:
             return [json.loads(line) for line in f if line.strip()]

@@ -72,5 +72,6 @@ class BatchEngine:
             tokenizer = self.llm.tokenizer
             if tokenizer is None or not getattr(tokenizer, "chat_template", None):
                 raise ValueError("messages need a model with a chat template")
-            return tokenizer.apply_chat_template(row.prompt["messages"], tokenize=False, add_generation_prompt=True)
+            return tokenizer.apply_chat_template(row.prompt["messages"], tokenize=False,
+                                                 add_generation_prompt=True)
         return row.prompt

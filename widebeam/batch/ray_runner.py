@@ -46,8 +46,8 @@ class EngineReplica:
         return {"record": records}
 
 
-def run_on_ray(pending: Sequence[tuple[int, Any, str | None]], model: str, engine_kwargs: dict, defaults: dict,
-               replicas: int, emit: Callable[[dict], None], *, ray_address: str | None = None,
+def run_on_ray(pending: Sequence[tuple[int, Any, str | None]], model: str, engine_kwargs: dict,
+               defaults: dict, replicas: int, emit: Callable[[dict], None], *, ray_address: str | None = None,
                max_in_flight: int = 256, cpus_per_replica: int = 1) -> None:
     """Run `pending` rows, (index, raw row, read error or None), on `replicas` engine actors;
     `emit(record)` on the driver for each row as results stream back."""

@@ -52,7 +52,8 @@ def parse_row(raw: Any, index: int, defaults: Mapping[str, Any]) -> BatchRow:
         values = {k: _cell(k, v) for k, v in raw.items() if not _missing(v) and k != "id"}
         given = [name for name in PROMPT_FIELDS if name in values]
         if len(given) != 1:
-            raise ValueError(f"give exactly one of {', '.join(PROMPT_FIELDS)} (got {', '.join(given) or 'none'})")
+            raise ValueError(f"give exactly one of {', '.join(PROMPT_FIELDS)} (got "
+                             f"{', '.join(given) or 'none'})")
         prompt = values.pop(given[0])
         if given[0] == "messages":
             if not isinstance(prompt, list) or not all(isinstance(m, Mapping) for m in prompt):
@@ -101,7 +102,8 @@ def make_params(values: Mapping[str, Any], defaults: Mapping[str, Any] | None = 
 
 def _missing(value: Any) -> bool:
     """An empty cell: None, empty text, or NaN (a gap in a Parquet or pandas column)."""
-    return value is None or (isinstance(value, str) and value == "") or (isinstance(value, float) and math.isnan(value))
+    return (value is None or (isinstance(value, str) and value == "")
+            or (isinstance(value, float) and math.isnan(value)))
 
 
 def _cell(name: str, value: Any) -> Any:

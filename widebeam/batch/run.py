@@ -68,7 +68,8 @@ def run(input_path: str | Path, output_path: str | Path, model: str = DEFAULT_MO
                 summary.errors.append(f"{record['id']}: {record['error']}")
         if bar is not None:
             elapsed = max(time.monotonic() - start, 1e-9)
-            bar.set_postfix(tokens_per_s=f"{summary.num_generated_tokens / elapsed:.1f}", errors=summary.num_errors)
+            bar.set_postfix(tokens_per_s=f"{summary.num_generated_tokens / elapsed:.1f}",
+                            errors=summary.num_errors)
             bar.update(1)
 
     try:

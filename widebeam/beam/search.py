@@ -191,7 +191,8 @@ class BeamSearchState:
     # -- the search --------------------------------------------------------------------------------------
 
     def step(self, logprobs: torch.Tensor, mask_min_length_eos: bool = True,
-             allowed: tuple[torch.Tensor, torch.Tensor] | None = None, annotate: Annotate | None = None) -> StepResult:
+             allowed: tuple[torch.Tensor, torch.Tensor] | None = None,
+             annotate: Annotate | None = None) -> StepResult:
         """Consume the live beams' next-token log-probs `[num_live_beams, vocab]`; return the next live beams.
 
         `mask_min_length_eos=False` lets EOS through before `min_new_tokens` (a caller forcing EOS).
@@ -214,7 +215,8 @@ class BeamSearchState:
             lp = lp.float()
         device = lp.device
         width = self.beam_width
-        mask_eos = mask_min_length_eos and bool(self._eos_sorted) and self._generated < self.params.min_new_tokens
+        mask_eos = (mask_min_length_eos and bool(self._eos_sorted)
+                    and self._generated < self.params.min_new_tokens)
 
         first = self._generated == 0
         if first and width > 1:
@@ -237,7 +239,8 @@ class BeamSearchState:
         else:
             hypothetical_len = generated
         best_possible = divided_scores(values, length_normalizer(hypothetical_len, lp_exp))
-        floats = torch.stack((values.double(), finished_scores.double(), best_possible.double())).cpu().tolist()
+        floats = torch.stack((values.double(), finished_scores.double(),
+                              best_possible.double())).cpu().tolist()
         ints = torch.stack((parent_rows, tokens)).cpu().tolist()
         values_l, finished_l, best_possible_l = floats
         parents_l, tokens_l = ints
@@ -275,7 +278,8 @@ class BeamSearchState:
                 new_scores.append(values_l[rank])
         annotations = None
         if annotate is not None:
-            annotations = annotate(finished_rows + out_parents, [f.extra_token for f in new_finished] + out_tokens)
+            annotations = annotate(finished_rows + out_parents,
+                                   [f.extra_token for f in new_finished] + out_tokens)
             for entry, annotation in zip(new_finished, annotations):
                 entry.extra_annotation = annotation
             annotations = annotations[len(new_finished):]

@@ -32,7 +32,8 @@ class CatalogueRegistry(dict):
     def register(self, name: str, source) -> Catalogue:
         """Build `source` and register it under `name` (replacing one of that name)."""
         if not isinstance(name, str) or not name:
-            raise InvalidParameterError("catalogue", "{catalogue} names must be non-empty strings, got {value!r}",
+            raise InvalidParameterError("catalogue",
+                                        "{catalogue} names must be non-empty strings, got {value!r}",
                                         value=name)
         self[name] = self.build(source)
         return self[name]
@@ -40,7 +41,8 @@ class CatalogueRegistry(dict):
     def build(self, source) -> Catalogue:
         if isinstance(source, Catalogue):
             if source.vocab_size != self.vocab_size:
-                raise InvalidParameterError("catalogue", "{catalogue} was built for a vocabulary of {size} tokens; "
+                raise InvalidParameterError("catalogue",
+                                            "{catalogue} was built for a vocabulary of {size} tokens; "
                                             "this model has {vocab_size}", size=source.vocab_size,
                                             vocab_size=self.vocab_size)
             return source.to(self.device)
@@ -51,14 +53,17 @@ class CatalogueRegistry(dict):
                 source = load_items(source, self.tokenizer)
             return Catalogue.from_sequences(source, self.vocab_size, self.device)
         except CatalogueError as exc:
-            raise InvalidParameterError("catalogue", "{catalogue} is malformed: {problem}", problem=str(exc)) from None
+            raise InvalidParameterError("catalogue", "{catalogue} is malformed: {problem}",
+                                        problem=str(exc)) from None
 
     def for_request(self, params: BeamSearchParams) -> Catalogue | None:
         """The request's catalogue (registered or inline), or None."""
         if params.catalogue is not None:
             if params.catalogue not in self:
-                raise InvalidParameterError("catalogue", "{catalogue} {value!r} is not registered; registered: "
-                                            "{names}", value=params.catalogue, names=", ".join(sorted(self)) or "none")
+                raise InvalidParameterError("catalogue",
+                                            "{catalogue} {value!r} is not registered; registered: "
+                                            "{names}", value=params.catalogue,
+                                            names=", ".join(sorted(self)) or "none")
             return self[params.catalogue]
         if params.allowed_sequences is not None:
             try:

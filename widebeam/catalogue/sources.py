@@ -173,8 +173,8 @@ def _parquet(path: Path) -> np.ndarray:
         return _list_column(table.column(list_columns[0]).combine_chunks(), list_columns[0], where)
     for field in table.schema:
         if not pa.types.is_integer(field.type):
-            raise _error(f"{where}: column {field.name!r} is {field.type}: give one list<int> column of items, "
-                         "or only integer columns (one token each)")
+            raise _error(f"{where}: column {field.name!r} is {field.type}: give one list<int> column "
+                         "of items, or only integer columns (one token each)")
     columns = [table.column(i).combine_chunks() for i in range(table.num_columns)]
     array = np.stack([np.asarray(c.fill_null(PAD).to_numpy(zero_copy_only=False), dtype=np.int64)
                       for c in columns], axis=1)

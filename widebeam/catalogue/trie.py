@@ -82,7 +82,8 @@ class Catalogue:
         order = np.lexsort(array.T[::-1])
         array, lengths = array[order], lengths[order]
         width = array.shape[1]
-        different = np.zeros(array.shape[0], dtype=bool)  # row differs from the one before in its first d tokens
+        # row differs from the one before in its first d tokens
+        different = np.zeros(array.shape[0], dtype=bool)
         different[0] = True
         node_token = [np.zeros(1, dtype=np.int64)]
         node_parent = [np.zeros(1, dtype=np.int64)]
@@ -113,7 +114,8 @@ class Catalogue:
         child_start = torch.searchsorted(node_parent_t[1:].contiguous(), torch.arange(num_nodes + 1)) + 1
         num_items = int(np.concatenate(is_end).sum())
         return cls(node_token_t.to(device), node_parent_t.to(device), child_start.to(device),
-                   torch.from_numpy(np.concatenate(is_end)).to(device), num_items, int(lengths.max()), vocab_size)
+                   torch.from_numpy(np.concatenate(is_end)).to(device), num_items, int(lengths.max()),
+                   vocab_size)
 
     # -- reading ----------------------------------------------------------------------------------------
     def children(self, node: int) -> list[int]:

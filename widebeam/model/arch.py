@@ -69,7 +69,8 @@ BUILTIN_CONFIGS: dict[str, dict] = {
     "phi-3-mini-4k": {
         "model_type": "phi3", "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 32,
         "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32064,
-        "max_position_embeddings": 4096, "original_max_position_embeddings": 4096, "tie_word_embeddings": False,
+        "max_position_embeddings": 4096, "original_max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "rope_scaling": None, "sliding_window": 2047,
         "bos_token_id": 1, "eos_token_id": 32000, "pad_token_id": 32000,
     },
@@ -172,7 +173,8 @@ class ModelArch:
         for window in sorted({w for w in self.layer_windows if w is not None}):
             num_layers = sum(1 for w in self.layer_windows if w == window)
             specs.append(
-                SlidingWindowSpec(name=f"sliding_{window}", num_layers=num_layers, window_tokens=window, **common)
+                SlidingWindowSpec(name=f"sliding_{window}", num_layers=num_layers, window_tokens=window,
+                                  **common)
             )
         if self.is_encoder_decoder:
             # every decoder layer attends the encoder output through its own K/V projections

@@ -38,11 +38,13 @@ ATTENTION_BACKEND_ENV = "WIDEBEAM_ATTENTION_BACKEND"
 
 
 class AttentionBackend:
-    """q [num_tokens, heads, head_dim] -> [num_tokens, heads, head_dim]; the step's K/V already in the cache."""
+    """q [num_tokens, heads, head_dim] -> [num_tokens, heads, head_dim]; the step's K/V already in the
+    cache."""
 
     name: str = ""
 
-    def build_metadata(self, *, query_start_loc: list[int], seq_lens: list[int], block_tables: list[list[int]],
+    def build_metadata(self, *, query_start_loc: list[int], seq_lens: list[int],
+                       block_tables: list[list[int]],
                        slot_mapping: list[int] | torch.Tensor, tokens_per_block: int, device: torch.device,
                        groups: list[str | None] | None = None, sliding_window: int | None = None,
                        trees: list[list[int] | None] | None = None) -> AttentionMetadata:
@@ -50,8 +52,8 @@ class AttentionBackend:
         `trees`: per sequence, the parents of its trailing token tree, or None (see attention_metadata)."""
         meta = AttentionMetadata(
             query_start_loc=list(query_start_loc), seq_lens=list(seq_lens), block_tables=block_tables,
-            slot_mapping=torch.as_tensor(slot_mapping, dtype=torch.long).to(device), tokens_per_block=tokens_per_block,
-            backend=self, sliding_window=sliding_window, groups=groups,
+            slot_mapping=torch.as_tensor(slot_mapping, dtype=torch.long).to(device),
+            tokens_per_block=tokens_per_block, backend=self, sliding_window=sliding_window, groups=groups,
             trees=list(trees) if trees is not None and any(trees) else None,
         )
         self.plan(meta, device)
@@ -85,7 +87,8 @@ def get_attention_backend(name: str | None = None) -> AttentionBackend:
     """The backend called `name`; without one, $WIDEBEAM_ATTENTION_BACKEND, else the default ("sdpa")."""
     name = name or os.environ.get(ATTENTION_BACKEND_ENV) or DEFAULT_ATTENTION_BACKEND
     if name not in _BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(attention_backend_names())}")
+        raise ValueError(f"unknown attention backend {name!r}; available: "
+                         f"{', '.join(attention_backend_names())}")
     return _BACKENDS[name]()
 
 
@@ -111,7 +114,8 @@ class ReferenceBackend(AttentionBackend):
             v = _gather(v_cache, seq.key_slots).repeat_interleave(group, dim=1).float()
             scores = torch.einsum("qhd,shd->hqs", q[seq.start:seq.end].float(), k) * scale
             scores = scores.masked_fill(~seq.mask[None], float("-inf"))
-            out[seq.start:seq.end] = torch.einsum("hqs,shd->qhd", torch.softmax(scores, dim=-1), v).to(q.dtype)
+            out[seq.start:seq.end] = torch.einsum("hqs,shd->qhd", torch.softmax(scores, dim=-1),
+                                                  v).to(q.dtype)
         return out
 
 
@@ -162,7 +166,8 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         # Nothing shared: each row attends its own keys, which PyTorch's fused kernel does best.
         k = _gather(k_cache, group.suffix_slots).transpose(1, 2)  # [B, KV, S, d]
         v = _gather(v_cache, group.suffix_slots).transpose(1, 2)
-        return F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=group.suffix_mask[:, None, None, :],
+        return F.scaled_dot_product_attention(q[:, :, None, :], k, v,
+                                              attn_mask=group.suffix_mask[:, None, None, :],
                                               scale=scale, enable_gqa=True)[:, :, 0, :]
     # [KV, B*G, d]: the heads of one KV head, for every beam, as the rows of one matrix. The scale
     # goes on q (B x H x d numbers), not on the scores (B x H x (P + S)).
@@ -171,11 +176,14 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
     k_suffix = _kv_major(_gather(k_cache, group.suffix_slots))  # [KV, B, S, d]
     # [KV, B, G, d] x [KV, B, d, S] -> [KV, B, G, S]; padding keys at -inf
-    suffix_scores = torch.matmul(q_rows.view(num_kv_heads, batch, group_size, head_dim), k_suffix.transpose(-1, -2))
-    suffix_scores = suffix_scores.float().masked_fill_(group.suffix_hidden, float("-inf")).view(num_kv_heads, rows, -1)
+    suffix_scores = torch.matmul(q_rows.view(num_kv_heads, batch, group_size, head_dim),
+                                 k_suffix.transpose(-1, -2))
+    suffix_scores = (suffix_scores.float().masked_fill_(group.suffix_hidden, float("-inf"))
+                     .view(num_kv_heads, rows, -1))
     k_prefix = _gather(k_cache, group.prefix_slots)  # [P, KV, d]
     prefix_scores = torch.bmm(q_rows, k_prefix.permute(1, 2, 0)).float()  # [KV, B*G, P]
-    row_max = torch.maximum(prefix_scores.amax(dim=-1, keepdim=True), suffix_scores.amax(dim=-1, keepdim=True))
+    row_max = torch.maximum(prefix_scores.amax(dim=-1, keepdim=True),
+                            suffix_scores.amax(dim=-1, keepdim=True))
     prefix_weights = (prefix_scores - row_max).exp_()  # float32
     suffix_weights = (suffix_scores - row_max).exp_()
     denominator = prefix_weights.sum(dim=-1, keepdim=True) + suffix_weights.sum(dim=-1, keepdim=True)
@@ -186,7 +194,8 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     suffix_weights = suffix_weights.to(v_suffix.dtype).view(num_kv_heads, batch, group_size, -1)
     out += torch.matmul(suffix_weights, v_suffix).view(num_kv_heads, rows, head_dim)
     out /= denominator  # [KV, B*G, d]
-    return out.view(num_kv_heads, batch, group_size, head_dim).transpose(0, 1).reshape(batch, num_heads, head_dim).to(q.dtype)
+    return (out.view(num_kv_heads, batch, group_size, head_dim).transpose(0, 1)
+            .reshape(batch, num_heads, head_dim).to(q.dtype))
 
 
 def _kv_major(x: torch.Tensor) -> torch.Tensor:

@@ -167,7 +167,8 @@ def _tree_sequence_keys(meta: AttentionMetadata, seq_index: int, parents: list[i
     # after every linear key). Inside the tree, a node sees only itself and its ancestors, never a
     # sibling's branch: the [tree queries, tree keys] corner is the ancestry matrix's.
     mask = query_index[:, None] >= key_index[None, :]  # [Q, S]
-    first_query_node, first_key_node = max(first_query, tree_start) - tree_start, max(key_start, tree_start) - tree_start
+    first_query_node, first_key_node = (max(first_query, tree_start) - tree_start,
+                                        max(key_start, tree_start) - tree_start)
     mask[tree_start + first_query_node - first_query:, tree_start + first_key_node - key_start:] = (
         tree_ancestry(parents)[first_query_node:, first_key_node:])
     if meta.sliding_window is not None:
@@ -218,7 +219,8 @@ def _common_full_blocks(meta: AttentionMetadata, members: list[int]) -> int:
     return limit
 
 
-def _group(meta: AttentionMetadata, members: list[int], prefix_tokens: int, device: torch.device) -> DecodeGroup:
+def _group(meta: AttentionMetadata, members: list[int], prefix_tokens: int,
+           device: torch.device) -> DecodeGroup:
     t = meta.tokens_per_block
     prefix_table = torch.tensor(meta.block_tables[members[0]][: prefix_tokens // t], dtype=torch.long)
     prefix_slots = (prefix_table[:, None] * t + torch.arange(t)).reshape(-1)
@@ -226,9 +228,11 @@ def _group(meta: AttentionMetadata, members: list[int], prefix_tokens: int, devi
     starts = [max(prefix_tokens, meta.key_start(i)) for i in members]
     ends = [meta.seq_lens[i] for i in members]
     # Only the blocks holding each row's own keys, padded with the row's first block.
-    own_blocks = [meta.block_tables[i][start // t:(end - 1) // t + 1] for i, start, end in zip(members, starts, ends)]
+    own_blocks = [meta.block_tables[i][start // t:(end - 1) // t + 1]
+                  for i, start, end in zip(members, starts, ends)]
     num_blocks = max(len(blocks) for blocks in own_blocks)
-    blocks = torch.tensor([b + [b[0]] * (num_blocks - len(b)) for b in own_blocks], dtype=torch.long)  # [B, nb]
+    # [B, nb]
+    blocks = torch.tensor([b + [b[0]] * (num_blocks - len(b)) for b in own_blocks], dtype=torch.long)
     start_t, end_t = torch.tensor(starts), torch.tensor(ends)
     suffix_len = max(end - start for start, end in zip(starts, ends))
     suffix_positions = start_t[:, None] + torch.arange(suffix_len)  # [B, S]

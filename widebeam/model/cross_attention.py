@@ -51,7 +51,8 @@ class CrossAttentionMetadata:
                 by_table.setdefault((self.encoder_lens[i], *self.block_tables[i]), []).append(i)
             groups = []
             for members in by_table.values():
-                rows = [r for i in members for r in range(self.query_start_loc[i], self.query_start_loc[i + 1])]
+                rows = [r for i in members
+                        for r in range(self.query_start_loc[i], self.query_start_loc[i + 1])]
                 groups.append(CrossGroup(torch.tensor(rows, dtype=torch.long, device=device),
                                          self.key_slots(members[0], device)))
             self._cache[key] = groups
@@ -69,7 +70,8 @@ class CrossGroup:
 def _attend_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q [n, H, d], k/v [E, KV, d] -> [n, H, d]: every query sees every key (PyTorch's fused kernel;
     the n queries of all beams are the rows of one product against the one K/V read)."""
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                         v.transpose(0, 1)[None],
                                          scale=scale, enable_gqa=True)  # [1, H, n, d]
     return out[0].transpose(0, 1)
 

@@ -144,8 +144,8 @@ class DecoderForCausalLM(nn.Module):
         if self.model.embed_scale is not None:
             x = x * torch.tensor(self.model.embed_scale, dtype=torch.float32).to(x.dtype)
         rope = {key: rotary(positions, x.dtype) for key, rotary in self.model.rotary.items()}
-        for layer, rope_key, kv_cache, pool_name in zip(self.model.layers, self.model.layer_rope_keys, kv_caches,
-                                                        self.layer_pool_names):
+        for layer, rope_key, kv_cache, pool_name in zip(self.model.layers, self.model.layer_rope_keys,
+                                                        kv_caches, self.layer_pool_names):
             cos, sin = rope[rope_key]
             x = layer(x, cos, sin, kv_cache, metadata[pool_name])
         return self.model.norm(x)

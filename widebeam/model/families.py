@@ -47,7 +47,8 @@ SAME_NAMES = CheckpointLayout()
 GEMMA3_MULTIMODAL_LAYOUT = CheckpointLayout(
     renamed_prefixes=(("model.language_model.", "model."), ("language_model.model.", "model."),
                       ("language_model.lm_head.", "lm_head.")),
-    skipped_prefixes=("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector."),
+    skipped_prefixes=("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                      "model.multi_modal_projector."),
 )
 
 
@@ -63,7 +64,8 @@ def _gate_up_rows(arch: ModelArch) -> tuple[int, int]:
 # Phi-3 checkpoints fuse q/k/v and gate/up (transformers' Phi3Attention slices q, k, v in that
 # order; Phi3MLP chunks gate first); the decoder keeps them separate like every other family.
 PHI3_LAYOUT = CheckpointLayout(packed_weights=(
-    PackedWeight("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), _qkv_rows),
+    PackedWeight("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                 _qkv_rows),
     PackedWeight("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"), _gate_up_rows),
 ))
 
@@ -116,7 +118,8 @@ def family_for(config: dict) -> Family:
     family = _BY_MODEL_TYPE.get(model_type)
     if family is None:
         raise UnsupportedModelError(
-            f"model architecture {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+            f"model architecture {model_type!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}")
     return family
 
 

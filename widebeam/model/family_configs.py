@@ -76,7 +76,8 @@ def checked_rope(params: dict, supported: tuple[str, ...] = SUPPORTED_ROPE_TYPES
 
 def _checked_activation(name: str) -> str:
     if name not in SUPPORTED_ACTIVATIONS:
-        raise UnsupportedModelError(f"activation {name!r} is not supported; supported: {sorted(SUPPORTED_ACTIVATIONS)}")
+        raise UnsupportedModelError(f"activation {name!r} is not supported; supported: "
+                                    f"{sorted(SUPPORTED_ACTIVATIONS)}")
     return name
 
 
@@ -88,7 +89,8 @@ def windows_from_layer_types(layer_types: list[str], window: int | None, num_lay
         raise ConfigError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
     unknown = sorted(set(layer_types) - set(LAYER_TYPES))
     if unknown:
-        raise UnsupportedModelError(f"layer types {unknown} are not supported; supported: {', '.join(LAYER_TYPES)}")
+        raise UnsupportedModelError(f"layer types {unknown} are not supported; supported: "
+                                    f"{', '.join(LAYER_TYPES)}")
     return tuple(int(window) if t == "sliding_attention" and window else None for t in layer_types)
 
 
@@ -185,7 +187,8 @@ def parse_qwen2(config: dict, name: str) -> tuple[ModelArch, DecoderSettings]:
 def parse_mistral(config: dict, name: str) -> tuple[ModelArch, DecoderSettings]:
     """Mistral: one window for every layer; MistralConfig's default window is 4096 (null: none)."""
     defaults = {**_LLAMA_DEFAULTS, "max_position_embeddings": 131072, "sliding_window": 4096}
-    return _llama_like(config, name, "mistral", defaults, _every_layer_window, qkv_bias=False, output_bias=False)
+    return _llama_like(config, name, "mistral", defaults, _every_layer_window, qkv_bias=False,
+                       output_bias=False)
 
 
 def parse_qwen3(config: dict, name: str) -> tuple[ModelArch, DecoderSettings]:
@@ -257,8 +260,8 @@ def gemma3_text_config(config: dict) -> dict:
             "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)
         ]
     if text["use_bidirectional_attention"]:
-        raise UnsupportedModelError("Gemma 3 with use_bidirectional_attention (an embedding model) is not supported; "
-                                    "widebeam runs causal decoders only")
+        raise UnsupportedModelError("Gemma 3 with use_bidirectional_attention (an embedding model) is not "
+                                    "supported; widebeam runs causal decoders only")
     return text
 
 
@@ -276,7 +279,8 @@ def gemma3_rope_parameters(config: dict) -> dict[str, dict]:
         per_type = {"full_attention": stored, "sliding_attention": {}}
     if config.get("rope_scaling"):
         per_type["full_attention"].update(config["rope_scaling"])
-    per_type["full_attention"].setdefault("rope_theta", config.get("rope_theta") or GEMMA3_ROPE_THETA["full_attention"])
+    per_type["full_attention"].setdefault("rope_theta",
+                                          config.get("rope_theta") or GEMMA3_ROPE_THETA["full_attention"])
     per_type["sliding_attention"].setdefault(
         "rope_theta", config.get("rope_local_base_freq") or GEMMA3_ROPE_THETA["sliding_attention"])
     return {kind: checked_rope(rope_parameters({"rope_parameters": params}), family="gemma3")
@@ -295,7 +299,8 @@ def parse_gemma3(config: dict, name: str) -> tuple[ModelArch, DecoderSettings]:
     if "sliding_attention" in text["layer_types"] and not window:
         raise UnsupportedModelError("Gemma 3 config has sliding-attention layers but no sliding_window")
     bias = bool(text["attention_bias"])
-    arch = _arch(text, name, "gemma3_text", lambda c, n: windows_from_layer_types(c["layer_types"], window, n),
+    arch = _arch(text, name, "gemma3_text",
+                 lambda c, n: windows_from_layer_types(c["layer_types"], window, n),
                  qkv_bias=bias, output_bias=bias, norms_per_layer=4, qk_norm=True)
     if text.get("attn_logit_softcapping") is not None:
         log.warning("Gemma 3 config sets attn_logit_softcapping=%s; like transformers, widebeam does not "
@@ -338,10 +343,12 @@ def parse_marian(config: dict, name: str) -> tuple[ModelArch, MarianSettings]:
     if not config.get("share_encoder_decoder_embeddings", True):
         raise UnsupportedModelError("Marian with separate encoder and decoder embeddings is not supported")
     if not config.get("static_position_embeddings", True) or config.get("normalize_before", False):
-        raise UnsupportedModelError("only the opus-mt Marian layout (static positions, post-norm) is supported")
+        raise UnsupportedModelError("only the opus-mt Marian layout (static positions, post-norm) is "
+                                    "supported")
     activation = str(config.get("activation_function", "gelu"))
     if activation not in MARIAN_ACTIVATIONS:
-        raise UnsupportedModelError(f"activation {activation!r} is not supported; supported: {sorted(MARIAN_ACTIVATIONS)}")
+        raise UnsupportedModelError(f"activation {activation!r} is not supported; supported: "
+                                    f"{sorted(MARIAN_ACTIVATIONS)}")
     hidden_size = int(config["d_model"])
     heads = int(config["decoder_attention_heads"])
     num_layers = int(config["decoder_layers"])

@@ -50,7 +50,8 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return weight_q.to(torch.int8), scale[:, 0]
 
 
-def int_mm_product(quantized_rows: torch.Tensor, weight_t: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+def int_mm_product(quantized_rows: torch.Tensor, weight_t: torch.Tensor,
+                   weight_scale: torch.Tensor) -> torch.Tensor:
     """The reference: (q_x . q_w[j]) * c_j with `torch._int_mm`. weight_t: [in, out] int8."""
     quantized = quantized_rows.to(torch.int8)
     num_rows = quantized.shape[0]
@@ -70,7 +71,8 @@ def fbgemm_pack(weight_q: torch.Tensor, weight_scale: torch.Tensor):
 
 def fbgemm_product(quantized_rows: torch.Tensor, packed) -> torch.Tensor:
     """(q_x . q_w[j]) * c_j through FBGEMM: activation scale 1, zero point 128."""
-    return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(quantized_rows, 1.0, _ZERO_POINT, packed)
+    return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(quantized_rows, 1.0, _ZERO_POINT,
+                                                                             packed)
 
 
 @functools.cache
@@ -103,7 +105,8 @@ class Int8Linear(torch.nn.Module):
     def __init__(self, linear: torch.nn.Linear, kernel: str | None = None):
         super().__init__()
         weight_q, weight_scale = quantize_weight(linear.weight)
-        self._hold(weight_q, weight_scale, None if linear.bias is None else linear.bias.detach().float(), kernel)
+        self._hold(weight_q, weight_scale, None if linear.bias is None else linear.bias.detach().float(),
+                   kernel)
 
     def _hold(self, weight_q: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
               kernel: str | None) -> None:
@@ -130,7 +133,8 @@ class Int8Linear(torch.nn.Module):
             biases = [torch.zeros(layer.out_features) if b is None else b for layer, b in zip(layers, biases)]
         fused = cls.__new__(cls)
         torch.nn.Module.__init__(fused)
-        fused._hold(torch.cat([layer.weight_q for layer in layers]), torch.cat([layer.weight_scale for layer in layers]),
+        fused._hold(torch.cat([layer.weight_q for layer in layers]),
+                    torch.cat([layer.weight_scale for layer in layers]),
                     None if biases[0] is None else torch.cat(biases), kernels.pop())
         return fused
 

@@ -78,7 +78,8 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, activation: str, bias: bool = False):
         super().__init__()
         if activation not in ACTIVATIONS:
-            raise UnsupportedModelError(f"activation {activation!r} is not supported; supported: {sorted(ACTIVATIONS)}")
+            raise UnsupportedModelError(f"activation {activation!r} is not supported; supported: "
+                                        f"{sorted(ACTIVATIONS)}")
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
@@ -139,7 +140,8 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         inv_freq = self._inv_freq_by_device.get(positions.device)
         if inv_freq is None:
-            inv_freq = self._inv_freq_by_device.setdefault(positions.device, self._inv_freq_cpu.to(positions.device))
+            inv_freq = self._inv_freq_by_device.setdefault(positions.device,
+                                                           self._inv_freq_cpu.to(positions.device))
         freqs = positions[:, None].float() * inv_freq[None, :]  # [num_tokens, rotary_dims / 2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [num_tokens, rotary_dims]
         return emb.cos().to(dtype), emb.sin().to(dtype)

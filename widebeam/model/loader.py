@@ -89,7 +89,8 @@ def resolve_model(model: str, cache_dir: str | os.PathLike | None = None) -> Mod
     if model == DEFAULT_MODEL:
         gguf = _package_dir(_SMOLLM2_PACKAGE, model, _SMOLLM2_PIP) / _SMOLLM2_FILE
         if not gguf.is_file():
-            raise ModelNotFoundError(f"{gguf} is missing from package {_SMOLLM2_PACKAGE}; reinstall: {_SMOLLM2_PIP}")
+            raise ModelNotFoundError(f"{gguf} is missing from package {_SMOLLM2_PACKAGE}; reinstall: "
+                                     f"{_SMOLLM2_PIP}")
         return _from_gguf(model, gguf, cache)
     if model == GEMMA3_MODEL:
         return _from_gguf(model, _assemble_gemma3(cache), cache)
@@ -129,8 +130,9 @@ def load_state_dict(
             state.update(load_file(file, device=str(device)))
         except Exception as exc:  # noqa: BLE001  (safetensors' own error type, OSError, a bad header...)
             raise ModelFormatError(
-                f"{file} cannot be read as safetensors ({_one_line(exc)}); widebeam loads only safetensors and "
-                "GGUF weights: re-save the checkpoint with save_pretrained(dir) or pass a .gguf file"
+                f"{file} cannot be read as safetensors ({_one_line(exc)}); widebeam loads only "
+                "safetensors and GGUF weights: re-save the checkpoint with save_pretrained(dir) or pass a "
+                ".gguf file"
             ) from None
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
@@ -158,9 +160,10 @@ def _safetensors_files(directory: Path) -> list[Path]:
         file = directory / name
         if Path(name).suffix.lower() in _PICKLE_SUFFIXES:
             raise ModelFormatError(
-                f"{index} maps weights to {name}, a pickle checkpoint; widebeam loads only safetensors and GGUF "
-                "weights, because unpickling can run arbitrary code. Convert once with transformers: "
-                "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(new_dir) writes safetensors."
+                f"{index} maps weights to {name}, a pickle checkpoint; widebeam loads only safetensors "
+                "and GGUF weights, because unpickling can run arbitrary code. Convert once with "
+                "transformers: AutoModelForCausalLM.from_pretrained(dir).save_pretrained(new_dir) writes "
+                "safetensors."
             )
         if not name.endswith(".safetensors") or Path(name).is_absolute() or ".." in Path(name).parts:
             raise ModelFormatError(f"{index} maps weights to {name!r}, which is not a *.safetensors file "
@@ -297,7 +300,8 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     untied = [k for k in missing if state[k].data_ptr() not in loaded_ptrs]
     if untied or unexpected:
         raise ModelFormatError(
-            f"{gguf} does not map onto {type(model).__name__}: missing {untied[:5]}, unexpected {unexpected[:5]}"
+            f"{gguf} does not map onto {type(model).__name__}: missing {untied[:5]}, unexpected "
+            f"{unexpected[:5]}"
         )
     # Safetensors is save_pretrained's only format in transformers 5 and its default since 4.35.
     model.save_pretrained(out_dir)
@@ -324,7 +328,8 @@ def _assemble_gemma3(cache: Path) -> Path:
     ]
     absent = [str(c) for c in chunks if not c.is_file()]
     if absent:
-        raise ModelNotFoundError(f"gemma3 chunk files missing ({', '.join(absent)}); reinstall: {_GEMMA3_PIP}")
+        raise ModelNotFoundError(f"gemma3 chunk files missing ({', '.join(absent)}); reinstall: "
+                                 f"{_GEMMA3_PIP}")
     target.parent.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha256()
     fd, tmp_name = tempfile.mkstemp(prefix=f".{_GEMMA3_FILE}.", suffix=".partial", dir=target.parent)

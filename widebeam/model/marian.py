@@ -100,7 +100,8 @@ class MarianAttention(nn.Module):
         out = torch.empty_like(q)
         for start, end in itertools.pairwise(query_start_loc):
             scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k[start:end].float()) * self.scale
-            out[start:end] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v[start:end].float()).to(q.dtype)
+            out[start:end] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1),
+                                          v[start:end].float()).to(q.dtype)
         return self.output(out)
 
     def self_forward(self, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],

@@ -56,8 +56,10 @@ class PackedLinear(torch.nn.Module):
         if weight.dtype != torch.float32 or weight.device.type != "cpu":
             raise ValueError(f"PackedLinear packs float32 CPU weights, got {weight.dtype} on {weight.device}")
         if packed_rows is not None and not keep_weight:
-            raise ValueError("packed_rows needs keep_weight: the other row counts run F.linear on the float weight")
-        self.in_features, self.out_features, self.packed_rows = linear.in_features, linear.out_features, packed_rows
+            raise ValueError("packed_rows needs keep_weight: the other row counts run F.linear on the "
+                             "float weight")
+        self.in_features, self.out_features, self.packed_rows = (linear.in_features, linear.out_features,
+                                                                 packed_rows)
         if keep_weight:  # registered before packed_weight exists: __getattr__ has no fallback yet
             self.weight = linear.weight
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
@@ -82,10 +84,12 @@ class PackedLinear(torch.nn.Module):
             return self.packed_weight.to_dense()  # a plain copy, for inspection (shapes, tests)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}")
 
 
-def pack_linears(model: torch.nn.Module, device: torch.device, backend: str = DEFAULT_LINEAR_BACKEND) -> torch.nn.Module:
+def pack_linears(model: torch.nn.Module, device: torch.device,
+                 backend: str = DEFAULT_LINEAR_BACKEND) -> torch.nn.Module:
     """The float32 linears of a CPU model under `backend`, in place: "split" (the default) as
     `SplitLinear`s (split_linear.py); "onednn" or "auto" as `PackedLinear`s when this build has
     oneDNN; otherwise, and on other devices, the model unchanged (`F.linear`)."""
@@ -96,7 +100,9 @@ def pack_linears(model: torch.nn.Module, device: torch.device, backend: str = DE
     if backend in ("torch", "split") or device.type != "cpu" or not onednn_available():
         return model
     # a weight tied to another module's parameter (lm_head = embed_tokens) stays reachable as .weight
-    tied = {id(p) for m in model.modules() if type(m) is not torch.nn.Linear for p in m.parameters(recurse=False)}
+    tied = {id(p) for m in model.modules() if type(m) is not torch.nn.Linear
+            for p in m.parameters(recurse=False)}
     rows = PACKED_ROWS if backend == "auto" else None
-    return swap_linears(model, lambda linear: PackedLinear(linear, backend == "auto" or id(linear.weight) in tied, rows),
-                        where=float32_on_cpu)
+    return swap_linears(
+        model, lambda linear: PackedLinear(linear, backend == "auto" or id(linear.weight) in tied, rows),
+        where=float32_on_cpu)

@@ -15,7 +15,8 @@ from widebeam.model.attention import AttentionMetadata, write_kv
 
 
 class PagedAttention(nn.Module):
-    """q [num_tokens, heads, head_dim], k/v [num_tokens, kv_heads, head_dim] -> [num_tokens, heads, head_dim]."""
+    """q [num_tokens, heads, head_dim], k/v [num_tokens, kv_heads, head_dim] -> [num_tokens, heads,
+    head_dim]."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         super().__init__()

@@ -26,7 +26,8 @@ def torch_dtype(dtype: str) -> torch.dtype:
     try:
         return DTYPES[activation_dtype(dtype)]
     except KeyError:
-        raise ValueError(f"dtype must be one of {', '.join([*DTYPES, *WEIGHT_ONLY_DTYPES])}, got {dtype!r}") from None
+        raise ValueError(f"dtype must be one of {', '.join([*DTYPES, *WEIGHT_ONLY_DTYPES])}, got "
+                         f"{dtype!r}") from None
 
 
 def model_dtype(model: torch.nn.Module) -> torch.dtype:

@@ -132,8 +132,10 @@ class ModelRunner:
             hidden = hidden[last]
         return self.model.compute_logits(hidden)
 
-    def _cross_metadata(self, seqs: list[SequenceInput], query_start_loc: list[int]) -> CrossAttentionMetadata:
-        missing = [i for i, seq in enumerate(seqs) if seq.cross_block_table is None or seq.num_encoder_tokens < 1]
+    def _cross_metadata(self, seqs: list[SequenceInput],
+                        query_start_loc: list[int]) -> CrossAttentionMetadata:
+        missing = [i for i, seq in enumerate(seqs)
+                   if seq.cross_block_table is None or seq.num_encoder_tokens < 1]
         if missing:
             raise ValueError(f"sequences {missing[:5]} of an encoder-decoder model have no encoder output")
         meta = CrossAttentionMetadata(query_start_loc=query_start_loc,
@@ -157,7 +159,8 @@ class ModelRunner:
             if len(slots) != len(source):
                 raise ValueError(f"{len(source)} source tokens but {len(slots)} cross slots")
             query_start_loc.append(query_start_loc[-1] + len(source))
-        cross_caches = [kv for kv, name in zip(self.kv_caches, self.model.layer_pool_names) if name == CROSS_POOL]
+        cross_caches = [kv for kv, name in zip(self.kv_caches, self.model.layer_pool_names)
+                        if name == CROSS_POOL]
         self.model.encode(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
             torch.tensor(positions, dtype=torch.long, device=self.device),
@@ -175,4 +178,5 @@ def _tree_token_positions(seq: SequenceInput) -> list[int]:
     if tree_start < 0:
         raise ValueError(f"a tree of {len(seq.tree_parents)} nodes in a sequence of {seq_len} tokens")
     tree_positions = [tree_start - 1 + depth for depth in tree_depths(seq.tree_parents)]
-    return [i if i < tree_start else tree_positions[i - tree_start] for i in range(seq.num_computed_tokens, seq_len)]
+    return [i if i < tree_start else tree_positions[i - tree_start]
+            for i in range(seq.num_computed_tokens, seq_len)]

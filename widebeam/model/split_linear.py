@@ -48,13 +48,15 @@ class SplitLinear(torch.nn.Module):
             return F.linear(x, self.weight, self.bias)
         blocks = self.weight.view(SPLIT_BLOCKS, self.out_features // SPLIT_BLOCKS, self.in_features)
         # [blocks, out / blocks, in] x [blocks, in, rows] -> [blocks, out / blocks, rows]
-        out = torch.bmm(blocks, rows.t().expand(SPLIT_BLOCKS, -1, -1)).view(self.out_features, -1).t().contiguous()
+        out = (torch.bmm(blocks, rows.t().expand(SPLIT_BLOCKS, -1, -1)).view(self.out_features, -1)
+               .t().contiguous())
         if self.bias is not None:
             out += self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}")
 
 
 def split_linears(model: torch.nn.Module) -> torch.nn.Module:

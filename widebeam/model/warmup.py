@@ -15,7 +15,8 @@ from widebeam.model.runner import ModelRunner, SequenceInput
 
 
 def measure_activation_peak_bytes(model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
-                                  tokens_per_block: int, max_num_batched_tokens: int, max_beam_width: int) -> int:
+                                  tokens_per_block: int, max_num_batched_tokens: int,
+                                  max_beam_width: int) -> int:
     """Peak memory above the resident model while running (1) one prefill chunk of
     `max_num_batched_tokens` tokens and (2) one decode step of `max_beam_width` sequences.
 
@@ -34,7 +35,8 @@ def measure_activation_peak_bytes(model: torch.nn.Module, device: torch.device, 
     if CROSS_POOL in pool_blocks:
         # the encoder over the longest source, whose cross K/V every sequence below reads
         runner.encode([[0] * max_num_batched_tokens], [list(range(max_num_batched_tokens))])
-        cross = {"cross_block_table": list(range(prefill_blocks)), "num_encoder_tokens": max_num_batched_tokens}
+        cross = {"cross_block_table": list(range(prefill_blocks)),
+                 "num_encoder_tokens": max_num_batched_tokens}
     prefill = SequenceInput(
         [0] * max_num_batched_tokens, 0, {name: list(range(prefill_blocks)) for name in self_pools},
         {name: list(range(max_num_batched_tokens)) for name in self_pools}, **cross,
@@ -62,7 +64,8 @@ def measure_activation_peak_bytes(model: torch.nn.Module, device: torch.device, 
         if high is not None and base is not None:
             peak = max(high - base, 0)
         else:
-            peak = estimate_activation_peak_bytes(model.arch, max_num_batched_tokens, max_beam_width)  # float32 bound
+            # float32 bound
+            peak = estimate_activation_peak_bytes(model.arch, max_num_batched_tokens, max_beam_width)
     del runner
     gc.collect()
     if device.type == "cuda":

@@ -45,8 +45,10 @@ class GuardMiddleware:
         if self.api_key and scope["path"] != "/health":
             scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
-                return await _send_error(send, 401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                                         code="invalid_api_key", extra_headers=[(b"www-authenticate", b"Bearer")])
+                return await _send_error(send, 401,
+                                         "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                         code="invalid_api_key",
+                                         extra_headers=[(b"www-authenticate", b"Bearer")])
         too_large = (f"request body exceeds the server's limit of {self.max_request_bytes} bytes "
                      "(widebeam serve --max-request-bytes)")
         length = headers.get(b"content-length")
@@ -83,8 +85,8 @@ async def _send_error(send, status: int, message: str, code: str | None = None, 
     error_type = "invalid_request_error" if status < 500 else "server_error"
     body = json.dumps(p.error_body(message, error_type, None, code)).encode()
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            *extra_headers]})
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()), *extra_headers]})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -113,7 +115,8 @@ _ERROR_RESPONSES = {status: {"model": p.ErrorResponse, "description": text} for 
 
 
 def create_app(engine, *, model_name: str, api_key: str | None = None,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, model_aliases: tuple[str, ...] = ()) -> FastAPI:
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               model_aliases: tuple[str, ...] = ()) -> FastAPI:
     """`model_aliases`: other names a request's `model` may give for the served model (the `--model`
     it was started with, a path's last part); /v1/models lists `model_name` only."""
     from widebeam import __version__
@@ -187,7 +190,8 @@ def create_app(engine, *, model_name: str, api_key: str | None = None,
 
     async def _generate(request: Request, req, chat: bool):
         if req.model is not None and req.model != model_name and req.model not in model_aliases:
-            raise p.ApiError(404, f"model {req.model!r} is not served here; this server serves {model_name!r}",
+            raise p.ApiError(404,
+                             f"model {req.model!r} is not served here; this server serves {model_name!r}",
                              param="model", code="model_not_found")
         plan = p.plan_request(req)
         if req.stream and plan.echo and plan.num_top_logprobs is not None and not plan.beam:
@@ -195,7 +199,8 @@ def create_app(engine, *, model_name: str, api_key: str | None = None,
                                     "log-probs come with the final output): drop stream or logprobs")
         prompts = p.chat_prompts(engine.tokenizer, req) if chat else p.completion_prompts(req)
         render = ChoiceRenderer(plan, chat, engine.tokenizer, token_text)
-        prompt_texts = [render.prompt_text(prompt) for prompt in prompts] if plan.echo else [""] * len(prompts)
+        prompt_texts = ([render.prompt_text(prompt) for prompt in prompts] if plan.echo
+                        else [""] * len(prompts))
         prompt_field = "messages" if chat else "prompt"
         if len(prompts) * plan.requests_per_prompt > p.MAX_ENGINE_REQUESTS_PER_CALL:
             raise p.invalid(prompt_field, f"too many prompts x choices in one call: at most "
@@ -210,7 +215,8 @@ def create_app(engine, *, model_name: str, api_key: str | None = None,
                                  max_tokens_name=p.max_tokens_field(req)[0]) from None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_stream(loop, group, plan, chat, call_id, prompt_texts, include_usage, render),
+            return StreamingResponse(_stream(loop, group, plan, chat, call_id, prompt_texts, include_usage,
+                                             render),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         outputs = await _collect(loop, group, request)
         if outputs is None:  # the client went away; its requests are aborted
@@ -223,16 +229,18 @@ def create_app(engine, *, model_name: str, api_key: str | None = None,
             cached_tokens += outs[0].num_cached_tokens
             for j, completion in enumerate(p.choices_of(outs, plan)):
                 completion_tokens += len(completion.token_ids)
-                choices.append(render.whole(prompt_index * plan.n + j, outs[0], completion, prompt_texts[prompt_index]))
+                choices.append(render.whole(prompt_index * plan.n + j, outs[0], completion,
+                                            prompt_texts[prompt_index]))
         body = {"id": call_id, "object": "chat.completion" if chat else "text_completion", "created": p.now(),
-                "model": model_name, "choices": choices, "usage": p.usage(prompt_tokens, completion_tokens, cached_tokens)}
+                "model": model_name, "choices": choices,
+                "usage": p.usage(prompt_tokens, completion_tokens, cached_tokens)}
         prompt_logprobs = render.chat_prompt_logprobs(outputs)
         if prompt_logprobs is not None:
             body["prompt_logprobs"] = prompt_logprobs
         return JSONResponse(body)
 
-    def _stream(loop: EngineLoop, group: Group, plan: p.Plan, chat: bool, call_id: str, prompt_texts: list[str],
-                include_usage: bool, render: ChoiceRenderer) -> AsyncIterator[str]:
+    def _stream(loop: EngineLoop, group: Group, plan: p.Plan, chat: bool, call_id: str,
+                prompt_texts: list[str], include_usage: bool, render: ChoiceRenderer) -> AsyncIterator[str]:
         """Server-sent events: each step's new text of a sampled choice as it comes (the engine's deltas,
         already held back against stop strings), then a closing chunk per request with its finish reason;
         beam choices arrive whole in their closing chunks (their beams are reordered until the end)."""
@@ -245,7 +253,8 @@ def create_app(engine, *, model_name: str, api_key: str | None = None,
             return f"data: {json.dumps(payload)}\n\n"
 
         def choice_index(k: int, j: int = 0) -> int:
-            return (k // plan.requests_per_prompt) * plan.n + (0 if plan.beam else k % plan.requests_per_prompt) + j
+            return ((k // plan.requests_per_prompt) * plan.n
+                    + (0 if plan.beam else k % plan.requests_per_prompt) + j)
 
         async def generate():
             complete = False
@@ -259,7 +268,8 @@ def create_app(engine, *, model_name: str, api_key: str | None = None,
                     yield event([render.echo_chunk(i, prompt_texts[i // plan.n]) for i in range(num_choices)])
                 while remaining:
                     k, kind, payload = await group.queue.get()
-                    if kind == "error":  # the error event, then [DONE]; the group's other requests are aborted
+                    # the error event, then [DONE]; the group's other requests are aborted
+                    if kind == "error":
                         yield f"data: {json.dumps(payload.body())}\n\n"
                         break
                     if kind == "text":
@@ -277,7 +287,8 @@ def create_app(engine, *, model_name: str, api_key: str | None = None,
                         completion_tokens += len(completion.token_ids)
                         # a sample's text and log-probs went out as they came
                         chunks.append(render.closing_chunk(choice_index(k, j), output, completion,
-                                                           prompt_texts[k // plan.requests_per_prompt], plan.beam))
+                                                           prompt_texts[k // plan.requests_per_prompt],
+                                                           plan.beam))
                     yield event(chunks)
                 else:
                     complete = True
@@ -286,7 +297,8 @@ def create_app(engine, *, model_name: str, api_key: str | None = None,
                 yield "data: [DONE]\n\n"
             except Exception:  # a bug while building a chunk: still a well-formed end (error event, [DONE])
                 log.exception("stream %s failed", call_id)
-                error = p.ApiError(500, "internal server error while streaming this response", type="server_error")
+                error = p.ApiError(500, "internal server error while streaming this response",
+                                   type="server_error")
                 yield f"data: {json.dumps(error.body())}\n\n"
                 yield "data: [DONE]\n\n"
             finally:

@@ -110,7 +110,8 @@ class EngineLoop:
         if not self.busy or not self._running:
             return 0
         num_aborted = len(self._tracked)
-        reason = "a second signal came" if self._abort_now else f"the shutdown timeout of {timeout_s:g} s ran out"
+        reason = ("a second signal came" if self._abort_now
+                  else f"the shutdown timeout of {timeout_s:g} s ran out")
         self._abort_all = shutting_down(f"the server shut down before this request finished: {reason}")
         self._wake.set()
         while self.busy and self._running:  # the owner task fails them after its current step
@@ -119,7 +120,8 @@ class EngineLoop:
         return num_aborted
 
     async def close(self) -> None:
-        """Stop the owner task after its current step; fail whatever is left with a 503 and free its blocks."""
+        """Stop the owner task after its current step; fail whatever is left with a 503 and free its
+        blocks."""
         self.draining = True
         self._closing = True
         self._wake.set()
@@ -195,7 +197,8 @@ class EngineLoop:
                                       type="server_error"))
             for command in self._commands:
                 if isinstance(command, _Add) and not command.future.done():
-                    command.future.set_exception(p.ApiError(503, "the engine loop has stopped", type="server_error"))
+                    command.future.set_exception(p.ApiError(503, "the engine loop has stopped",
+                                                            type="server_error"))
             raise
 
     def _apply(self, commands: list) -> list:
@@ -279,7 +282,8 @@ class EngineLoop:
                 self.metrics.generated_tokens.inc(sum(len(c.token_ids) for c in output.outputs))
                 num_tokens = max(len(c.token_ids) for c in output.outputs)
                 if tracked.first_token_at is not None and num_tokens > 1:
-                    self.metrics.time_per_output_token.observe((now - tracked.first_token_at) / (num_tokens - 1))
+                    self.metrics.time_per_output_token.observe(
+                        (now - tracked.first_token_at) / (num_tokens - 1))
             tracked.group.queue.put_nowait((tracked.index, "final", output))
 
     def _fail_all(self, error: p.ApiError, failed: bool = True) -> None:

@@ -50,7 +50,8 @@ class LogprobsWriter:
                 "text_offset": offsets}
 
     def chat(self, token_ids: Sequence[int], entries: Sequence[TokenLogprobs], num_top: int) -> dict:
-        return {"content": [self._chat_token(token, entry, num_top) for token, entry in zip(token_ids, entries)]}
+        return {"content": [self._chat_token(token, entry, num_top)
+                            for token, entry in zip(token_ids, entries)]}
 
     def _chat_token(self, token: int, entry: TokenLogprobs, num_top: int) -> dict:
         ranked = sorted(((lp.rank, t, lp.logprob) for t, lp in entry.items() if lp.rank <= num_top))
@@ -66,5 +67,6 @@ class LogprobsWriter:
         if entries is None:
             return None
         return [None if entry is None else
-                {str(t): {"logprob": _finite(lp.logprob), "rank": lp.rank, "decoded_token": self.token_text(t)}
+                {str(t): {"logprob": _finite(lp.logprob), "rank": lp.rank,
+                          "decoded_token": self.token_text(t)}
                  for t, lp in entry.items()} for entry in entries]

@@ -24,21 +24,25 @@ class _EngineCollector:
 
     def collect(self):
         stats = self._snapshot()
-        running = GaugeMetricFamily("widebeam_requests_running", "Engine requests running (holding KV blocks)")
+        running = GaugeMetricFamily("widebeam_requests_running",
+                                    "Engine requests running (holding KV blocks)")
         running.add_metric([], stats.get("running", 0))
-        waiting = GaugeMetricFamily("widebeam_requests_waiting", "Engine requests admitted and waiting for blocks")
+        waiting = GaugeMetricFamily("widebeam_requests_waiting",
+                                    "Engine requests admitted and waiting for blocks")
         waiting.add_metric([], stats.get("waiting", 0))
         rejected = CounterMetricFamily("widebeam_requests_rejected",
                                        "Engine requests rejected at admission (infeasible or invalid)")
         rejected.add_metric([], stats.get("rejected", 0))
         total = GaugeMetricFamily("widebeam_kv_blocks_total", "KV blocks in the pool", labels=["pool"])
-        free = GaugeMetricFamily("widebeam_kv_blocks_free", "KV blocks not in use in the pool (free, or cached "
+        free = GaugeMetricFamily("widebeam_kv_blocks_free",
+                                 "KV blocks not in use in the pool (free, or cached "
                                  "prompt blocks no request holds, evicted when needed)", labels=["pool"])
         evictable = GaugeMetricFamily("widebeam_kv_blocks_evictable", "Cached prompt blocks no request holds "
                                       "(counted in free)", labels=["pool"])
         pinned = GaugeMetricFamily("widebeam_kv_blocks_pinned", "Blocks of pinned prefixes (never evicted, "
                                    "off the pool's capacity)", labels=["pool"])
-        for pool, s in sorted(stats.get("pools", {}).items()):  # every worker's pools: "self", "draft/sliding_512"
+        # every worker's pools: "self", "draft/sliding_512"
+        for pool, s in sorted(stats.get("pools", {}).items()):
             total.add_metric([pool], s["total_blocks"])
             free.add_metric([pool], s["free_blocks"])
             evictable.add_metric([pool], s.get("evictable_blocks", 0))
@@ -88,7 +92,8 @@ def _speculative_metrics(spec: dict):
     The acceptance rate is accepted / drafted; tokens per round, (accepted + rounds) / rounds."""
     labels, values = ["method"], [spec["method"]]
     tokens = GaugeMetricFamily("widebeam_speculative_num_tokens",
-                               "Tokens drafted per sequence and round (D, --num-speculative-tokens)", labels=labels)
+                               "Tokens drafted per sequence and round (D, --num-speculative-tokens)",
+                               labels=labels)
     tokens.add_metric(values, spec["num_speculative_tokens"])
     rounds = CounterMetricFamily("widebeam_speculative_rounds", "Speculative rounds run (draft, then one "
                                  "verifying target pass)", labels=labels)
@@ -96,8 +101,8 @@ def _speculative_metrics(spec: dict):
     drafted = CounterMetricFamily("widebeam_speculative_drafted_tokens", "Tokens the draft proposed",
                                   labels=labels)
     drafted.add_metric(values, spec["drafted_tokens"])
-    accepted = CounterMetricFamily("widebeam_speculative_accepted_tokens", "Drafted tokens the target accepted",
-                                   labels=labels)
+    accepted = CounterMetricFamily("widebeam_speculative_accepted_tokens",
+                                   "Drafted tokens the target accepted", labels=labels)
     accepted.add_metric(values, spec["accepted_tokens"])
     yield from (tokens, rounds, drafted, accepted)
 
@@ -109,13 +114,16 @@ class ServerMetrics:
         r = self.registry
         self.finished = Counter("widebeam_requests_finished", "Engine requests finished, by finish reason "
                                 "(of the best choice)", ["finish_reason"], registry=r)
-        self.aborted = Counter("widebeam_requests_aborted", "Engine requests aborted (client gone, or shutdown)",
-                               registry=r)
-        self.failed = Counter("widebeam_requests_failed", "Engine requests that failed with a server error (their "
+        self.aborted = Counter("widebeam_requests_aborted",
+                               "Engine requests aborted (client gone, or shutdown)", registry=r)
+        self.failed = Counter("widebeam_requests_failed",
+                              "Engine requests that failed with a server error (their "
                               "own processing, or the shared step)", registry=r)
-        self.prompt_tokens = Counter("widebeam_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.prompt_tokens = Counter("widebeam_prompt_tokens", "Prompt tokens of admitted requests",
+                                     registry=r)
         self.generated_tokens = Counter("widebeam_generation_tokens",
-                                        "Tokens generated (for beam search: of the returned beams)", registry=r)
+                                        "Tokens generated (for beam search: of the returned beams)",
+                                        registry=r)
         self.time_to_first_token = Histogram("widebeam_time_to_first_token_seconds",
                                              "From arrival to the step that chose the first token",
                                              buckets=_LATENCY_BUCKETS, registry=r)

@@ -91,20 +91,23 @@ class _GenerationFields(BaseModel):
     use_beam_search: bool = False
     beam_width: int | None = Field(None, ge=1, description="beams searched (same as best_of); default n")
     length_penalty: float | None = Field(None, description="beam search only; default 1.0")
-    early_stopping: bool | Literal["never"] | None = Field(None, description="beam search only; default false")
+    early_stopping: bool | Literal["never"] | None = Field(None,
+                                                           description="beam search only; default false")
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     catalogue: str | None = Field(None, description="beam search only: constrain every beam to the items of "
                                                     "this registered catalogue (widebeam serve --catalogue "
                                                     "NAME=PATH); each choice is one item")
     allowed_sequences: list[list[int]] | None = Field(
-        None, description=f"beam search only: an inline catalogue, token-id lists (at most {MAX_INLINE_ITEMS} "
-                          f"items of at most {MAX_INLINE_ITEM_TOKENS} tokens); excludes `catalogue`")
+        None,
+        description=f"beam search only: an inline catalogue, token-id lists (at most {MAX_INLINE_ITEMS} "
+                    f"items of at most {MAX_INLINE_ITEM_TOKENS} tokens); excludes `catalogue`")
     # Penalties (OpenAI's presence/frequency in [-2, 2]; transformers/vLLM's repetition_penalty > 0).
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    # Structured output: {"type": "text" | "json_object" | "json_schema", "json_schema": {name, schema, strict}}
+    # Structured output: {"type": "text" | "json_object" | "json_schema",
+    #                     "json_schema": {name, schema, strict}}
     response_format: dict | None = None
     # vLLM's extension: each prompt token's log-prob and its `prompt_logprobs` most likely alternatives
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -127,8 +130,9 @@ class CompletionRequest(_GenerationFields):
         ..., description="text, token ids, or a batch of either")
     max_tokens: int | None = Field(16, ge=1, description="null: up to the engine's max_seq_len")
     echo: bool = Field(False, description="the prompt before each choice's text (and its tokens' log-probs)")
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="each token's log-prob and its "
-                                                                          "`logprobs` most likely alternatives")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                 description="each token's log-prob and its `logprobs` most likely "
+                                             "alternatives")
     suffix: str | None = None
 
 
@@ -150,8 +154,8 @@ class ChatCompletionRequest(_GenerationFields):
     max_tokens: int | None = Field(None, ge=1, description="null: up to the engine's max_seq_len")
     max_completion_tokens: int | None = Field(None, ge=1, description="same as max_tokens")
     logprobs: bool | None = Field(None, description="each generated token's log-prob")
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="with logprobs: the most likely "
-                                                                             "alternatives per token")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                     description="with logprobs: the most likely alternatives per token")
 
 
 # -- responses (documented in the OpenAPI schema; the handlers write plain dicts) ------------------
@@ -280,7 +284,8 @@ def max_tokens_field(req: _GenerationFields) -> tuple[str, int | None]:
 
 def _penalties(req: _GenerationFields) -> dict:
     """The penalty parameters of both engine param classes; absent fields are off."""
-    return {"presence_penalty": req.presence_penalty or 0.0, "frequency_penalty": req.frequency_penalty or 0.0,
+    return {"presence_penalty": req.presence_penalty or 0.0,
+            "frequency_penalty": req.frequency_penalty or 0.0,
             "repetition_penalty": 1.0 if req.repetition_penalty is None else req.repetition_penalty}
 
 
@@ -330,7 +335,8 @@ def _sampling_plan(req, max_tokens, stop, stop_token_ids, max_tokens_name: str, 
         raise invalid("best_of", f"best_of ({num_samples}) must be >= n ({req.n})")
     if num_samples > MAX_ENGINE_REQUESTS_PER_CALL:
         name = "best_of" if _given(req, "best_of") else "n"
-        raise invalid(name, f"{name} must be <= {MAX_ENGINE_REQUESTS_PER_CALL} for sampling, got {num_samples}")
+        raise invalid(name,
+                      f"{name} must be <= {MAX_ENGINE_REQUESTS_PER_CALL} for sampling, got {num_samples}")
     if req.stream and num_samples != req.n:
         raise invalid("best_of", "best_of > n cannot be streamed")
     temperature = 1.0 if req.temperature is None else req.temperature  # the engine treats ~0 as greedy
@@ -355,14 +361,17 @@ def _beam_plan(req, max_tokens, stop, stop_token_ids, max_tokens_name: str, extr
     if req.top_k is not None and req.top_k not in (0, -1):
         raise invalid("top_k", f"beam search does not sample: top_k must be 0, -1 or absent, got {req.top_k}")
     if _given(req, "best_of") and _given(req, "beam_width") and req.best_of != req.beam_width:
-        raise invalid("beam_width", f"best_of ({req.best_of}) and beam_width ({req.beam_width}) differ; give one")
+        raise invalid("beam_width",
+                      f"best_of ({req.best_of}) and beam_width ({req.beam_width}) differ; give one")
     width_field = "beam_width" if _given(req, "beam_width") else "best_of" if _given(req, "best_of") else "n"
     width = getattr(req, width_field)
     if req.n > width:
         raise invalid("n", f"n ({req.n}) must be <= the beams searched ({width_field}={width})")
     allowed_sequences = _inline_catalogue(req.allowed_sequences)
-    if (_given(req, "catalogue") or allowed_sequences is not None) and max_tokens_name not in req.model_fields_set:
-        max_tokens = None  # the engine's default with a catalogue: its longest item and the end-of-sequence token
+    if ((_given(req, "catalogue") or allowed_sequences is not None)
+            and max_tokens_name not in req.model_fields_set):
+        # the engine's default with a catalogue: its longest item and the end-of-sequence token
+        max_tokens = None
     params = _engine_params(
         BeamSearchParams, beam_width=width, max_new_tokens=max_tokens,
         length_penalty=1.0 if req.length_penalty is None else req.length_penalty,
@@ -379,16 +388,18 @@ def _inline_catalogue(items: list[list[int]] | None) -> list[list[int]] | None:
         return None
     if len(items) > MAX_INLINE_ITEMS:
         raise invalid("allowed_sequences", f"allowed_sequences holds {len(items)} items; at most "
-                                           f"{MAX_INLINE_ITEMS} are taken inline (register a larger catalogue "
-                                           "at start-up: widebeam serve --catalogue NAME=PATH)")
+                                           f"{MAX_INLINE_ITEMS} are taken inline (register a larger "
+                                           "catalogue at start-up: widebeam serve --catalogue NAME=PATH)")
     for i, item in enumerate(items):
         if len(item) > MAX_INLINE_ITEM_TOKENS:
-            raise invalid("allowed_sequences", f"allowed_sequences[{i}] has {len(item)} tokens; an item has at "
-                                               f"most {MAX_INLINE_ITEM_TOKENS}")
+            raise invalid("allowed_sequences",
+                          f"allowed_sequences[{i}] has {len(item)} tokens; an item has at "
+                          f"most {MAX_INLINE_ITEM_TOKENS}")
         for token in item:
             if not 0 <= token <= MAX_TOKEN_ID:
-                raise invalid("allowed_sequences", f"allowed_sequences[{i}] holds {token}: token ids are >= 0 "
-                                                   "and within the model's vocabulary")
+                raise invalid("allowed_sequences",
+                              f"allowed_sequences[{i}] holds {token}: token ids are >= 0 "
+                              "and within the model's vocabulary")
     return items
 
 
@@ -477,12 +488,13 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 
 def choice(chat: bool, index: int, text: str, finish_reason: str | None, beam_score: float | None) -> dict:
     """One choice of a whole response."""
-    message = {"message": {"role": "assistant", "content": text}} if chat else {"text": text, "logprobs": None}
+    message = ({"message": {"role": "assistant", "content": text}} if chat
+               else {"text": text, "logprobs": None})
     return _choice(index, message, finish_reason, beam_score)
 
 
-def chunk_choice(chat: bool, index: int, text: str, finish_reason: str | None, beam_score: float | None = None,
-                 first: bool = False) -> dict:
+def chunk_choice(chat: bool, index: int, text: str, finish_reason: str | None,
+                 beam_score: float | None = None, first: bool = False) -> dict:
     """One choice of a streamed chunk: chat sends a delta (the role only in the first one)."""
     if chat:
         message = {"delta": {"role": "assistant", "content": text} if first else {"content": text}}

@@ -30,7 +30,8 @@ class ChoiceRenderer:
             return ""
         return self.tokenizer.decode(prompt["prompt_token_ids"], skip_special_tokens=False)
 
-    def whole(self, index: int, output: RequestOutput, completion: CompletionOutput, prompt_text: str) -> dict:
+    def whole(self, index: int, output: RequestOutput, completion: CompletionOutput,
+              prompt_text: str) -> dict:
         """One choice of a whole response (or a beam's closing stream chunk when `chunk`)."""
         return self._render(index, output, completion, prompt_text, chunk=False)
 
