@@ -307,7 +307,7 @@ class Request:
         num_dropped = self.num_prefilled_tokens + sum(num_generated - len(p) for p in self.pending_token_ids)
         self._earlier_peak_blocks = self._peak_blocks()
         self.kv.free()
-        self.kv = self.kv.cache.new_request(self.kv.key)
+        self.kv = self.kv.renew()
         self.num_prefilled_tokens = 0
         self.pending_token_ids = []
         self.max_feed_tokens = max_feed_tokens

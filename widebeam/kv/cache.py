@@ -83,10 +83,18 @@ class KVCache:
                 )
         return budgets
 
-    def new_request(self, key: PrefixKey | None = None) -> RequestKV:
+    def new_request(self, key: PrefixKey | None = None, encoder_tokens: int = 0) -> RequestKV:
         """The coordinator that does all of one request's allocation in these pools; with a prefix
-        `key`, it names the prompt blocks it computes so later requests find them."""
-        return RequestKV(self, key if self.enable_prefix_caching else None)
+        `key`, it names the prompt blocks it computes so later requests find them. `encoder_tokens`:
+        the encoder output's length (an encoder-decoder request's source), 0 for none."""
+        return RequestKV(self, key if self.enable_prefix_caching else None, encoder_tokens)
+
+    def max_refeed_tokens(self, max_tokens: int) -> int:
+        """The most tokens a request resumed after a preemption may re-feed in one step, in all, when
+        the step's budget allows `max_tokens`: fewer where a pool's bound assumes fewer writes per
+        sequence a step."""
+        limits = [m.max_refeed_tokens_per_sequence for m in self.managers.values()]
+        return min([max_tokens] + [limit for limit in limits if limit is not None])
 
     # -- prefix reuse -------------------------------------------------------------------------------
     def prefix_key(self, token_ids: Sequence[int], encoder_token_ids: Sequence[int] | None = None) -> PrefixKey:
