@@ -199,7 +199,8 @@ class LLMEngine:
             raise
         decoder = self._decoder(params, admission.max_new_tokens, logits_processors, catalogue, token_ids)
         kv = self.cache.new_request(key, len(encoder_token_ids or ()))
-        request = Request(request_id, text, token_ids, admission, kv, decoder, self.tokenizer, encoder_token_ids)
+        request = Request(request_id, text, token_ids, admission, kv, decoder,
+                          self.tokenizer, encoder_token_ids)
         if self.speculative:
             request.draft_length = DraftLength(self.num_draft_tokens, self.speculative.adaptive)
         self._requests[request_id] = request

@@ -53,7 +53,7 @@ class SimRequest:
         self.num_prefilled_tokens = 0
         self.beams: list[list[int]] = []  # generated tokens per live beam
         self.finished = False
-        self.num_preemptions = 0  # a `SimRequest` is never preempted (test_scheduling_policies_traces.py's are)
+        self.num_preemptions = 0  # never preempted (test_scheduling_policies_traces.py's requests are)
 
     # -- the scheduler's view --
     @property

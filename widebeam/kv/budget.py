@@ -72,7 +72,8 @@ def max_new_tokens_that_fit(
 
 
 def beam_width_that_fits(
-    capacity_blocks: int, prompt_tokens: int, max_new_tokens: int, tokens_per_block: int, extra_tokens: int = 0
+    capacity_blocks: int, prompt_tokens: int, max_new_tokens: int, tokens_per_block: int,
+    extra_tokens: int = 0,
 ) -> int:
     """Largest W with `full_attention_blocks(P, N, W, T, D) <= capacity`; 0 when none fits (2**31 - 1
     when W does not matter: N <= 1 holds the prompt alone)."""
@@ -135,7 +136,9 @@ def _blocks_spanned(first_position: int, last_position: int, tokens_per_block: i
 
 def _prefill_span_blocks(start: int, prompt_tokens: int, window_tokens: int, tokens_per_block: int,
                          prefill_chunk_tokens: int | None) -> int:
-    chunk = prompt_tokens - start if prefill_chunk_tokens is None else min(prefill_chunk_tokens, prompt_tokens - start)
+    chunk = prompt_tokens - start
+    if prefill_chunk_tokens is not None:
+        chunk = min(prefill_chunk_tokens, chunk)
     return _blocks_spanned(max(0, start - window_tokens + 1), start + chunk - 1, tokens_per_block)
 
 
@@ -195,10 +198,9 @@ def sliding_window_blocks(
     # validates the common arguments the same way the full-attention bound does
     full = full_attention_blocks(prompt_tokens, max_new_tokens, beam_width, t, extra_tokens)
     _check(refeed_tokens=refeed_tokens)
-    prefill_blocks = max(
-        _prefill_span_blocks(s, prompt_tokens, window_tokens, t, prefill_chunk_tokens)
-        for s in _prefill_chunk_starts(prompt_tokens, window_tokens, t, prefill_chunk_tokens, cached_prompt_tokens)
-    )
+    chunk = prefill_chunk_tokens
+    starts = _prefill_chunk_starts(prompt_tokens, window_tokens, t, chunk, cached_prompt_tokens)
+    prefill_blocks = max(_prefill_span_blocks(s, prompt_tokens, window_tokens, t, chunk) for s in starts)
     shared_end = (prompt_tokens // t) * t  # positions below this live in shared full prompt blocks
     decode_blocks = 0
     last_fed = prompt_tokens + max_new_tokens - 2  # the position of the last token ever fed

@@ -346,9 +346,10 @@ class SlidingWindowManager(FullAttentionManager):
         return range(first_visible // self.tokens_per_block, num_blocks)
 
     def required_blocks(self, request: KVRequest) -> int:
-        return sliding_window_blocks(request.prompt_tokens, request.max_new_tokens, request.beam_width,
-                                     self.tokens_per_block, self.window_tokens, self.prefill_chunk_tokens,
-                                     request.extra_tokens, request.refeed_tokens, request.cached_prompt_tokens)
+        r = request
+        return sliding_window_blocks(r.prompt_tokens, r.max_new_tokens, r.beam_width, self.tokens_per_block,
+                                     self.window_tokens, self.prefill_chunk_tokens, r.extra_tokens,
+                                     r.refeed_tokens, r.cached_prompt_tokens)
 
     def fit_hints(self, request: KVRequest) -> dict[str, int | None]:
         # the bound is monotone in N and W; `replace` keeps D and R (`refeed_tokens`) as requested

@@ -155,8 +155,9 @@ class RequestKV:
         """Whether the next prompt block past `hit` is one another request is about to compute."""
         if self.key is None or not pending:
             return False
-        i = hit.num_tokens // self.cache.tokens_per_block
-        max_blocks = min((self.key.prompt_tokens - 1) // self.cache.tokens_per_block, len(self.key.block_hashes))
+        t = self.cache.tokens_per_block
+        i = hit.num_tokens // t
+        max_blocks = min((self.key.prompt_tokens - 1) // t, len(self.key.block_hashes))
         return i < max_blocks and self.key.block_hashes[i] in pending
 
     def register_computed(self, num_prompt_tokens: int) -> None:
@@ -172,8 +173,8 @@ class RequestKV:
         for name, table in self.shared_tables.items():
             if name not in self._num_named_blocks:  # the encoder output: every block is complete
                 hashes = self.key.encoder_block_hashes
-                self._num_named_blocks[name] = self.cache[name].register(table, hashes,
-                                                                         len(hashes) * self.cache.tokens_per_block)
+                num_tokens = len(hashes) * self.cache.tokens_per_block
+                self._num_named_blocks[name] = self.cache[name].register(table, hashes, num_tokens)
 
     # -- allocating ---------------------------------------------------------------------------------
     def allocate_shared(self, num_tokens: int) -> dict[str, list[int]]:
@@ -195,7 +196,8 @@ class RequestKV:
                            for name, manager in self._managers(per_sequence=True)}
         elif self.num_sequences != 1:
             raise BlockStateError("a prompt is prefilled as one sequence, before any fork")
-        return {name: self.cache[name].append_slots(tables[0], num_tokens) for name, tables in self.tables.items()}
+        return {name: self.cache[name].append_slots(tables[0], num_tokens)
+                for name, tables in self.tables.items()}
 
     def decode_slots(self, num_tokens: int = 1) -> list[dict[str, list[int]]]:
         """Slots for `num_tokens` more tokens of every live sequence, per sequence: pool -> slots.
@@ -208,7 +210,8 @@ class RequestKV:
             manager = self.cache[name]
             for table in tables:
                 manager.trim(table)
-        return [{name: self.cache[name].append_slots(tables[i], num_tokens) for name, tables in self.tables.items()}
+        return [{name: self.cache[name].append_slots(tables[i], num_tokens)
+                 for name, tables in self.tables.items()}
                 for i in range(self.num_sequences)]
 
     def reorder(self, parent_indices: Sequence[int]) -> None:
@@ -264,7 +267,8 @@ class RequestKV:
             num_blocks = manager.append_blocks(tables, num_tokens)
             if num_blocks > num_free_blocks:
                 raise OutOfBlocksError(f"pool '{name}' has {num_free_blocks} free blocks; a step of "
-                                       f"{num_tokens} tokens for {num_sequences} sequences takes {num_blocks}")
+                                       f"{num_tokens} tokens for {num_sequences} sequences takes "
+                                       f"{num_blocks}")
 
     def _managers(self, per_sequence: bool) -> list[tuple[str, PoolManager]]:
         return [(name, m) for name, m in self.cache.managers.items() if m.spec.per_sequence == per_sequence]

@@ -76,7 +76,8 @@ class MaxUtilizationScheduler(Scheduler):
             if self._starving(head):
                 # its whole worst case; room is made by preempting newer requests, and if even that
                 # is not enough the guaranteed ones finish first (nothing newer is admitted meanwhile)
-                while not _fits(self._reservation(head, hit), self._available(out)) and self._victim() is not None:
+                while (not _fits(self._reservation(head, hit), self._available(out))
+                       and self._victim() is not None):
                     self._preempt_scheduled(out, self._victim())
                     hit = head.kv.find_hit()  # the victim's blocks may be cached now, no longer shared
                 if not _fits(self._reservation(head, hit), self._available(out)):

@@ -163,7 +163,8 @@ class Scheduler:
     @staticmethod
     def _reservation(request: SchedulableRequest, hit: PrefixHit) -> dict[str, int]:
         """A request's worst case less the prefix blocks it would share: what admission reserves."""
-        return {pool: blocks - hit.credit_blocks.get(pool, 0) for pool, blocks in request.admission.required_blocks.items()}
+        return {pool: blocks - hit.credit_blocks.get(pool, 0)
+                for pool, blocks in request.admission.required_blocks.items()}
 
     def _admit(self, out: SchedulerOutput, hit: PrefixHit, pending: set[bytes], budget: int) -> int:
         """Move the queue's head to the running requests with its prefix `hit` and schedule its
