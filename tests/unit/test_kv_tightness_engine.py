@@ -149,3 +149,35 @@ def test_encoder_decoder_reaches_the_bound_in_self_and_cross_pools(marian_llm, e
     assert output.required_blocks["self"] == full_attention_blocks(1, n, w, t)
     assert output.peak_blocks["self"] == written_blocks(1, n, w, t)
     assert output.peak_blocks == output.required_blocks  # n % t == 0 (the N-th token's block) included
+
+
+@pytest.fixture(scope="module")
+def speculative_llms(tiny_llama_dir):
+    llms = {}
+
+    def get(num_draft_tokens):
+        if num_draft_tokens not in llms:  # the model drafts for itself; every round drafts D nodes
+            llms[num_draft_tokens] = LLM(str(tiny_llama_dir), device="cpu", tokens_per_block=4,
+                                         kv_cache_memory="4MiB", max_beam_width=16, enable_prefix_caching=False,
+                                         speculative_model=str(tiny_llama_dir),
+                                         num_speculative_tokens=num_draft_tokens, speculative_adaptive=False)
+        return llms[num_draft_tokens]
+    return get
+
+
+# (P, N, W, D) at T = 4: the N-th token's block, N = 1 (no round at all), N = 2 (one round, at g = 1)
+SPECULATIVE_CASES = [(5, 4, 3, 2), (8, 9, 3, 3), (13, 1, 3, 2), (3, 6, 4, 1), (10, 2, 2, 4), (6, 7, 2, 2)]
+
+
+@pytest.mark.parametrize("prompt_tokens,max_new_tokens,beam_width,num_draft_tokens", SPECULATIVE_CASES)
+def test_speculative_rounds_reach_the_bound_in_the_target_and_draft_pools(
+        speculative_llms, prompt_tokens, max_new_tokens, beam_width, num_draft_tokens):
+    """The target's processor makes every beam diverge; the draft (which does not run it) is rejected,
+    so each round takes one step and the last begins at g = N - 1, taking its D slots: through
+    position P + N - 2 + D, what the bound counts, in the target's pool and the draft's alike."""
+    llm = speculative_llms(num_draft_tokens)
+    p, n, w, d, t = prompt_tokens, max_new_tokens, beam_width, num_draft_tokens, 4
+    output = run(llm, list(range(3, 3 + p)), BeamSearchParams(beam_width=w, max_new_tokens=n, ignore_eos=True))
+    assert set(output.required_blocks) == {"self", "draft"}
+    assert output.required_blocks == dict.fromkeys(["self", "draft"], full_attention_blocks(p, n, w, t, d))
+    assert output.peak_blocks == output.required_blocks
