@@ -158,8 +158,8 @@ def speculative_llms(tiny_llama_dir):
     def get(num_draft_tokens):
         if num_draft_tokens not in llms:  # the model drafts for itself; every round drafts D nodes
             llms[num_draft_tokens] = LLM(str(tiny_llama_dir), device="cpu", tokens_per_block=4,
-                                         kv_cache_memory="4MiB", max_beam_width=16, enable_prefix_caching=False,
-                                         speculative_model=str(tiny_llama_dir),
+                                         kv_cache_memory="4MiB", max_beam_width=16,
+                                         enable_prefix_caching=False, speculative_model=str(tiny_llama_dir),
                                          num_speculative_tokens=num_draft_tokens, speculative_adaptive=False)
         return llms[num_draft_tokens]
     return get
@@ -177,7 +177,8 @@ def test_speculative_rounds_reach_the_bound_in_the_target_and_draft_pools(
     position P + N - 2 + D, what the bound counts, in the target's pool and the draft's alike."""
     llm = speculative_llms(num_draft_tokens)
     p, n, w, d, t = prompt_tokens, max_new_tokens, beam_width, num_draft_tokens, 4
-    output = run(llm, list(range(3, 3 + p)), BeamSearchParams(beam_width=w, max_new_tokens=n, ignore_eos=True))
+    params = BeamSearchParams(beam_width=w, max_new_tokens=n, ignore_eos=True)
+    output = run(llm, list(range(3, 3 + p)), params)
     assert set(output.required_blocks) == {"self", "draft"}
     assert output.required_blocks == dict.fromkeys(["self", "draft"], full_attention_blocks(p, n, w, t, d))
     assert output.peak_blocks == output.required_blocks
