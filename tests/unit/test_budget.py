@@ -99,9 +99,9 @@ def test_beam_width_that_fits_is_the_largest(capacity, prompt_tokens, max_new_to
 def test_the_inverses_are_exact_against_every_value():
     """Both inverses against a brute-force search, with D, N <= 1 (the prompt alone, whatever W) and
     pools too small for even the prompt."""
-    for p, t, d, capacity in itertools.product((1, 3, 4, 9), (1, 2, 4), (0, 1, 3), range(0, 14)):
+    for p, t, d, capacity in itertools.product((1, 3, 4, 9), (1, 2, 4), (0, 1, 3), range(14)):
         for w in (1, 2, 5):
-            fits = [n for n in range(0, 60) if full_attention_blocks(p, n, w, t, d) <= capacity]
+            fits = [n for n in range(60) if full_attention_blocks(p, n, w, t, d) <= capacity]
             n = max_new_tokens_that_fit(capacity, p, w, t, d)
             assert (n == max(fits)) if fits and max(fits) >= 1 else n <= 0, (p, t, d, capacity, w)
         for n in (0, 1, 2, 5, 9):
