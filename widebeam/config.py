@@ -156,10 +156,6 @@ class EngineConfig:
         elif num_speculative_tokens is not None:
             raise InvalidParameterError("num_speculative_tokens", "{num_speculative_tokens} needs "
                                         "{speculative_model} or {speculative_method}")
-        if speculative is not None and scheduling_policy == "max_utilization":
-            raise InvalidParameterError("scheduling_policy", "{scheduling_policy}='max_utilization' needs an engine "
-                                        "without speculative decoding: drop the speculative options or use "
-                                        "'guaranteed_no_evict'")
         return cls(ModelConfig(model, dtype, device, attention_backend, linear_backend),
                    CacheConfig(kv_cache_memory, kv_cache_fraction, tokens_per_block, bool(enable_prefix_caching),
                                _pinned_prefixes(pinned_prefixes, enable_prefix_caching)),

@@ -189,8 +189,8 @@ class LLMEngine:
             raise
         decoder = self._decoder(params, admission.max_new_tokens, logits_processors, catalogue, token_ids)
         draft_length = DraftLength(self.num_draft_tokens, self.speculative.adaptive) if self.speculative else None
-        request = Request(request_id, text, token_ids, admission, self.cache.new_request(key), decoder,
-                          output_stream(decoder, self.tokenizer), encoder_token_ids, draft_length)
+        request = Request(request_id, text, token_ids, admission, self.cache.new_request(key, len(encoder_token_ids or ())),
+                          decoder, output_stream(decoder, self.tokenizer), encoder_token_ids, draft_length)
         self._requests[request_id] = request
         self.scheduler.add(request)
         return list(request.source_token_ids)

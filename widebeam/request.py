@@ -86,18 +86,11 @@ class Request:
         now (`num_feed_tokens`), and up to `num_draft_tokens` drafted ones each when speculating."""
         return sum(min(len(pending), self.num_feed_tokens) + num_draft_tokens for pending in self.pending_token_ids)
 
-    # TODO(merge): the scheduler reads these through `kv` once sched/ talks to RequestKV directly.
-    def remaining_blocks(self) -> dict[str, int]:
-        return self.kv.remaining_blocks(self.admission.required_blocks)
-
-    def find_prefix_hit(self):
-        return self.kv.cache.find_hit(self.kv.key)
-
-    def unnamed_prompt_blocks(self) -> tuple[bytes, ...]:
-        return self.kv.unnamed_prompt_blocks()
-
-    def gains_by_waiting(self, hit, pending: set[bytes]) -> bool:
-        return self.kv.gains_by_waiting(hit, pending)
+    def num_round_tokens(self, num_draft_tokens: int = 0) -> int:
+        """Tokens per live sequence the next round takes slots for: those it feeds, and up to
+        `num_draft_tokens` drafted ones unless it is re-feeding after a preemption."""
+        num_fed = self.num_feed_tokens
+        return num_fed + (num_draft_tokens if num_fed == len(self.pending_token_ids[0]) else 0)
 
     def take_prefix_hit(self, hit) -> None:
         """Admitted: start from the cached blocks; the prefill begins after them (and skips the
@@ -224,7 +217,7 @@ class Request:
         num_dropped = self.num_prefilled_tokens + sum(num_generated - len(p) for p in self.pending_token_ids)
         self._earlier_peak_blocks = self._peak_blocks()
         self.kv.free()
-        self.kv = self.kv.cache.new_request(self.kv.key)
+        self.kv = self.kv.renew()
         self.num_prefilled_tokens = 0
         self.pending_token_ids = []
         self.max_feed_tokens = max_feed_tokens

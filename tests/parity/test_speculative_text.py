@@ -79,10 +79,10 @@ def test_a_request_that_never_fits_the_draft_pool_is_rejected_naming_it():
                      (FullAttentionSpec(name="draft", num_layers=1, **shape), 28)], t)
     free = cache.num_free_blocks()
     with pytest.raises(RequestTooLargeError) as info:
-        admit_check(cache, 512, 10, 20, beam_width=4, extra_tokens=3, refeed_tokens=3)
+        admit_check(cache, 512, 10, 20, beam_width=4, extra_tokens=4, refeed_tokens=4)
     error = info.value
     assert error.pool == "draft"
-    required = 10 // t + -(-(10 % t + 20 + 3) // t) * 4  # floor(P/T) + ceil((P mod T + N + D)/T) * W
+    required = 10 // t + -(-(10 % t + 20 - 1 + 4) // t) * 4  # floor(P/T) + ceil((P mod T + N - 1 + D)/T) * W
     assert (error.required_blocks, error.capacity_blocks) == (required, 28)
     assert "draft" in str(error) and "beam_width" in str(error)
     assert cache.num_free_blocks() == free

@@ -53,13 +53,14 @@ def test_oversized_request_error_names_pool_numbers_and_what_fits():
     assert isinstance(err, ValueError)
     assert (err.pool, err.required_blocks, err.capacity_blocks) == ("self", 1280, 900)
     assert (err.prompt_len, err.max_new_tokens, err.beam_width) == (4096, 64, 256)
-    # 900 - 256 shared = 644 blocks; 644 // 256 = 2 blocks per beam -> 32 new tokens
-    assert err.max_new_tokens_that_fit == 32
+    # 900 - 256 shared = 644 blocks; 644 // 256 = 2 blocks per beam -> 32 written tokens, so 33 new
+    # ones (the last is never written)
+    assert err.max_new_tokens_that_fit == 33
     # 644 // 4 blocks per beam = 161 beams
     assert err.beam_width_that_fits == 161
     message = str(err)
     for fragment in ("'self'", "1280", "900", "prompt_len=4096", "max_new_tokens=64", "beam_width=256",
-                     "max_new_tokens <= 32", "beam_width <= 161"):
+                     "max_new_tokens <= 33", "beam_width <= 161"):
         assert fragment in message
 
 

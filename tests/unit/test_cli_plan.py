@@ -64,7 +64,7 @@ def test_plan_reads_a_config_json(tmp_path):
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert result["bytes_per_token"] == 2 * 2 * 2 * 16 * 2
-    assert result["pools"][0]["required_blocks"] == 6 + math.ceil((4 + 10) / 16) * 4
+    assert result["pools"][0]["required_blocks"] == 6 + math.ceil((4 + 10 - 1) / 16) * 4
 
 
 @pytest.mark.parametrize("beam_width", [1, 16])
@@ -75,8 +75,9 @@ def test_plan_encoder_decoder_shows_the_cross_pool_once_per_request(beam_width):
     result = json.loads(proc.stdout)
     assert result["request"]["encoder_len"] == 200 and result["request"]["prompt_len"] == 1
     required = {pool["name"]: pool["required_blocks"] for pool in result["pools"]}
-    # the decoder starts from one token; the source's K/V are held once, whatever the width
-    assert required == {"self": beam_width * math.ceil((1 + 128) / 16), "cross": math.ceil(200 / 16)}
+    # the decoder starts from one token (and writes N - 1 more); the source's K/V are held once,
+    # whatever the width
+    assert required == {"self": beam_width * math.ceil((1 + 128 - 1) / 16), "cross": math.ceil(200 / 16)}
 
 
 def test_plan_table_shows_both_models():

@@ -65,7 +65,7 @@ def test_plan_shows_both_pools_and_cross_blocks_do_not_grow_with_beams(tiny_mari
             assert set(pools) == {"self", "cross"}
             assert pools["cross"]["required_blocks"] == math.ceil(100 / 16)
             # decoder prompt = the start token alone
-            assert pools["self"]["required_blocks"] == math.ceil((1 + 40) / 16) * width
+            assert pools["self"]["required_blocks"] == math.ceil((1 + 40 - 1) / 16) * width
             assert result["request"]["encoder_len"] == 100
             assert result["naive"]["cross_required_blocks"] == math.ceil(100 / 16) * width
     default = plan(load_arch("opus-mt-en-de"), PlanInputs(memory_bytes=2**30, beam_width=4, prompt_len=70,

@@ -1,5 +1,8 @@
 """The sliding-window pool's contract, against the real allocator: held blocks never exceed
-`sliding_window_blocks`, an adversarial trace reaches it exactly, and everything comes back."""
+`sliding_window_blocks`, an adversarial trace reaches it exactly, and everything comes back.
+
+The traces follow the engine's protocol: N generated tokens take N - 1 decode steps after the
+prompt (the N-th token is chosen, never written)."""
 
 from __future__ import annotations
 
@@ -96,7 +99,7 @@ def test_random_traces_never_exceed_required(prompt_tokens, max_new_tokens, beam
         chunks.append(data.draw(st.integers(1, min(left, chunk_tokens))))
         left -= chunks[-1]
     beams = trace.prefill(chunks)
-    for _ in range(data.draw(st.integers(0, max_new_tokens))):
+    for _ in range(data.draw(st.integers(0, max_new_tokens - 1))):
         parents = data.draw(st.lists(st.integers(0, len(beams) - 1), min_size=len(beams), max_size=len(beams)))
         beams = trace.step(parents)
     trace.finish(beams)
@@ -113,7 +116,7 @@ def test_adversarial_traces_reach_required_exactly(prompt_tokens, max_new_tokens
             trace = SlidingTrace(prompt_tokens, max_new_tokens, beam_width, tokens_per_block, window_tokens,
                                  chunk_tokens)
             beams = trace.prefill(split(prompt_tokens, min(tail_first, prompt_tokens), chunk_tokens))
-            for _ in range(max_new_tokens):
+            for _ in range(max_new_tokens - 1):
                 beams = trace.step(list(range(beam_width)))
             trace.finish(beams)
             peak = max(peak, trace.peak_blocks)

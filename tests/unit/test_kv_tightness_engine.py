@@ -7,12 +7,10 @@ That is the worst case the bound describes, and the engine must reach it exactly
 (`self`), sliding-window and cross pools.
 
 What the engine writes: the prompt (P tokens, once), then one token per beam per decode step; the
-N-th generated token is chosen but never fed, so a beam's table ends at P + N - 1 tokens. The bound
-(`kv/budget.py`) counts N, so it is one block per beam above the peak exactly when the N-th token
-would open a new block ((P mod T + N - 1) mod T == 0), and at N = 1 (no decode step: the prompt
-alone). The table pins that slack to what the engine writes: the peak equals the bound evaluated on
-N - 1 written tokens (the bare allocator's exact figure for that trace), and equals `required_blocks`
-in every other configuration.
+N-th generated token is chosen but never fed, so a beam's table ends at P + N - 1 tokens, and at
+N = 1 no decode step runs (the prompt alone, held once). The bound (`kv/budget.py`) counts what is
+written, so the peak equals `required_blocks` in every configuration, among them those where the
+N-th token would have opened a block ((P mod T + N - 1) mod T == 0) and N = 1.
 """
 
 from __future__ import annotations
@@ -59,11 +57,13 @@ def run(llm, prompt_token_ids, params):
     return output
 
 
-def written_bound(blocks, prompt_tokens, max_new_tokens, *args, prompt_only):
-    """The bound for the tokens the engine writes: N - 1 generated per beam; N = 1 is the prompt alone."""
-    if max_new_tokens <= 1:
-        return prompt_only
-    return blocks(prompt_tokens, max_new_tokens - 1, *args)
+def written_blocks(prompt_tokens, max_new_tokens, beam_width, tokens_per_block):
+    """The full-attention blocks of what the engine writes, counted by hand: the full prompt blocks
+    once, and per beam its partial prompt block and N - 1 generated tokens; N = 1 is the prompt alone."""
+    p, n, w, t = prompt_tokens, max_new_tokens, beam_width, tokens_per_block
+    if n <= 1:
+        return ceil_div(p, t)
+    return p // t + ceil_div(p % t + n - 1, t) * w
 
 
 WINDOW = 8
@@ -72,7 +72,7 @@ WINDOW = 8
 CASES = [
     (40, 30, 4, 4),
     (5, 2, 3, 4),
-    (5, 4, 3, 4),  # the N-th token would open a block: bound one block per beam above the peak
+    (5, 4, 3, 4),  # the N-th token would have opened a block: once one block per beam of slack
     (8, 9, 3, 4),
     (8, 12, 3, 4),
     (13, 12, 5, 4),
@@ -116,18 +116,16 @@ def test_every_beam_diverging_reaches_the_bound_in_self_and_sliding_pools(
     assert output.required_blocks["self"] == full_attention_blocks(p, n, w, t)
     assert output.required_blocks[sliding] == sliding_window_blocks(p, n, w, t, WINDOW, chunk)
 
-    # the peak is the exact bound of what the engine writes ...
-    exact_self = written_bound(full_attention_blocks, p, n, w, t, prompt_only=ceil_div(p, t))
-    exact_sliding = written_bound(sliding_window_blocks, p, n, w, t, WINDOW, chunk,
-                                  prompt_only=sliding_window_blocks(p, 1, 1, t, WINDOW, chunk))
+    # the peak is the exact count of what the engine writes ...
+    exact_self = written_blocks(p, n, w, t)
+    exact_sliding = sliding_window_blocks(p, n, w, t, WINDOW, chunk)
     assert output.peak_blocks == {"self": exact_self, sliding: exact_sliding}
-    # ... which is `required_blocks` unless the N-th (never written) token would open a block
-    if n > 1 and (p % t + n - 1) % t != 0:
-        assert output.peak_blocks == output.required_blocks
-    elif n > 1:  # one block per beam
-        assert output.required_blocks["self"] - output.peak_blocks["self"] == w
-    else:  # the prompt alone: its partial block once, where the bound counts one per beam
-        assert output.required_blocks["self"] - output.peak_blocks["self"] == w - (p % t > 0)
+    # ... which is `required_blocks`, the N-th token's block and N = 1 included
+    assert output.peak_blocks == output.required_blocks
+    if n > 1 and (p % t + n - 1) % t == 0:  # where the bound once counted one block per beam more
+        assert full_attention_blocks(p, n, w, t) == exact_self
+    elif n == 1:  # the prompt alone, its partial block once
+        assert output.required_blocks["self"] == ceil_div(p, t)
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +147,38 @@ def test_encoder_decoder_reaches_the_bound_in_self_and_cross_pools(marian_llm, e
     output = run(marian_llm, list(range(3, 3 + e)), BeamSearchParams(beam_width=w, max_new_tokens=n, ignore_eos=True))
     assert output.required_blocks["cross"] == output.peak_blocks["cross"] == cross_attention_blocks(e, t)
     assert output.required_blocks["self"] == full_attention_blocks(1, n, w, t)
-    assert output.peak_blocks["self"] == full_attention_blocks(1, n - 1, w, t)
-    if n % t != 0:  # (P mod T + N - 1) mod T with P = 1
-        assert output.peak_blocks == output.required_blocks
+    assert output.peak_blocks["self"] == written_blocks(1, n, w, t)
+    assert output.peak_blocks == output.required_blocks  # n % t == 0 (the N-th token's block) included
+
+
+@pytest.fixture(scope="module")
+def speculative_llms(tiny_llama_dir):
+    llms = {}
+
+    def get(num_draft_tokens):
+        if num_draft_tokens not in llms:  # the model drafts for itself; every round drafts D nodes
+            llms[num_draft_tokens] = LLM(str(tiny_llama_dir), device="cpu", tokens_per_block=4,
+                                         kv_cache_memory="4MiB", max_beam_width=16,
+                                         enable_prefix_caching=False, speculative_model=str(tiny_llama_dir),
+                                         num_speculative_tokens=num_draft_tokens, speculative_adaptive=False)
+        return llms[num_draft_tokens]
+    return get
+
+
+# (P, N, W, D) at T = 4: the N-th token's block, N = 1 (no round at all), N = 2 (one round, at g = 1)
+SPECULATIVE_CASES = [(5, 4, 3, 2), (8, 9, 3, 3), (13, 1, 3, 2), (3, 6, 4, 1), (10, 2, 2, 4), (6, 7, 2, 2)]
+
+
+@pytest.mark.parametrize("prompt_tokens,max_new_tokens,beam_width,num_draft_tokens", SPECULATIVE_CASES)
+def test_speculative_rounds_reach_the_bound_in_the_target_and_draft_pools(
+        speculative_llms, prompt_tokens, max_new_tokens, beam_width, num_draft_tokens):
+    """The target's processor makes every beam diverge; the draft (which does not run it) is rejected,
+    so each round takes one step and the last begins at g = N - 1, taking its D slots: through
+    position P + N - 2 + D, what the bound counts, in the target's pool and the draft's alike."""
+    llm = speculative_llms(num_draft_tokens)
+    p, n, w, d, t = prompt_tokens, max_new_tokens, beam_width, num_draft_tokens, 4
+    params = BeamSearchParams(beam_width=w, max_new_tokens=n, ignore_eos=True)
+    output = run(llm, list(range(3, 3 + p)), params)
+    assert set(output.required_blocks) == {"self", "draft"}
+    assert output.required_blocks == dict.fromkeys(["self", "draft"], full_attention_blocks(p, n, w, t, d))
+    assert output.peak_blocks == output.required_blocks

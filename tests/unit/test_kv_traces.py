@@ -5,6 +5,10 @@ beam diverging, chunked prefill) and checks, after every single allocator call, 
 blocks the request holds never exceed `required_blocks`. The pool is sized to exactly
 `required_blocks`, so an overshoot would also fail as OutOfBlocksError. Adversarial traces show the
 bound is reached exactly, and every trace ends with the pool's free count back at its start.
+
+The traces follow the engine's protocol: the prompt's forward pass chooses the first token, and a
+decode step writes one token per beam and chooses the next, so N generated tokens take N - 1 steps
+(the N-th token is chosen, never written).
 """
 
 from __future__ import annotations
@@ -90,7 +94,7 @@ def _chunks(data, prompt_tokens: int) -> list[int]:
 def test_random_traces_never_exceed_required(prompt_tokens, max_new_tokens, beam_width, tokens_per_block, data):
     trace = CheckedTrace(prompt_tokens, max_new_tokens, beam_width, tokens_per_block)
     beams = trace.prefill(_chunks(data, prompt_tokens))
-    for _ in range(data.draw(st.integers(0, max_new_tokens), label="steps")):
+    for _ in range(data.draw(st.integers(0, max_new_tokens - 1), label="steps")):
         # Beams may finish (fewer survivors) and survivors may share parents in any pattern.
         num_live = data.draw(st.integers(1, len(beams)), label="live") if beams else 0
         if num_live == 0:
@@ -122,7 +126,7 @@ def test_adversarial_traces_reach_required_exactly(prompt_tokens, max_new_tokens
                                                    pattern):
     trace = CheckedTrace(prompt_tokens, max_new_tokens, beam_width, tokens_per_block)
     beams = trace.prefill([prompt_tokens])
-    for step in range(max_new_tokens):
+    for step in range(max_new_tokens - 1):
         beams = trace.step(beams, ADVERSARIAL_PATTERNS[pattern](beam_width, step))
     assert trace.peak_blocks == trace.required_blocks
     trace.finish(beams)
@@ -139,7 +143,7 @@ def test_one_surviving_branch_holds_like_greedy(prompt_tokens, max_new_tokens, b
     """All beams pruned down to one lineage: the request holds what a single sequence would."""
     trace = CheckedTrace(prompt_tokens, max_new_tokens, beam_width, tokens_per_block)
     beams = trace.prefill([prompt_tokens])
-    for _ in range(max_new_tokens):
+    for _ in range(max_new_tokens - 1):
         beams = trace.step(beams, [0] * beam_width)
     survivor = beams[0]
     for beam in beams[1:]:
@@ -167,7 +171,8 @@ def test_copy_on_write_copies_only_the_shared_partial_block():
 
 
 def test_copies_are_queued_src_to_dst():
-    trace = CheckedTrace(prompt_tokens=3, max_new_tokens=1, beam_width=2, tokens_per_block=4)
+    # N = 2: one decode step writes one token per beam (N = 1 writes nothing past the prompt)
+    trace = CheckedTrace(prompt_tokens=3, max_new_tokens=2, beam_width=2, tokens_per_block=4)
     beams = trace.prefill([3])
     shared = beams[0].block_ids[0]
     beams = trace.manager.reorder(beams, [0, 1])

@@ -24,7 +24,8 @@ P, N, W, T = 1000, 64, 8, 16
 
 
 def required(p: int, n: int, w: int, t: int, d: int = 0) -> int:
-    return p // t + math.ceil((p % t + n + d) / t) * w
+    """The prompt once, and per beam its partial block, N - 1 written tokens and D draft slots."""
+    return p // t + math.ceil((p % t + n - 1 + d) / t) * w
 
 
 def inputs(speculative: SpeculativeConfig | None = None, memory: int = 2**31, **kwargs) -> PlanInputs:
@@ -66,8 +67,8 @@ def test_d_increases_the_targets_required_blocks():
     arch = load_arch(SMOLLM2)
     plain = by_name(plan(arch, inputs()))["self"]["required_blocks"]
     assert plain == required(P, N, W, T)
-    # P mod T = 8: 8 + 64 = 72 tokens per beam take 5 blocks (80 slots); D = 8 still fits them, D = 9 a sixth
-    for d, extra_blocks_per_beam in ((1, 0), (8, 0), (9, 1), (24, 1), (25, 2), (64, 4)):
+    # P mod T = 8: 8 + 63 = 71 tokens per beam take 5 blocks (80 slots); D = 9 still fits them, D = 10 a sixth
+    for d, extra_blocks_per_beam in ((1, 0), (9, 0), (10, 1), (25, 1), (26, 2), (64, 4)):
         with_d = by_name(plan(arch, inputs(SpeculativeConfig("ngram", None, d))))["self"]["required_blocks"]
         assert with_d == required(P, N, W, T, d) == plain + extra_blocks_per_beam * W
 

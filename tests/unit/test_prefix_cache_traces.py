@@ -37,8 +37,9 @@ def sliding(window_tokens: int) -> SlidingWindowSpec:
 
 
 class SimRequest:
-    """One request as the scheduler sees it (the `SchedulableRequest` protocol), with the engine's
-    step order: prefill chunks, then beams that fork, diverge, and finish."""
+    """One request as the scheduler sees it (the `SchedulableRequest` protocol; its blocks through the
+    real `RequestKV`), with the engine's step order: prefill chunks, then beams that fork, diverge,
+    and finish."""
 
     def __init__(self, request_id, cache, prompt, max_new_tokens, beam_width, rng, max_seq_len=10_000):
         self.request_id = request_id
@@ -52,6 +53,7 @@ class SimRequest:
         self.num_prefilled_tokens = 0
         self.beams: list[list[int]] = []  # generated tokens per live beam
         self.finished = False
+        self.num_preemptions = 0  # never preempted (test_scheduling_policies_traces.py's requests are)
 
     # -- the scheduler's view --
     @property
@@ -66,20 +68,15 @@ class SimRequest:
     def num_live_sequences(self):
         return len(self.beams)
 
+    @property
+    def num_feed_tokens(self):
+        return 1 if self.beams else 0  # one token per live beam a decode step
+
     def num_step_tokens(self, num_draft_tokens=0):
         return len(self.beams)
 
-    def remaining_blocks(self):
-        return self.kv.remaining_blocks(self.admission.required_blocks)
-
-    def find_prefix_hit(self):
-        return self.kv.cache.find_hit(self.key)
-
-    def unnamed_prompt_blocks(self):
-        return self.kv.unnamed_prompt_blocks()
-
-    def gains_by_waiting(self, hit, pending):
-        return self.kv.gains_by_waiting(hit, pending)
+    def num_round_tokens(self, num_draft_tokens=0):
+        return self.num_feed_tokens  # no drafter: a round feeds its pending tokens alone
 
     def take_prefix_hit(self, hit):
         self.on_hit(self, hit)

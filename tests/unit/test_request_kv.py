@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from widebeam.errors import BlockStateError
+from widebeam.errors import BlockStateError, OutOfBlocksError
 from widebeam.kv.budget import KVRequest
 from widebeam.kv.cache import KVCache
 from widebeam.kv.spec import CrossAttentionSpec, FullAttentionSpec, SlidingWindowSpec
@@ -55,7 +55,7 @@ def test_random_traces_stay_within_every_pool(data, prompt_tokens, max_new_token
         left -= chunk
         check(cache, kv)
     kv.reorder([0] * beam_width)
-    for _ in range(data.draw(st.integers(0, max_new_tokens))):
+    for _ in range(data.draw(st.integers(0, max_new_tokens - 1))):  # the N-th token is never written
         live = kv.num_sequences
         if speculative_tokens:  # draft tokens written, then all but the first rolled back
             committed = [kv.num_tokens(i) for i in range(live)]
@@ -107,3 +107,111 @@ def test_sliding_pool_refuses_a_rollback_below_what_its_window_released():
     assert kv.num_tokens(0) == 17  # all pools or none: the full pool was not rolled back either
     kv.truncate(0, 16)  # back to the committed length is always possible
     kv.free()
+
+
+def free_blocks(cache: KVCache) -> dict[str, int]:
+    return cache.num_free_blocks()
+
+
+def taken(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {name: before[name] - after[name] for name in before}
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), prompt_tokens=st.integers(1, 30), shared_tokens=st.integers(0, 30),
+       beam_width=st.integers(1, 4), tokens_per_block=st.sampled_from([1, 2, 3, 4]),
+       window_tokens=st.integers(1, 12), chunk_tokens=st.integers(1, 16), encoder_tokens=st.integers(0, 9),
+       num_tokens=st.integers(1, 4))
+def test_step_blocks_are_what_the_step_takes(data, prompt_tokens, shared_tokens, beam_width, tokens_per_block,
+                                             window_tokens, chunk_tokens, encoder_tokens, num_tokens):
+    """`first_step_blocks` and `step_blocks` (and each manager's `append_blocks`, trims included) are
+    exactly the free blocks the allocation then takes, in every pool: with a prefix hit on blocks
+    another running request holds (shared, or copied by a sliding pool) or has left cached, with
+    shared partial blocks copied on write, and with windows that give blocks back."""
+    specs = [FullAttentionSpec(name="self", **COMMON),
+             SlidingWindowSpec(name="sliding", window_tokens=window_tokens, **COMMON),
+             CrossAttentionSpec(name="cross", **COMMON)]
+    cache = KVCache([(s, 10**4) for s in specs], tokens_per_block, chunk_tokens, enable_prefix_caching=True)
+    prefix = list(range(100, 100 + shared_tokens))
+    encoder = list(range(7, 7 + encoder_tokens))
+
+    def run(prompt, kv, num_steps):
+        hit = kv.find_hit()
+        left = len(prompt) - hit.num_tokens
+        chunk = min(left, chunk_tokens)
+        before = free_blocks(cache)
+        expected = kv.first_step_blocks(hit, chunk)
+        kv.take_hit(hit)
+        if encoder_tokens and not kv.shared_tables:
+            kv.allocate_shared(encoder_tokens)
+        kv.prefill_slots(chunk)
+        assert taken(before, free_blocks(cache)) == {**dict.fromkeys(before, 0), **expected}
+        left -= chunk
+        kv.register_computed(len(prompt) - left)
+        while left:
+            chunk = min(left, chunk_tokens)
+            before, expected = free_blocks(cache), kv.step_blocks(chunk)
+            kv.prefill_slots(chunk)
+            got = taken(before, free_blocks(cache))  # a window's trim may give back more than it takes
+            assert {name: max(n, 0) for name, n in got.items()} == {**dict.fromkeys(before, 0), **expected}
+            left -= chunk
+            kv.register_computed(len(prompt) - left)
+        kv.reorder([0] * beam_width)
+        for _ in range(num_steps):
+            n = data.draw(st.integers(1, num_tokens))
+            before = free_blocks(cache)
+            expected = kv.step_blocks(n)
+            exact = {name: cache[name].append_blocks(tables, n) for name, tables in kv.tables.items()}
+            kv.decode_slots(n)
+            got = taken(before, free_blocks(cache))
+            assert {name: got[name] for name in exact} == exact
+            assert {name: max(got[name], 0) for name in expected} == expected
+            assert all(got[name] == 0 for name in got if name not in expected)
+            cache.take_copies()
+            live = kv.num_sequences
+            kv.reorder(data.draw(st.lists(st.integers(0, live - 1), min_size=1, max_size=beam_width)))
+
+    first_prompt = prefix + list(range(500, 500 + prompt_tokens))
+    first = cache.new_request(cache.prefix_key(first_prompt, encoder or None), encoder_tokens)
+    run(first_prompt, first, data.draw(st.integers(0, 4)))
+    if data.draw(st.booleans()):
+        first.free()  # its blocks stay cached, evictable, for the second
+    second_prompt = prefix + list(range(900, 900 + prompt_tokens))
+    second = cache.new_request(cache.prefix_key(second_prompt, encoder or None), encoder_tokens)
+    run(second_prompt, second, data.draw(st.integers(0, 6)))
+
+
+def test_decode_slots_refuses_a_step_the_pool_cannot_hold_before_it_changes_anything():
+    cache = KVCache([(FullAttentionSpec(name="self", **COMMON), 3)], 4)
+    kv = cache.new_request()
+    kv.prefill_slots(6)  # two blocks, the second partial
+    kv.reorder([0, 0, 0])  # three beams share it: the step copies it twice, one block free
+    assert kv.step_blocks(1) == {"self": 2}
+    with pytest.raises(OutOfBlocksError, match="pool 'self' has 1 free blocks"):
+        kv.decode_slots(1)
+    assert kv.held_blocks() == {"self": 2} and [kv.num_tokens(i) for i in range(3)] == [6, 6, 6]
+    kv.drop([2])  # two beams: one copy, which fits
+    kv.decode_slots(1)
+    assert kv.held_blocks() == {"self": 3}
+
+
+def test_the_refeed_rule_is_the_cache_s():
+    full = FullAttentionSpec(name="self", **COMMON)
+    sliding = SlidingWindowSpec(name="sliding", window_tokens=4, **COMMON)
+    assert KVCache([(full, 8)], 4).max_refeed_tokens(64) == 64
+    assert KVCache([(full, 8), (sliding, 8)], 4).max_refeed_tokens(64) == 1
+
+
+def test_a_renewed_coordinator_keeps_the_key_and_the_encoder_output_but_holds_nothing():
+    specs = [FullAttentionSpec(name="self", **COMMON), CrossAttentionSpec(name="cross", **COMMON)]
+    cache = KVCache([(spec, 8) for spec in specs], 4, enable_prefix_caching=True)
+    key = cache.prefix_key([3, 4, 5, 6, 7], [9] * 6)
+    kv = cache.new_request(key, encoder_tokens=6)
+    assert kv.step_blocks(5) == {"self": 2, "cross": 2}
+    kv.allocate_shared(6)
+    kv.prefill_slots(5)
+    assert kv.step_blocks(1) == {"self": 0}  # the encoder output is written
+    kv.free()
+    fresh = kv.renew()
+    assert fresh.key is key and fresh.encoder_tokens == 6 and fresh.held_blocks() == {"self": 0, "cross": 0}
+    assert fresh.step_blocks(5) == {"self": 2, "cross": 2}

@@ -88,8 +88,10 @@ def test_engine_settings_check_the_policy():
     for bad in (-1, 1.5, True):
         with pytest.raises(InvalidParameterError, match="max_preemptions"):
             EngineConfig.from_kwargs("m", max_preemptions=bad)
-    with pytest.raises(InvalidParameterError, match="speculative"):
-        EngineConfig.from_kwargs("m", scheduling_policy="max_utilization", speculative_method="ngram")
+    # one step loop for plain and speculative decoding: a speculative engine preempts too
+    # (tests/unit/test_preemption_speculative.py)
+    config = EngineConfig.from_kwargs("m", scheduling_policy="max_utilization", speculative_method="ngram")
+    assert config.scheduler.scheduling_policy == "max_utilization" and config.speculative.method == "ngram"
 
 
 def test_llm_takes_the_policy(tiny_llama_dir):

@@ -51,7 +51,7 @@ class PreemptibleRequest(SimRequest):
     def preempt(self, max_feed_tokens=None):
         dropped = self.num_prefilled_tokens + self.num_fed * len(self.beams)
         self.kv.free()
-        self.kv = self.kv.cache.new_request(self.key)
+        self.kv = self.kv.renew()
         self.num_prefilled_tokens = 0
         self.num_fed = 0
         self.max_feed_tokens = max_feed_tokens

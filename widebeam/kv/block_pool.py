@@ -80,7 +80,8 @@ class BlockPool:
 
     def allocate_many(self, num_blocks: int) -> list[int]:
         if num_blocks > self.num_free_blocks:
-            raise OutOfBlocksError(f"pool '{self.name}' has {self.num_free_blocks} free blocks, {num_blocks} requested")
+            raise OutOfBlocksError(f"pool '{self.name}' has {self.num_free_blocks} free blocks, "
+                                   f"{num_blocks} requested")
         return [self.allocate() for _ in range(num_blocks)]
 
     def inc_ref(self, block_id: int) -> None:
@@ -124,7 +125,8 @@ class BlockPool:
         use. Returns True when it was evictable (the hit took it from what could be handed out)."""
         self._check_id(block_id)
         if block_id not in self._block_to_hash:
-            raise BlockStateError(f"pool '{self.name}': touch on block {block_id}, which holds no cached content")
+            raise BlockStateError(f"pool '{self.name}': touch on block {block_id}, which holds no cached "
+                                  "content")
         was_evictable = self._ref_counts[block_id] == 0
         if was_evictable:
             del self._evictable[block_id]
@@ -153,7 +155,8 @@ class BlockPool:
 
     def _check_id(self, block_id: int) -> None:
         if not 0 <= block_id < self.num_blocks:
-            raise BlockStateError(f"pool '{self.name}': block id {block_id} out of range [0, {self.num_blocks})")
+            raise BlockStateError(f"pool '{self.name}': block id {block_id} out of range "
+                                  f"[0, {self.num_blocks})")
 
     def _check_live(self, block_id: int, op: str) -> None:
         self._check_id(block_id)

@@ -22,27 +22,34 @@ def _check(**values: int) -> None:
             raise ValueError(f"{name} must be >= 0, got {value}")
 
 
+def _written_tokens_per_beam(max_new_tokens: int, extra_tokens: int) -> int:
+    """Tokens past the prompt whose K/V one beam writes, at most: the N - 1 generated tokens fed back
+    (the N-th is chosen and never fed) and the D speculative slots of the round that feeds the last
+    of them (`decode_slots(k + D)` takes all D even when fewer can be drafted)."""
+    return max_new_tokens - 1 + extra_tokens
+
+
 def full_attention_blocks(
     prompt_tokens: int, max_new_tokens: int, beam_width: int, tokens_per_block: int, extra_tokens: int = 0
 ) -> int:
-    """`floor(P/T) + ceil((P mod T + N + D)/T) * W`.
+    """`floor(P/T) + ceil((P mod T + N - 1 + D)/T) * W` for N >= 2; `ceil(P/T)` for N <= 1.
 
     The full prompt blocks are stored once and shared by every beam. What a beam can make its own is
-    the partial last prompt block (copied on first write) plus every block of generated tokens.
-    For W = 1 this is `ceil((P + N + D)/T)`.
-
-    N counts every generated token as written. The engine writes N - 1 of them (the last token chosen
-    is never fed back), so through the engine the bound is reached exactly unless the N-th token would
-    open a block ((P mod T + N - 1) mod T == 0: one block per beam above the peak) or N = 1 (the
-    prompt alone, held once); tests/unit/test_kv_tightness_engine.py pins both. Counting N - 1 would
-    tighten admission by those blocks but change every stated figure and `max_new_tokens_that_fit`.
+    the partial last prompt block (copied on first write) plus the blocks of what it writes after the
+    prompt: N - 1 generated tokens (the N-th is chosen, never fed) and D speculative slots. With
+    N <= 1 no decode step runs: the prompt alone is held, once, whatever W and D. For W = 1 this is
+    `ceil((P + N - 1 + D)/T)`. Re-fed tokens (after a preemption, or accepted speculative ones) are
+    written again at their own positions, so they add nothing here. Every beam diverging at once
+    reaches it exactly (tests/unit/test_kv_traces.py, test_kv_tightness_engine.py).
     """
     _check(prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens, extra_tokens=extra_tokens)
     if beam_width < 1 or tokens_per_block < 1:
         raise ValueError("beam_width and tokens_per_block must be >= 1")
+    if max_new_tokens <= 1:
+        return _ceil_div(prompt_tokens, tokens_per_block)
     shared_blocks = prompt_tokens // tokens_per_block
-    per_beam_blocks = _ceil_div(prompt_tokens % tokens_per_block + max_new_tokens + extra_tokens, tokens_per_block)
-    return shared_blocks + per_beam_blocks * beam_width
+    own_tokens = prompt_tokens % tokens_per_block + _written_tokens_per_beam(max_new_tokens, extra_tokens)
+    return shared_blocks + _ceil_div(own_tokens, tokens_per_block) * beam_width
 
 
 def cross_attention_blocks(encoder_tokens: int, tokens_per_block: int) -> int:
@@ -56,17 +63,25 @@ def max_new_tokens_that_fit(
 ) -> int:
     """Largest N with `full_attention_blocks(P, N, W, T, D) <= capacity`; 0 or less when none fits."""
     per_beam_blocks = (capacity_blocks - prompt_tokens // tokens_per_block) // beam_width
-    return per_beam_blocks * tokens_per_block - prompt_tokens % tokens_per_block - extra_tokens
+    # the largest N >= 2 whose own tokens, P mod T + N - 1 + D, fill at most per_beam_blocks blocks
+    largest = per_beam_blocks * tokens_per_block - prompt_tokens % tokens_per_block - extra_tokens + 1
+    if largest >= 2:
+        return largest
+    # N = 1 holds the prompt alone (and so does N = 0)
+    return 1 if _ceil_div(prompt_tokens, tokens_per_block) <= capacity_blocks else min(largest, 0)
 
 
 def beam_width_that_fits(
-    capacity_blocks: int, prompt_tokens: int, max_new_tokens: int, tokens_per_block: int, extra_tokens: int = 0
+    capacity_blocks: int, prompt_tokens: int, max_new_tokens: int, tokens_per_block: int,
+    extra_tokens: int = 0,
 ) -> int:
-    """Largest W with `full_attention_blocks(P, N, W, T, D) <= capacity`; 0 when none fits."""
-    per_beam_blocks = _ceil_div(prompt_tokens % tokens_per_block + max_new_tokens + extra_tokens, tokens_per_block)
+    """Largest W with `full_attention_blocks(P, N, W, T, D) <= capacity`; 0 when none fits (2**31 - 1
+    when W does not matter: N <= 1 holds the prompt alone)."""
+    if max_new_tokens <= 1:
+        return 0 if _ceil_div(prompt_tokens, tokens_per_block) > capacity_blocks else 2**31 - 1
+    own_tokens = prompt_tokens % tokens_per_block + _written_tokens_per_beam(max_new_tokens, extra_tokens)
+    per_beam_blocks = _ceil_div(own_tokens, tokens_per_block)  # >= 1: N >= 2
     spare_blocks = capacity_blocks - prompt_tokens // tokens_per_block
-    if per_beam_blocks == 0:
-        return 0 if spare_blocks < 0 else 2**31 - 1
     return max(0, spare_blocks // per_beam_blocks)
 
 
@@ -121,7 +136,9 @@ def _blocks_spanned(first_position: int, last_position: int, tokens_per_block: i
 
 def _prefill_span_blocks(start: int, prompt_tokens: int, window_tokens: int, tokens_per_block: int,
                          prefill_chunk_tokens: int | None) -> int:
-    chunk = prompt_tokens - start if prefill_chunk_tokens is None else min(prefill_chunk_tokens, prompt_tokens - start)
+    chunk = prompt_tokens - start
+    if prefill_chunk_tokens is not None:
+        chunk = min(prefill_chunk_tokens, chunk)
     return _blocks_spanned(max(0, start - window_tokens + 1), start + chunk - 1, tokens_per_block)
 
 
@@ -168,11 +185,12 @@ def sliding_window_blocks(
     back after the step), so it writes positions x .. x + r + D having trimmed by x alone (the first
     pending query, at x, still sees keys from x - w + 1). The full prompt blocks that still overlap
     [x - w + 1, x] are shared by all beams; each beam owns the blocks from its partial prompt block
-    (or the window start, if later) up to x + r + D. The bound is the largest such total over
-    x = P .. P + N - 1, with r = min(R, P + N - 1 - x) (no write goes past position P + N - 1 + D,
-    as for `full_attention_blocks`) and r = 0 at x = P (the first step feeds only the token the
-    prompt produced); beams that all diverge at once reach it for R = 0, and come within one block
-    per beam of it otherwise (a speculative round never writes position P + N - 1 + D).
+    (or the window start, if later) up to x + r + D. The last pending token fed is the (N - 1)-th
+    generated one, at position P + N - 2 (the N-th is never fed, as in `full_attention_blocks`), so
+    the bound is the largest such total over x = P .. P + N - 2, with r = min(R, P + N - 2 - x) and
+    r = 0 at x = P (the first step feeds only the token the prompt produced); N <= 1 runs no decode
+    step. Beams that all diverge at once reach it, a speculative round at x with k = r + 1 pending
+    tokens (the last round accepted k) included.
     """
     if window_tokens < 1:
         raise ValueError(f"window_tokens must be >= 1, got {window_tokens}")
@@ -180,17 +198,17 @@ def sliding_window_blocks(
     # validates the common arguments the same way the full-attention bound does
     full = full_attention_blocks(prompt_tokens, max_new_tokens, beam_width, t, extra_tokens)
     _check(refeed_tokens=refeed_tokens)
-    prefill_blocks = max(
-        _prefill_span_blocks(s, prompt_tokens, window_tokens, t, prefill_chunk_tokens)
-        for s in _prefill_chunk_starts(prompt_tokens, window_tokens, t, prefill_chunk_tokens, cached_prompt_tokens)
-    )
+    chunk = prefill_chunk_tokens
+    starts = _prefill_chunk_starts(prompt_tokens, window_tokens, t, chunk, cached_prompt_tokens)
+    prefill_blocks = max(_prefill_span_blocks(s, prompt_tokens, window_tokens, t, chunk) for s in starts)
     shared_end = (prompt_tokens // t) * t  # positions below this live in shared full prompt blocks
     decode_blocks = 0
-    for x in range(prompt_tokens, prompt_tokens + max_new_tokens):
+    last_fed = prompt_tokens + max_new_tokens - 2  # the position of the last token ever fed
+    for x in range(prompt_tokens, last_fed + 1):
         # A step writes positions x .. x + r + D at once (r pending tokens fed again, D speculative
         # ones rolled back after), having trimmed by the committed length x: keys from the first
         # query's window start stay.
-        refeed = 0 if x == prompt_tokens else min(refeed_tokens, prompt_tokens + max_new_tokens - 1 - x)
+        refeed = 0 if x == prompt_tokens else min(refeed_tokens, last_fed - x)
         window_start = max(0, x - window_tokens + 1)
         shared = _blocks_spanned(window_start, shared_end - 1, t)
         own = _blocks_spanned(max(window_start, shared_end), x + refeed + extra_tokens, t)

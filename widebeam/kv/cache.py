@@ -52,7 +52,8 @@ class KVCache:
     def __getitem__(self, pool_name: str) -> PoolManager:
         return self.managers[pool_name]
 
-    def budgets(self, request: KVRequest, pinned_hit_blocks: dict[str, int] | None = None) -> list[PoolBudget]:
+    def budgets(self, request: KVRequest,
+                pinned_hit_blocks: dict[str, int] | None = None) -> list[PoolBudget]:
         """`(pool, required_blocks, capacity_blocks)` for every pool the request uses, and the
         blocks of pinned prefixes it shares (`pinned_hit(key).credit_blocks`)."""
         pinned = pinned_hit_blocks or {}
@@ -62,7 +63,8 @@ class KVCache:
             if manager.uses(request)
         ]
 
-    def check_fits(self, request: KVRequest, pinned_hit_blocks: dict[str, int] | None = None) -> list[PoolBudget]:
+    def check_fits(self, request: KVRequest,
+                   pinned_hit_blocks: dict[str, int] | None = None) -> list[PoolBudget]:
         """Return the budgets, or raise `RequestTooLargeError` for the first pool the request can
         never fit: its required blocks, less the pinned prefix blocks it shares, against the pool
         less every pinned block."""
@@ -83,13 +85,22 @@ class KVCache:
                 )
         return budgets
 
-    def new_request(self, key: PrefixKey | None = None) -> RequestKV:
+    def new_request(self, key: PrefixKey | None = None, encoder_tokens: int = 0) -> RequestKV:
         """The coordinator that does all of one request's allocation in these pools; with a prefix
-        `key`, it names the prompt blocks it computes so later requests find them."""
-        return RequestKV(self, key if self.enable_prefix_caching else None)
+        `key`, it names the prompt blocks it computes so later requests find them. `encoder_tokens`:
+        the encoder output's length (an encoder-decoder request's source), 0 for none."""
+        return RequestKV(self, key if self.enable_prefix_caching else None, encoder_tokens)
+
+    def max_refeed_tokens(self, max_tokens: int) -> int:
+        """The most tokens a request resumed after a preemption may re-feed in one step, in all, when
+        the step's budget allows `max_tokens`: fewer where a pool's bound assumes fewer writes per
+        sequence a step."""
+        limits = [m.max_refeed_tokens_per_sequence for m in self.managers.values()]
+        return min([max_tokens] + [limit for limit in limits if limit is not None])
 
     # -- prefix reuse -------------------------------------------------------------------------------
-    def prefix_key(self, token_ids: Sequence[int], encoder_token_ids: Sequence[int] | None = None) -> PrefixKey:
+    def prefix_key(self, token_ids: Sequence[int],
+                   encoder_token_ids: Sequence[int] | None = None) -> PrefixKey:
         return prefix_key(token_ids, self.tokens_per_block, encoder_token_ids)
 
     def find_hit(self, key: PrefixKey | None) -> PrefixHit:
@@ -114,7 +125,8 @@ class KVCache:
         for name, ids in {**hit.block_ids, **hit.shared_block_ids}.items():
             manager = self.managers[name]
             hit.credit_blocks[name] = manager.hit_credit(ids)
-            hit.evictable_blocks[name] = sum(1 for b in ids if b != DROPPED and manager.pool.ref_count(b) == 0)
+            hit.evictable_blocks[name] = sum(1 for b in ids
+                                             if b != DROPPED and manager.pool.ref_count(b) == 0)
         return hit
 
     def _prompt_hit(self, key: PrefixKey, pinned_only: bool) -> dict[str, list[int]]:
@@ -126,8 +138,11 @@ class KVCache:
             ids = [m.pool.lookup(h) for h in key.block_hashes]
             found[name] = [b if b is None or not pinned_only or m.pool.is_pinned(b) else None for b in ids]
         num_blocks = min((key.prompt_tokens - 1) // self.tokens_per_block, len(key.block_hashes))
-        while num_blocks > 0 and not all(
-                all(found[name][i] is not None for i in m.hit_block_range(num_blocks)) for name, m in per_sequence):
+        def all_found(num_blocks: int) -> bool:
+            return all(all(found[name][i] is not None for i in m.hit_block_range(num_blocks))
+                       for name, m in per_sequence)
+
+        while num_blocks > 0 and not all_found(num_blocks):
             num_blocks -= 1
         if not num_blocks:
             return {}

@@ -15,6 +15,7 @@ distinct blocks a request holds never exceed `required_blocks` at any instant.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import Counter
 from dataclasses import replace
 
 from widebeam.errors import BlockStateError
@@ -143,6 +144,21 @@ class PoolManager(ABC):
     @abstractmethod
     def append_slots(self, table: BlockTable, num_tokens: int = 1) -> list[int]:
         """Reserve slots for `num_tokens` more tokens of the table and return them in order."""
+
+    @abstractmethod
+    def append_blocks(self, tables: list[BlockTable], num_tokens: int) -> int:
+        """Free blocks that trimming every one of `tables` (one request's) and then appending
+        `num_tokens` to each with `append_slots` takes, net of what the trims give back (may be
+        negative). Nothing changes: this is the question `append_slots` answers by doing it."""
+
+    def trimmed_blocks(self, tables: list[BlockTable]) -> int:
+        """Blocks `trim` on every one of `tables` would give back to the pool: none for kinds that
+        keep every token."""
+        return 0
+
+    # The most tokens per sequence one step may re-feed after a preemption (None: any number).
+    # A kind whose bound assumes fewer writes per step from one trim says so (a sliding window).
+    max_refeed_tokens_per_sequence: int | None = None
 
     def uses(self, request: KVRequest) -> bool:
         """Whether `request` takes any blocks from this pool."""
@@ -286,6 +302,22 @@ class FullAttentionManager(PoolManager):
             remaining -= num_written
         return slots
 
+    def append_blocks(self, tables: list[BlockTable], num_tokens: int) -> int:
+        # The same walk as `append_slots`: new blocks where the tokens spill past a table's last
+        # block, and one copy per writer of a shared partial last block, except that the last
+        # writer keeps the original when no other request holds it.
+        t = self.tokens_per_block
+        num_blocks = 0
+        sharers: Counter[int] = Counter()
+        for table in tables:
+            offset = table.num_tokens % t
+            if offset:
+                sharers[table.block_ids[-1]] += 1
+            num_blocks += -(-max(num_tokens - (t - offset if offset else 0), 0) // t)
+        for block_id, count in sharers.items():
+            num_blocks += count - 1 if self.pool.ref_count(block_id) <= count else count
+        return num_blocks - self.trimmed_blocks(tables)
+
 
 class SlidingWindowManager(FullAttentionManager):
     """Sliding-window layers: a query at position i sees keys j with i - j < w. A block that lies
@@ -299,6 +331,9 @@ class SlidingWindowManager(FullAttentionManager):
     # A window releases prompt blocks while the request runs: a shared hit would leave its
     # reservation short by one block per release, so in-use hits are copied.
     shares_hits = False
+    # The bound (`sliding_window_blocks`) assumes one token per sequence a step beyond the re-fed
+    # speculative ones, all written after one trim.
+    max_refeed_tokens_per_sequence = 1
 
     def __init__(self, spec: SlidingWindowSpec, pool: BlockPool, tokens_per_block: int,
                  prefill_chunk_tokens: int | None = None):
@@ -311,9 +346,10 @@ class SlidingWindowManager(FullAttentionManager):
         return range(first_visible // self.tokens_per_block, num_blocks)
 
     def required_blocks(self, request: KVRequest) -> int:
-        return sliding_window_blocks(request.prompt_tokens, request.max_new_tokens, request.beam_width,
-                                     self.tokens_per_block, self.window_tokens, self.prefill_chunk_tokens,
-                                     request.extra_tokens, request.refeed_tokens, request.cached_prompt_tokens)
+        r = request
+        return sliding_window_blocks(r.prompt_tokens, r.max_new_tokens, r.beam_width, self.tokens_per_block,
+                                     self.window_tokens, self.prefill_chunk_tokens, r.extra_tokens,
+                                     r.refeed_tokens, r.cached_prompt_tokens)
 
     def fit_hints(self, request: KVRequest) -> dict[str, int | None]:
         # the bound is monotone in N and W; `replace` keeps D and R (`refeed_tokens`) as requested
@@ -341,6 +377,14 @@ class SlidingWindowManager(FullAttentionManager):
                 if self.pool.dec_ref(block_id):
                     table.holding._sub(1)
                 table.block_ids[i] = DROPPED
+
+    def trimmed_blocks(self, tables: list[BlockTable]) -> int:
+        # blocks every sharer drops and no other request holds
+        dropped: Counter[int] = Counter()
+        for table in tables:
+            num_dropped_blocks = max(table.num_tokens - self.window_tokens + 1, 0) // self.tokens_per_block
+            dropped.update(b for b in table.block_ids[:num_dropped_blocks] if b != DROPPED)
+        return sum(1 for block_id, count in dropped.items() if self.pool.ref_count(block_id) == count)
 
     def append_slots(self, table: BlockTable, num_tokens: int = 1) -> list[int]:
         self.trim(table)
@@ -394,6 +438,11 @@ class CrossAttentionManager(PoolManager):
             table.block_ids.append(self._allocate(table.holding))
         table.num_tokens = num_tokens
         return self.slots(table)
+
+    def append_blocks(self, tables: list[BlockTable], num_tokens: int) -> int:
+        # a table is written once: only the ones still empty take blocks
+        num_blocks = cross_attention_blocks(num_tokens, self.tokens_per_block)
+        return sum(num_blocks for table in tables if not table.block_ids)
 
     def allocate(self, holding: Holding, encoder_tokens: int) -> BlockTable:
         table = BlockTable(holding)

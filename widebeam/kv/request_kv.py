@@ -14,6 +14,9 @@ The order of operations is what keeps a request within its `required_blocks` in 
 - `take_hit(hit)` starts the prompt from cached blocks (another request's, or a pinned prefix),
   counted as held like blocks it computed, so `required_blocks` still bounds it;
   `register_computed(num_tokens)` names the prompt blocks it computed for later requests;
+- `step_blocks(num_tokens)` / `first_step_blocks(hit, num_tokens)` answer, without allocating, the
+  free blocks the next step (or a waiting request's first one) takes, by asking each pool's manager
+  what its `append_slots` would take (`append_blocks`); `decode_slots` checks it before it appends;
 - `truncate(seq, num_tokens)` rolls back tokens not accepted (speculative decoding); a sliding pool
   trims only by the length committed before an append, so a rollback to it never needs a released
   block.
@@ -24,8 +27,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from widebeam.errors import BlockStateError
-from widebeam.kv.managers import BlockTable, Holding, PoolManager
+from widebeam.errors import BlockStateError, OutOfBlocksError
+from widebeam.kv.managers import DROPPED, BlockTable, Holding, PoolManager
 from widebeam.kv.prefix import PrefixHit, PrefixKey
 
 if TYPE_CHECKING:
@@ -35,9 +38,12 @@ if TYPE_CHECKING:
 class RequestKV:
     """Block tables and holdings of one request, in every pool of a `KVCache`."""
 
-    def __init__(self, cache: KVCache, key: PrefixKey | None = None):
+    def __init__(self, cache: KVCache, key: PrefixKey | None = None, encoder_tokens: int = 0):
+        """`encoder_tokens`: the length of the encoder output the per-request (cross) pools hold,
+        written with the request's first step (0: a decoder-only request)."""
         self.cache = cache
         self.key = key  # the prompt's block names; None: nothing is cached for later requests
+        self.encoder_tokens = encoder_tokens
         self.num_cached_tokens = 0  # prompt (and encoder) tokens taken from the cache
         self._num_named_blocks: dict[str, int] = {}  # per-sequence pool -> prompt blocks named so far
         self.holdings: dict[str, Holding] = {name: Holding() for name in cache.managers}
@@ -79,7 +85,48 @@ class RequestKV:
         """What the request may still take, per pool: its reservation beside others."""
         return {name: need - self.holdings[name].num_held_blocks for name, need in required_blocks.items()}
 
+    def renew(self) -> RequestKV:
+        """A fresh coordinator for the same request (same cache, key and encoder output), holding
+        nothing: what a preempted request starts again from."""
+        return self.cache.new_request(self.key, self.encoder_tokens)
+
+    # -- block needs (nothing is allocated) ---------------------------------------------------------
+    def step_blocks(self, num_tokens: int) -> dict[str, int]:
+        """Per pool, the free blocks the request's next step takes (at least 0): `num_tokens` more
+        for each live sequence (the prompt's one before the fork; a prefill chunk or a decode), and
+        the encoder output when its table is still to write."""
+        need = {}
+        for name, manager in self.cache.managers.items():
+            if manager.spec.per_sequence:
+                # before the prompt's first chunk: one empty sequence
+                tables = self.tables.get(name) or [BlockTable(self.holdings[name])]
+                need[name] = max(manager.append_blocks(tables, num_tokens), 0)
+            elif self.encoder_tokens and name not in self.shared_tables:
+                need[name] = manager.append_blocks([BlockTable(self.holdings[name])], self.encoder_tokens)
+        return need
+
+    def first_step_blocks(self, hit: PrefixHit, num_tokens: int) -> dict[str, int]:
+        """Per pool, the free blocks this request, still waiting, takes if admitted now with prefix
+        `hit` (`find_hit`) and a first prompt chunk of `num_tokens`: the hit blocks it does not share
+        (cached-evictable ones, or in-use ones a kind copies), the chunk's blocks (the hit ends on a
+        block boundary), and the encoder output's unless the hit holds it."""
+        need = {}
+        for name, manager in self.cache.managers.items():
+            entries = hit.block_ids.get(name) or hit.shared_block_ids.get(name) or []
+            num_taken_blocks = sum(1 for b in entries if b != DROPPED) - hit.credit_blocks.get(name, 0)
+            empty = [BlockTable(self.holdings[name])]
+            if manager.spec.per_sequence:
+                need[name] = num_taken_blocks + manager.append_blocks(empty, num_tokens)
+            elif self.encoder_tokens:
+                cached = name in hit.shared_block_ids
+                need[name] = num_taken_blocks if cached else manager.append_blocks(empty, self.encoder_tokens)
+        return need
+
     # -- prefix reuse -------------------------------------------------------------------------------
+    def find_hit(self) -> PrefixHit:
+        """What the cache holds of this request's prompt now (no side effects)."""
+        return self.cache.find_hit(self.key)
+
     def take_hit(self, hit: PrefixHit) -> None:
         """Start from what the cache holds of the prompt (found by `KVCache.find_hit` in this same
         state): the prompt table of every per-sequence pool, and the encoder output's tables."""
@@ -108,8 +155,9 @@ class RequestKV:
         """Whether the next prompt block past `hit` is one another request is about to compute."""
         if self.key is None or not pending:
             return False
-        i = hit.num_tokens // self.cache.tokens_per_block
-        max_blocks = min((self.key.prompt_tokens - 1) // self.cache.tokens_per_block, len(self.key.block_hashes))
+        t = self.cache.tokens_per_block
+        i = hit.num_tokens // t
+        max_blocks = min((self.key.prompt_tokens - 1) // t, len(self.key.block_hashes))
         return i < max_blocks and self.key.block_hashes[i] in pending
 
     def register_computed(self, num_prompt_tokens: int) -> None:
@@ -125,8 +173,8 @@ class RequestKV:
         for name, table in self.shared_tables.items():
             if name not in self._num_named_blocks:  # the encoder output: every block is complete
                 hashes = self.key.encoder_block_hashes
-                self._num_named_blocks[name] = self.cache[name].register(table, hashes,
-                                                                         len(hashes) * self.cache.tokens_per_block)
+                num_tokens = len(hashes) * self.cache.tokens_per_block
+                self._num_named_blocks[name] = self.cache[name].register(table, hashes, num_tokens)
 
     # -- allocating ---------------------------------------------------------------------------------
     def allocate_shared(self, num_tokens: int) -> dict[str, list[int]]:
@@ -148,17 +196,22 @@ class RequestKV:
                            for name, manager in self._managers(per_sequence=True)}
         elif self.num_sequences != 1:
             raise BlockStateError("a prompt is prefilled as one sequence, before any fork")
-        return {name: self.cache[name].append_slots(tables[0], num_tokens) for name, tables in self.tables.items()}
+        return {name: self.cache[name].append_slots(tables[0], num_tokens)
+                for name, tables in self.tables.items()}
 
     def decode_slots(self, num_tokens: int = 1) -> list[dict[str, list[int]]]:
         """Slots for `num_tokens` more tokens of every live sequence, per sequence: pool -> slots.
 
-        Every sequence trims before any appends, so blocks leave before new ones come."""
+        Every sequence trims before any appends, so blocks leave before new ones come. Raises
+        `OutOfBlocksError`, naming the pool, before anything changes when a pool has too few free
+        blocks for the step."""
+        self._check_free(num_tokens)
         for name, tables in self.tables.items():
             manager = self.cache[name]
             for table in tables:
                 manager.trim(table)
-        return [{name: self.cache[name].append_slots(tables[i], num_tokens) for name, tables in self.tables.items()}
+        return [{name: self.cache[name].append_slots(tables[i], num_tokens)
+                 for name, tables in self.tables.items()}
                 for i in range(self.num_sequences)]
 
     def reorder(self, parent_indices: Sequence[int]) -> None:
@@ -200,6 +253,22 @@ class RequestKV:
         for name, table in self.shared_tables.items():
             if not table.released:
                 self.cache[name].release(table)
+
+    def _check_free(self, num_tokens: int) -> None:
+        """Raise before a decode step that cannot get its blocks. The exact count (`step_blocks`)
+        is walked only when the pool is short of the step's most: a new block and a copy per
+        sequence per block the tokens span."""
+        num_sequences = self.num_sequences
+        for name, tables in self.tables.items():
+            manager = self.cache[name]
+            num_free_blocks = manager.pool.num_free_blocks
+            if num_free_blocks >= num_sequences * (-(-num_tokens // manager.tokens_per_block) + 1):
+                continue
+            num_blocks = manager.append_blocks(tables, num_tokens)
+            if num_blocks > num_free_blocks:
+                raise OutOfBlocksError(f"pool '{name}' has {num_free_blocks} free blocks; a step of "
+                                       f"{num_tokens} tokens for {num_sequences} sequences takes "
+                                       f"{num_blocks}")
 
     def _managers(self, per_sequence: bool) -> list[tuple[str, PoolManager]]:
         return [(name, m) for name, m in self.cache.managers.items() if m.spec.per_sequence == per_sequence]

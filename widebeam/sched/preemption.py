@@ -2,10 +2,10 @@
 
 `guaranteed_no_evict` (sched/scheduler.py) reserves every request's worst case (W beams x N tokens),
 which beams that end early never use. Here, as in TensorRT-LLM's MAX_UTILIZATION, vLLM and SGLang:
-- a waiting request is admitted when its first step's blocks (`first_step_blocks`: its prefix hit
+- a waiting request is admitted when its first step's blocks (`RequestKV.first_step_blocks`: its prefix hit
   and first prompt chunk) fit in what is free (cached-evictable blocks count as free) after the
   running requests' own next steps and the remaining reservations of guaranteed requests (below);
-- when the running requests' next steps (`step_blocks`) do not fit what is free, the most recently
+- when the running requests' next steps (`RequestKV.step_blocks`) do not fit what is free, the most recently
   admitted request is preempted, as a whole (all beams of a beam request together), until they fit:
   its blocks go back, it waits at the head of the queue and resumes by recomputation
   (`Request.preempt`: prompt prefilled again, the prefix cache often still holding it, then each live
@@ -25,16 +25,13 @@ from collections import Counter
 
 from widebeam.kv.cache import KVCache
 from widebeam.sched.scheduler import SchedulableRequest, ScheduledRequest, Scheduler, SchedulerOutput
-from widebeam.sched.step_blocks import first_step_blocks, step_blocks
 
 
 def make_scheduler(policy: str, cache: KVCache, max_num_batched_tokens: int, max_preemptions: int,
                    num_draft_tokens: int = 0) -> Scheduler:
     """The scheduler of a capacity `policy` (config.py: SCHEDULING_POLICIES)."""
     if policy == MaxUtilizationScheduler.policy:
-        if num_draft_tokens:
-            raise ValueError("the max_utilization policy needs an engine without speculative decoding")
-        return MaxUtilizationScheduler(cache, max_num_batched_tokens, max_preemptions)
+        return MaxUtilizationScheduler(cache, max_num_batched_tokens, max_preemptions, num_draft_tokens)
     if policy != Scheduler.policy:
         raise ValueError(f"unknown scheduling policy {policy!r}")
     return Scheduler(cache, max_num_batched_tokens, num_draft_tokens)
@@ -47,8 +44,9 @@ def _fits(need: dict[str, int], free: dict[str, int]) -> bool:
 class MaxUtilizationScheduler(Scheduler):
     policy = "max_utilization"
 
-    def __init__(self, cache: KVCache, max_num_batched_tokens: int, max_preemptions: int):
-        super().__init__(cache, max_num_batched_tokens)
+    def __init__(self, cache: KVCache, max_num_batched_tokens: int, max_preemptions: int,
+                 num_draft_tokens: int = 0):
+        super().__init__(cache, max_num_batched_tokens, num_draft_tokens)
         if max_preemptions < 0:
             raise ValueError(f"max_preemptions must be >= 0, got {max_preemptions}")
         self.max_preemptions = max_preemptions
@@ -71,23 +69,23 @@ class MaxUtilizationScheduler(Scheduler):
         pending = self._pending_prompt_blocks()
         while self.waiting and budget > 0:
             head = self.waiting[0]
-            hit = head.find_prefix_hit()
-            if head.gains_by_waiting(hit, pending):
+            hit = head.kv.find_hit()
+            if head.kv.gains_by_waiting(hit, pending):
                 break
             if self._starving(head):
                 # its whole worst case; room is made by preempting newer requests, and if even that
                 # is not enough the guaranteed ones finish first (nothing newer is admitted meanwhile)
-                while not _fits(self._reservation(head, hit), self._available(out)) and self._victim() is not None:
+                while (not _fits(self._reservation(head, hit), self._available(out))
+                       and self._victim() is not None):
                     self._preempt_scheduled(out, self._victim())
-                    hit = head.find_prefix_hit()  # the victim's blocks may be cached now, no longer shared
+                    hit = head.kv.find_hit()  # the victim's blocks may be cached now, no longer shared
                 if not _fits(self._reservation(head, hit), self._available(out)):
                     break
                 self.guaranteed.add(head)
                 self.num_guaranteed_admissions += 1
             else:
                 chunk = min(head.num_prompt_tokens_left - hit.num_tokens, budget)
-                encoder_tokens = len(getattr(head, "encoder_token_ids", None) or ())
-                if not _fits(first_step_blocks(head.kv, hit, chunk, encoder_tokens), self._available(out)):
+                if not _fits(head.kv.first_step_blocks(hit, chunk), self._available(out)):
                     break
             budget -= self._admit(out, hit, pending, budget)
         out.num_batched_tokens = self.max_num_batched_tokens - budget
@@ -140,14 +138,14 @@ class MaxUtilizationScheduler(Scheduler):
                 for pool, blocks in self._step_need(item).items():
                     free[pool] -= blocks
         for request in self.guaranteed:
-            for pool, blocks in request.remaining_blocks().items():
+            for pool, blocks in request.kv.remaining_blocks(request.admission.required_blocks).items():
                 free[pool] -= blocks
         return free
 
     def _step_need(self, item: ScheduledRequest) -> dict[str, int]:
         request = item.request
-        encoder_tokens = len(getattr(request, "encoder_token_ids", None) or ())
-        return step_blocks(request.kv, item.num_prompt_tokens or request.num_feed_tokens, encoder_tokens)
+        # a round takes its drafted nodes' slots too (rolled back after, but held during the step)
+        return request.kv.step_blocks(item.num_prompt_tokens or request.num_round_tokens(self.num_draft_tokens))
 
     def _tokens(self, item: ScheduledRequest) -> int:
         return item.num_prompt_tokens or item.request.num_step_tokens(self.num_draft_tokens)

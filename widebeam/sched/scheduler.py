@@ -24,16 +24,20 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from widebeam.kv.cache import KVCache
-from widebeam.kv.managers import SlidingWindowManager
 from widebeam.kv.prefix import PrefixHit
+from widebeam.kv.request_kv import RequestKV
 from widebeam.sched.admission import Admission
 
 
 class SchedulableRequest(Protocol):
-    """What the scheduler reads of a request (widebeam/request.py's `Request` is one)."""
+    """What the scheduler reads of a request (widebeam/request.py's `Request` is one). Its blocks
+    it asks of the request's `RequestKV` directly; `take_prefix_hit` and `preempt` are the
+    request's own lifecycle."""
 
     request_id: str
     admission: Admission
+    kv: RequestKV
+    num_preemptions: int  # times the scheduler took its blocks back
 
     @property
     def prompt_done(self) -> bool: ...
@@ -44,17 +48,18 @@ class SchedulableRequest(Protocol):
     @property
     def num_live_sequences(self) -> int: ...
 
+    @property
+    def num_feed_tokens(self) -> int:
+        """Tokens each live sequence feeds in its next decode step."""
+        ...
+
     def num_step_tokens(self, num_draft_tokens: int = 0) -> int: ...
 
-    def remaining_blocks(self) -> dict[str, int]: ...
-
-    def find_prefix_hit(self) -> PrefixHit: ...
+    def num_round_tokens(self, num_draft_tokens: int = 0) -> int:
+        """Tokens per live sequence its next round takes slots for (drafted ones included)."""
+        ...
 
     def take_prefix_hit(self, hit: PrefixHit) -> None: ...
-
-    def unnamed_prompt_blocks(self) -> tuple[bytes, ...]: ...
-
-    def gains_by_waiting(self, hit: PrefixHit, pending: set[bytes]) -> bool: ...
 
     def preempt(self, max_feed_tokens: int | None = None) -> int: ...
 
@@ -92,10 +97,9 @@ class Scheduler:
         self.running: list[SchedulableRequest] = []  # in the order they were admitted
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0  # tokens computed again by preempted requests (prefix hits excepted)
-        # A resumed request re-feeds its generated tokens this many a step in all. A sliding window's
-        # bound assumes one token per sequence a step (beyond re-fed speculative ones), so one then.
-        sliding = any(isinstance(m, SlidingWindowManager) for m in cache.managers.values())
-        self.max_refeed_tokens = 1 if sliding else max_num_batched_tokens
+        # A resumed request re-feeds its generated tokens this many a step in all (one per sequence
+        # where a pool's bound assumes one token per sequence a step: a sliding window).
+        self.max_refeed_tokens = cache.max_refeed_tokens(max_num_batched_tokens)
 
     def add(self, request: SchedulableRequest) -> None:
         self.waiting.append(request)
@@ -124,8 +128,6 @@ class Scheduler:
         return False
 
     def _preempt(self, request: SchedulableRequest) -> None:
-        if self.num_draft_tokens:
-            raise RuntimeError("preemption needs an engine without speculative decoding")
         self.running.remove(request)
         self.num_recomputed_tokens += request.preempt(self.max_refeed_tokens)
         self.num_preemptions += 1
@@ -147,8 +149,8 @@ class Scheduler:
             head = self.waiting[0]
             # Cached prompt blocks count as held; those already in use cost no free block, those
             # cached-evictable leave the free count as the head takes them (see _unreserved_blocks).
-            hit = head.find_prefix_hit()
-            if head.gains_by_waiting(hit, pending):
+            hit = head.kv.find_hit()
+            if head.kv.gains_by_waiting(hit, pending):
                 break
             need = self._reservation(head, hit)
             if any(blocks > free[pool] for pool, blocks in need.items()):
@@ -162,23 +164,24 @@ class Scheduler:
     @staticmethod
     def _reservation(request: SchedulableRequest, hit: PrefixHit) -> dict[str, int]:
         """A request's worst case less the prefix blocks it would share: what admission reserves."""
-        return {pool: blocks - hit.credit_blocks.get(pool, 0) for pool, blocks in request.admission.required_blocks.items()}
+        return {pool: blocks - hit.credit_blocks.get(pool, 0)
+                for pool, blocks in request.admission.required_blocks.items()}
 
     def _admit(self, out: SchedulerOutput, hit: PrefixHit, pending: set[bytes], budget: int) -> int:
         """Move the queue's head to the running requests with its prefix `hit` and schedule its
         first prompt chunk; returns the chunk's tokens."""
         head = self.waiting.popleft()
         head.take_prefix_hit(hit)
-        if getattr(head, "num_preemptions", 0):  # (simulated requests in tests have none)
+        if head.num_preemptions:
             self.num_recomputed_tokens -= hit.num_tokens  # the cache still held these
-        pending.update(head.unnamed_prompt_blocks())
+        pending.update(head.kv.unnamed_prompt_blocks())
         self.running.append(head)
         chunk = min(head.num_prompt_tokens_left, budget)
         out.scheduled.append(ScheduledRequest(head, chunk))
         return chunk
 
     def _pending_prompt_blocks(self) -> set[bytes]:
-        return {h for r in self.running if not r.prompt_done for h in r.unnamed_prompt_blocks()}
+        return {h for r in self.running if not r.prompt_done for h in r.kv.unnamed_prompt_blocks()}
 
     def _schedule_running(self, out: SchedulerOutput) -> int:
         """Schedule the running requests; returns the token budget left."""
@@ -208,6 +211,6 @@ class Scheduler:
         cache hits included)."""
         free = self.cache.num_free_blocks()
         for request in self.running:
-            for pool, blocks in request.remaining_blocks().items():
+            for pool, blocks in request.kv.remaining_blocks(request.admission.required_blocks).items():
                 free[pool] -= blocks
         return free
