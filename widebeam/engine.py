@@ -21,7 +21,7 @@ from widebeam.catalogue.registry import CatalogueRegistry
 from widebeam.catalogue.trie import Catalogue
 from widebeam.config import EngineConfig
 from widebeam.decoding.decoders import BeamDecoder, SamplingDecoder, StepScores
-from widebeam.decoding.factory import build_decoder
+from widebeam.decoding.factory import build_request_decoder
 from widebeam.decoding.logprobs import execute_step
 from widebeam.decoding.processors import LogitsProcessor
 from widebeam.defaults import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_MODEL
@@ -217,11 +217,11 @@ class LLMEngine:
                  catalogue: Catalogue | None = None,
                  prompt_token_ids: Sequence[int] = ()) -> SamplingDecoder | BeamDecoder:
         """The request's decoder and its logits processors (decoding/factory.py)."""
-        return build_decoder(params, max_new_tokens, self.eos_token_ids, prompt_token_ids=prompt_token_ids,
-                             suppress_token_ids=self.suppress_token_ids,
-                             forced_eos_token_id=self.forced_eos_token_id, catalogue=catalogue,
-                             grammar=self.grammars.constraint(params.response_format),
-                             extra_processors=extra_processors)
+        return build_request_decoder(params, max_new_tokens, self.eos_token_ids,
+                                     prompt_token_ids=prompt_token_ids, suppress_token_ids=self.suppress_token_ids,
+                                     forced_eos_token_id=self.forced_eos_token_id, catalogue=catalogue,
+                                     grammar=self.grammars.constraint(params.response_format),
+                                     extra_processors=extra_processors)
 
     def abort(self, request_id: str) -> None:
         """Stop a request wherever it is and free all its blocks."""

@@ -51,7 +51,7 @@ def build_processors(params: SamplingParams | BeamSearchParams, max_new_tokens: 
     return processors
 
 
-def build_decoder(params: SamplingParams | BeamSearchParams, max_new_tokens: int,
+def build_request_decoder(params: SamplingParams | BeamSearchParams, max_new_tokens: int,
                   eos_token_ids: frozenset[int], *, prompt_token_ids: Sequence[int] = (),
                   suppress_token_ids: Sequence[int] = (),
                   forced_eos_token_id: int | None = None, catalogue: Catalogue | None = None,
