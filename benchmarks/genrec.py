@@ -63,8 +63,9 @@ BUILD_BYTES_PER_ITEM_TOKEN = 200  # rough peak of the trie build (sort, per-dept
 # -- timers around the constraint and the engine step (the benchmark's own wrappers) --------------
 # The constraint's work is `CatalogueConstraint.allowed` (the (beam, token) pairs a step may take: the
 # whole of it when the catalogue is the request's only processor and beam search ranks those pairs
-# directly), `__call__` (the masked path, which calls `allowed` itself: timed once, outermost) and
-# `reorder` (the beams' trie nodes). Whichever of them this revision has is wrapped.
+# directly), `process` or `__call__` (the masked path, which calls `allowed` itself: timed once, outermost)
+# and `reorder` (the beams' trie nodes; `move` where the step context's moves are followed from inside
+# `allowed`, so timed there). Whichever of them this revision has is wrapped.
 TIMES = {"constraint_call_s": 0.0, "constraint_allowed_s": 0.0, "constraint_reorder_s": 0.0,
          "constraint_calls": 0}
 STEPS: list[tuple[bool, float]] = []  # (prefill chunk in the step, seconds)
@@ -99,10 +100,13 @@ def _timed_step(self):
     return deltas
 
 
-CatalogueConstraint.__call__ = _timed(CatalogueConstraint.__call__, "constraint_call_s", count=True)
+_CALL = "process" if hasattr(CatalogueConstraint, "process") else "__call__"
+_REORDER = "move" if hasattr(CatalogueConstraint, "move") else "reorder"
+setattr(CatalogueConstraint, _CALL,
+        _timed(getattr(CatalogueConstraint, _CALL), "constraint_call_s", count=True))
 if hasattr(CatalogueConstraint, "allowed"):
     CatalogueConstraint.allowed = _timed(CatalogueConstraint.allowed, "constraint_allowed_s", count=True)
-CatalogueConstraint.reorder = _timed(CatalogueConstraint.reorder, "constraint_reorder_s")
+setattr(CatalogueConstraint, _REORDER, _timed(getattr(CatalogueConstraint, _REORDER), "constraint_reorder_s"))
 LLMEngine.step = _timed_step
 
 

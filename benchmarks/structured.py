@@ -33,9 +33,11 @@ class GrammarTimer:
 
     def __init__(self):
         self.seconds, self.num_calls = 0.0, 0
-        for name in ("__call__", "reorder"):
-            setattr(GrammarConstraint, name,
-                    self._timed(getattr(GrammarConstraint, name), name == "__call__"))
+        # `process` where this revision has it (it follows the step context's moves itself: the
+        # matchers' forks and accepts are timed inside it); `__call__` and `reorder` before
+        call = "process" if hasattr(GrammarConstraint, "process") else "__call__"
+        for name in (call, *(() if hasattr(GrammarConstraint, "move") else ("reorder",))):
+            setattr(GrammarConstraint, name, self._timed(getattr(GrammarConstraint, name), name == call))
 
     def _timed(self, method, counts_step: bool):
         def timed(*args, **kwargs):

@@ -15,14 +15,13 @@ from collections.abc import Sequence
 
 import torch
 
-from widebeam.catalogue.constraint import CatalogueConstraint
 from widebeam.catalogue.registry import CatalogueRegistry
 from widebeam.catalogue.trie import Catalogue
 from widebeam.config import EngineConfig
-from widebeam.decoding.decoders import BeamDecoder, SamplingDecoder, StepScores
+from widebeam.decoding.decoders import StepScores
+from widebeam.decoding.factory import build_request_decoder
 from widebeam.decoding.logprobs import execute_step
-from widebeam.decoding.penalties import TokenPenalties
-from widebeam.decoding.processors import BanUntilMinTokens, ForceEOSAtEnd, LogitsProcessor, SuppressTokens
+from widebeam.decoding.processors import LogitsProcessor
 from widebeam.decoding.stream import output_stream
 from widebeam.defaults import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_MODEL
 from widebeam.device import available_memory_bytes, default_device
@@ -187,10 +186,15 @@ class LLMEngine:
         except ValueError:
             self._num_rejected += 1
             raise
-        decoder = self._decoder(params, admission.max_new_tokens, logits_processors, catalogue, token_ids)
+        decoder = build_request_decoder(params, admission.max_new_tokens, self.eos_token_ids,
+                                        prompt_token_ids=token_ids, suppress_token_ids=self.suppress_token_ids,
+                                        forced_eos_token_id=self.forced_eos_token_id, catalogue=catalogue,
+                                        grammar=self.grammars.constraint(params.response_format),
+                                        extra_processors=logits_processors)
         draft_length = DraftLength(self.num_draft_tokens, self.speculative.adaptive) if self.speculative else None
-        request = Request(request_id, text, token_ids, admission, self.cache.new_request(key, len(encoder_token_ids or ())),
-                          decoder, output_stream(decoder, self.tokenizer), encoder_token_ids, draft_length)
+        kv = self.cache.new_request(key, len(encoder_token_ids or ()))
+        request = Request(request_id, text, token_ids, admission, kv, decoder, output_stream(decoder, self.tokenizer),
+                          encoder_token_ids, draft_length)
         self._requests[request_id] = request
         self.scheduler.add(request)
         return list(request.source_token_ids)
@@ -201,35 +205,6 @@ class LLMEngine:
         `Catalogue`, token-id sequences, a [num_items, width] array (-1 padded), or a file
         (`catalogue/sources.py`: .jsonl, .npy, .parquet). Returns it; re-registering a name replaces it."""
         return self.catalogues.register(name, source)
-
-    def _decoder(self, params: SamplingParams | BeamSearchParams, max_new_tokens: int,
-                 extra_processors: Sequence[LogitsProcessor] = (),
-                 catalogue: Catalogue | None = None,
-                 prompt_token_ids: Sequence[int] = ()) -> SamplingDecoder | BeamDecoder:
-        """The request's decoder and its logits processors, in HF's order, the caller's after them (a forced
-        EOS has the last word): penalties (repetition as early as in HF, then presence / frequency as in vLLM),
-        min_new_tokens, suppressed tokens, a catalogue, the caller's, a forced EOS. `prompt_token_ids`: what
-        the decoder starts from (HF's `input_ids`: the repetition penalty counts it)."""
-        processors = []
-        if TokenPenalties.wanted(params.repetition_penalty, params.presence_penalty, params.frequency_penalty):
-            processors.append(TokenPenalties(prompt_token_ids, params.repetition_penalty, params.presence_penalty,
-                                             params.frequency_penalty))
-        if isinstance(params, SamplingParams) and params.min_new_tokens:
-            # beam search bans EOS before min_new_tokens itself, on its candidates
-            banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
-            processors.append(BanUntilMinTokens(params.min_new_tokens, banned))
-        if self.suppress_token_ids:
-            processors.append(SuppressTokens(self.suppress_token_ids))
-        if catalogue is not None:
-            eos = set(params.stop_token_ids) | set(self.eos_token_ids)
-            processors.append(CatalogueConstraint(catalogue, eos, max_new_tokens))
-        grammar = self.grammars.constraint(params.response_format)  # None without a JSON format
-        processors.extend([grammar] if grammar is not None else [])
-        processors.extend(extra_processors)
-        if self.forced_eos_token_id is not None:
-            processors.append(ForceEOSAtEnd(self.forced_eos_token_id, max_new_tokens))
-        decoder_class = BeamDecoder if isinstance(params, BeamSearchParams) else SamplingDecoder
-        return decoder_class(params, max_new_tokens, self.eos_token_ids, processors, prompt_token_ids)
 
     def abort(self, request_id: str) -> None:
         """Stop a request wherever it is and free all its blocks."""

@@ -58,7 +58,7 @@ def source_words() -> set[str]:
 
 
 def code_spans() -> list[str]:
-    text = re.sub(r"```.*?```", "", DOC.read_text(), flags=re.S)
+    text = re.sub(r"```.*?```", "", DOC.read_text(), flags=re.DOTALL)
     return [span.strip() for span in re.findall(r"`([^`\n]+)`", text)]
 
 

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from widebeam.catalogue.constraint import CatalogueConstraint
 from widebeam.catalogue.trie import Catalogue, CatalogueError
+from widebeam.decoding.context import TokenHistory
 
 VOCAB = 12
 EOS = 0
@@ -80,22 +81,29 @@ def test_the_constraint_masks_children_and_eos_at_ends_and_follows_the_beams():
     items = [[3, 4], [3, 4, 5], [3, 6], [7]]
     catalogue = Catalogue.from_sequences(items, VOCAB)
     constraint = CatalogueConstraint(catalogue, [EOS], max_new_tokens=4)
+    history = TokenHistory([1])  # the decoder's: the constraint reads the moves of each step's context
+    cpu = torch.device("cpu")
     scores = torch.randn(1, VOCAB)
     kept = scores.clone()
-    constraint(scores, 0)
+    constraint.process(scores, history.context(1, 0, cpu))
     assert allowed_sets(scores) == [{3, 7}]
     assert torch.equal(scores[0, [3, 7]], kept[0, [3, 7]])  # allowed scores untouched
-    constraint.reorder([0, 0], [3, 7])  # two beams from the prompt
+    history.move([0, 0], [3, 7])  # two beams from the prompt
     scores = torch.randn(2, VOCAB)
-    constraint(scores, 1)
+    constraint.process(scores, history.context(2, 1, cpu))
     assert allowed_sets(scores) == [{4, 6}, {EOS}]
-    constraint.reorder([0, 0], [4, 6])
+    history.move([0, 0], [4, 6])
     scores = torch.randn(2, VOCAB)
-    constraint(scores, 2)
+    context = history.context(2, 2, cpu)
+    constraint.process(scores, context)
     assert allowed_sets(scores) == [{5, EOS}, {EOS}]
-    constraint.drop([1])
+    constraint.process(scores, context)  # the same step asked twice: its moves apply once
+    assert allowed_sets(scores) == [{5, EOS}, {EOS}]
+    history.move([0, 0], [5, 5])  # both continue [3, 4] with 5 (as a step with two EOS ids could)
+    history.keep([1])  # beam 0 finished on a stop string
+    assert constraint.nodes is not None and constraint.nodes.shape[0] == 2  # moved on the next context
     scores = torch.randn(1, VOCAB)
-    constraint(scores, 3)  # the last step: EOS only, never an item cut short
+    constraint.process(scores, history.context(1, 3, cpu))  # the last step: EOS only, never an item cut short
     assert allowed_sets(scores) == [{EOS}]
 
 
@@ -108,5 +116,5 @@ def test_masks_for_many_beams_match_the_reference():
     constraint = CatalogueConstraint(catalogue, [EOS], max_new_tokens=10)
     constraint.nodes = torch.tensor([walk(catalogue, p) for p in prefixes])
     scores = torch.randn(len(prefixes), VOCAB)
-    constraint(scores, 1)
+    constraint.process(scores, TokenHistory([]).context(len(prefixes), 1, torch.device("cpu")))
     assert allowed_sets(scores) == [children[p] | ({EOS} if p in ends else set()) for p in prefixes]

@@ -4,6 +4,11 @@ A decoder owns a request's token choice and nothing else: it sees its rows of a 
 logits (one row per live sequence), runs its logits processors, and says which live sequence each
 next sequence continues and with which token. The request applies that to its KV (`reorder`) and
 its output; a finished decoder says so with `done`.
+
+A decoder with processors owns one history of its live sequences (decoding/context.py) and moves it
+with each step's choice (and the rows that finish on a stop string); each step its processors get a
+`StepContext` over it. The request sees the same surface on both decoders: `advance`,
+`num_generated_tokens`, `live_token_ids`, `stop`, `done`, `batched_greedy`.
 """
 
 from __future__ import annotations
@@ -14,14 +19,15 @@ from dataclasses import dataclass
 import torch
 
 from widebeam.beam.search import BeamSearchState, Hypothesis
+from widebeam.decoding.context import StepContext, TokenHistory, drop_rows
 from widebeam.decoding.logprobs import PromptLogprobs, token_logprobs
 from widebeam.decoding.processors import (
-    AllowedSetProcessor,
-    BeamStateProcessor,
     LogitsProcessor,
-    SequenceStateProcessor,
+    StepProcessor,
+    allowed_pairs,
     apply_processors,
     forcing_eos,
+    step_processors,
 )
 from widebeam.logprobs import TokenLogprobs
 from widebeam.params import BeamSearchParams, SamplingParams
@@ -76,7 +82,9 @@ class Advance:
 
 def _prompt_logprobs(params, prompt_token_ids: Sequence[int]) -> PromptLogprobs | None:
     """The collector the step fills during the prefill (`logprobs.execute_step`), if asked for."""
-    return None if params.prompt_logprobs is None else PromptLogprobs(prompt_token_ids, params.prompt_logprobs)
+    if params.prompt_logprobs is None:
+        return None
+    return PromptLogprobs(prompt_token_ids, params.prompt_logprobs)
 
 
 class SamplingDecoder:
@@ -84,20 +92,20 @@ class SamplingDecoder:
     per generated token (widebeam/logprobs.py: the raw log-softmax of the row that chose it)."""
 
     def __init__(self, params: SamplingParams, max_new_tokens: int, eos_token_ids: frozenset[int],
-                 processors: Sequence[LogitsProcessor], prompt_token_ids: Sequence[int] = ()):
+                 processors: Sequence[LogitsProcessor | StepProcessor],
+                 prompt_token_ids: Sequence[int] = ()):
         self.params = params
         self.max_new_tokens = max_new_tokens
         self.eos_token_ids = eos_token_ids
-        self.processors = list(processors)
+        self.processors = step_processors(processors)
+        # Without processors nobody reads a history: none is kept (the batched greedy path stays bare).
+        self.history = TokenHistory(prompt_token_ids) if self.processors else None
         self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         self.token_ids: list[int] = []
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
         self.logprobs: list[TokenLogprobs] | None = None if params.logprobs is None else []
         self.prompt_logprobs = _prompt_logprobs(params, prompt_token_ids)
-        for processor in self.processors:  # penalties, a grammar: its generated tokens as a live list
-            if isinstance(processor, SequenceStateProcessor):
-                processor.follow(self.token_ids)
 
     @property
     def num_generated_tokens(self) -> int:
@@ -128,15 +136,20 @@ class SamplingDecoder:
             return self._record(token, logprob, scores)
         logits = scores.logits
         if self.processors:  # as HF's processors: on the logits, before sampling
-            logits = apply_processors(self.processors, logits.clone(), self.num_generated_tokens)
+            logits = apply_processors(self.processors, logits.clone(), self._context(scores))
         token, logprob, _ = verify_draft_token(logits[0], self.params, self.generator, draft_token,
                                                None if self.processors else scores.logprobs[0])
         return self._record(token, logprob, scores)
+
+    def _context(self, scores: RowScores) -> StepContext:
+        return self.history.context(1, self.num_generated_tokens, scores.logits.device)
 
     def _record(self, token: int, logprob: float, scores: RowScores) -> Advance:
         if self.logprobs is not None:
             self.logprobs.extend(token_logprobs(scores.logprobs, [0], [token], self.params.logprobs))
         self.token_ids.append(token)
+        if self.history is not None:
+            self.history.move([0], [token])
         self.cumulative_logprob += logprob
         params = self.params
         if self.num_generated_tokens > params.min_new_tokens and (
@@ -148,8 +161,9 @@ class SamplingDecoder:
         return Advance([0], [token])
 
     def stop(self, seq_indices: Sequence[int] = (0,)) -> None:
-        """The text hit a stop string (the one sequence's)."""
-        self.finish_reason = "stop"
+        """The text hit a stop string (the one live sequence, 0, finishes)."""
+        if 0 in seq_indices:
+            self.finish_reason = "stop"
 
 
 class BeamDecoder:
@@ -158,9 +172,11 @@ class BeamDecoder:
     log-softmax of its parent's row at each step (widebeam/logprobs.py)."""
 
     def __init__(self, params: BeamSearchParams, max_new_tokens: int, eos_token_ids: frozenset[int],
-                 processors: Sequence[LogitsProcessor], prompt_token_ids: Sequence[int] = ()):
+                 processors: Sequence[LogitsProcessor | StepProcessor],
+                 prompt_token_ids: Sequence[int] = ()):
         self.params = params
-        self.processors = list(processors)
+        self.processors = step_processors(processors)
+        self.history = TokenHistory(prompt_token_ids) if self.processors else None
         self.search = BeamSearchState(params, max_new_tokens, eos_token_ids)
         self.prompt_logprobs = _prompt_logprobs(params, prompt_token_ids)
 
@@ -173,14 +189,14 @@ class BeamDecoder:
         return self.search.done
 
     @property
+    def batched_greedy(self) -> bool:
+        """Never: beam search ranks its own candidates (see `SamplingDecoder.batched_greedy`)."""
+        return False
+
+    @property
     def live_token_ids(self) -> list[list[int]]:
         """Each live beam's generated tokens, in the order of the next step's rows."""
         return self.search.live_token_ids
-
-    @property
-    def batched_greedy(self) -> bool:
-        """Beam search chooses per request (its top-k spans its beams)."""
-        return False
 
     def advance(self, scores: RowScores, drafted: Sequence[Sequence[int]] = ()) -> Advance:
         """One row per live beam -> the next live beams (none when the search ended). Drafts
@@ -190,9 +206,13 @@ class BeamDecoder:
         if self.params.logprobs is not None:
             raw, num_top = scores.logprobs, self.params.logprobs
             annotate = lambda rows, tokens: token_logprobs(raw, rows, tokens, num_top)
-        if len(self.processors) == 1 and isinstance(self.processors[0], AllowedSetProcessor):
-            # A catalogue alone: rank just its allowed (beam, token) pairs, no masked copy of the rows.
-            allowed = self.processors[0].allowed(scores.logprobs.shape[0], num_generated)
+        context = None
+        if self.processors:
+            context = self.history.context(scores.logprobs.shape[0], num_generated, scores.logprobs.device)
+        allowed = allowed_pairs(self.processors, context) if context is not None else None
+        if allowed is not None:
+            # A processor alone offers the only pairs it allows (a catalogue): rank just those, no
+            # masked copy of the rows.
             result = self.search.step(scores.logprobs, allowed=allowed, annotate=annotate)
         else:
             # HF's processors run after the log-softmax in beam search: no renormalisation. A forced
@@ -201,24 +221,28 @@ class BeamDecoder:
                 # W=1 is HF's greedy search, whose processors see the logits (a repetition penalty
                 # divides or multiplies those); the log-softmax after them leaves the choice HF's and
                 # makes the score the log-prob of the distribution chosen from, as SamplingDecoder's.
-                logits = apply_processors(self.processors, scores.logits.clone(), num_generated)
+                logits = apply_processors(self.processors, scores.logits.clone(), context)
                 scores = torch.log_softmax(logits, dim=-1)
+            elif self.processors:
+                scores = apply_processors(self.processors, scores.logprobs.clone(), context)
             else:
-                logprobs = scores.logprobs.clone() if self.processors else scores.logprobs
-                scores = apply_processors(self.processors, logprobs, num_generated)
-            result = self.search.step(scores, mask_min_length_eos=not forcing_eos(self.processors, num_generated),
-                                      annotate=annotate)
-        for processor in self.processors:
-            if isinstance(processor, BeamStateProcessor):  # per-beam state follows the beams
-                processor.reorder(result.parent_indices, result.token_ids)
+                scores = scores.logprobs
+            forced = context is not None and forcing_eos(self.processors, context)
+            result = self.search.step(scores, mask_min_length_eos=not forced, annotate=annotate)
+        if self.history is not None:  # the one history follows the beams
+            self.history.move(result.parent_indices, result.token_ids)
         return Advance(list(result.parent_indices), list(result.token_ids))
 
-    def stop(self, seq_indices: Sequence[int]) -> None:
-        """These live beams' text hit a stop string: they finish now, the others renumber in order."""
+    def stop(self, seq_indices: Sequence[int] | None = None) -> None:
+        """These live beams' text hit a stop string (None: every live beam): they finish now, the
+        others renumber in order."""
+        num_live = self.search.num_live_beams
+        if seq_indices is None:
+            seq_indices = range(num_live)
+        seq_indices = list(seq_indices)
         self.search.finish_live_beams(seq_indices)
-        for processor in self.processors:
-            if isinstance(processor, BeamStateProcessor):
-                processor.drop(seq_indices)
+        if self.history is not None:
+            self.history.keep(drop_rows(num_live, seq_indices))
 
     def finalize(self) -> list[Hypothesis]:
         return self.search.finalize()

@@ -1,17 +1,26 @@
 """Logits processors: an ordered list each request applies to its scores before choosing tokens.
 
-A processor edits scores `[rows, vocab]` in place given how many tokens the request has generated.
-The order is the list's: later processors see (and may override) what earlier ones did, as in
-transformers' `LogitsProcessorList`. A processor with per-beam state (a catalogue constraint)
-also follows the beams (`BeamStateProcessor`).
+A processor edits scores `[rows, vocab]` in place. The order is the list's: later processors see (and
+may override) what earlier ones did, as in transformers' `LogitsProcessorList`.
+
+Users pass plain callables (`LogitsProcessor`: `fn(scores, num_generated_tokens)`); the decoder wraps
+each in a `StepProcessor`, the one protocol it speaks. A `StepProcessor` gets the step's context
+(decoding/context.py: the live rows' history, the generated count, how the beams moved), and may
+offer two things the decoder asks every processor about, without knowing which one it is:
+- `allowed(context)`: the only (row, token) pairs this step may take (a catalogue). Alone in the
+  list, beam search then ranks that set directly instead of a masked copy of the rows.
+- `forces_eos(context)`: whether it forces EOS this step (beam search then lets EOS through its
+  min_new_tokens ban, as transformers' processor order does).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
 
 import torch
+
+from widebeam.decoding.context import BeamMoves, StepContext
 
 
 class LogitsProcessor(Protocol):
@@ -19,37 +28,54 @@ class LogitsProcessor(Protocol):
         """Edit `scores` [rows, vocab] in place before the next token is chosen."""
 
 
-@runtime_checkable
-class BeamStateProcessor(Protocol):
-    """A processor with state per live beam (a catalogue constraint's trie node): the beam decoder
-    tells it how the beams moved after every step, and which finished on a stop string."""
+class StepProcessor:
+    """A processor as the decoder calls it (see the module docstring); the defaults offer nothing."""
 
-    def __call__(self, scores: torch.Tensor, num_generated_tokens: int) -> None: ...
+    def process(self, scores: torch.Tensor, context: StepContext) -> None:
+        """Edit `scores` [context.num_rows, vocab] in place."""
+        raise NotImplementedError
 
-    def reorder(self, parent_indices: Sequence[int], token_ids: Sequence[int]) -> None: ...
+    def allowed(self, context: StepContext) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows, tokens) [num_allowed]: the only pairs this step may take, or None (no such set).
+        Whoever answers also moves its state as `process` would: only one of them runs a step."""
+        return None
 
-    def drop(self, seq_indices: Iterable[int]) -> None: ...
-
-
-@runtime_checkable
-class SequenceStateProcessor(Protocol):
-    """A processor with state for a single sequence (penalties, a grammar matcher): a sampling decoder
-    hands it its generated tokens as a live list once, read at each call."""
-
-    def __call__(self, scores: torch.Tensor, num_generated_tokens: int) -> None: ...
-
-    def follow(self, generated_token_ids: list[int]) -> None: ...
+    def forces_eos(self, context: StepContext) -> bool:
+        return False
 
 
-@runtime_checkable
-class AllowedSetProcessor(BeamStateProcessor, Protocol):
-    """A processor that only allows a set of (beam, token) pairs each step (a catalogue): alone in
-    a request's list, the beam search ranks that set directly instead of a masked copy of the rows."""
+class CallableProcessor(StepProcessor):
+    """A user's `fn(scores, num_generated_tokens)`."""
 
-    def allowed(self, num_rows: int, num_generated_tokens: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def __init__(self, fn: LogitsProcessor | Callable[[torch.Tensor, int], None]):
+        self.fn = fn
+
+    def process(self, scores: torch.Tensor, context: StepContext) -> None:
+        self.fn(scores, context.num_generated_tokens)
 
 
-class BanUntilMinTokens:
+def step_processors(processors: Iterable[LogitsProcessor | StepProcessor]) -> list[StepProcessor]:
+    """Every processor as a `StepProcessor`: a plain callable is wrapped."""
+    return [p if isinstance(p, StepProcessor) else CallableProcessor(p) for p in processors]
+
+
+class BeamStateFollower:
+    """For a processor whose per-row state cannot be derived from the history (a trie node, a grammar
+    matcher): `follow(context)` hands it the context's moves once per step, whichever of `process` or
+    `allowed` runs first; `move(moves)` does the work."""
+
+    _followed_step: int = 0  # the num_generated_tokens whose moves were applied
+
+    def follow(self, context: StepContext) -> None:
+        if context.moves is not None and context.num_generated_tokens != self._followed_step:
+            self.move(context.moves)
+        self._followed_step = context.num_generated_tokens
+
+    def move(self, moves: BeamMoves) -> None:
+        raise NotImplementedError
+
+
+class BanUntilMinTokens(StepProcessor):
     """Tokens that may not come before `min_new_tokens` tokens were generated (EOS, unless ignored,
     and the stop token ids), masked as transformers and vLLM do: not emitted, walked past."""
 
@@ -57,22 +83,22 @@ class BanUntilMinTokens:
         self.min_new_tokens = min_new_tokens
         self.token_ids = sorted(set(token_ids))
 
-    def __call__(self, scores: torch.Tensor, num_generated_tokens: int) -> None:
-        if num_generated_tokens < self.min_new_tokens and self.token_ids:
+    def process(self, scores: torch.Tensor, context: StepContext) -> None:
+        if context.num_generated_tokens < self.min_new_tokens and self.token_ids:
             scores[:, self.token_ids] = float("-inf")
 
 
-class SuppressTokens:
+class SuppressTokens(StepProcessor):
     """Tokens never generated (HF `bad_words_ids` of single tokens, e.g. Marian's pad)."""
 
     def __init__(self, token_ids: Sequence[int]):
         self.token_ids = list(token_ids)
 
-    def __call__(self, scores: torch.Tensor, num_generated_tokens: int) -> None:
+    def process(self, scores: torch.Tensor, context: StepContext) -> None:
         scores[:, self.token_ids] = float("-inf")
 
 
-class ForceEOSAtEnd:
+class ForceEOSAtEnd(StepProcessor):
     """HF `forced_eos_token_id`: the last allowed token (number `max_new_tokens`) is this one.
     It overrides every earlier processor, min_new_tokens' EOS ban included, as in HF."""
 
@@ -80,22 +106,29 @@ class ForceEOSAtEnd:
         self.eos_token_id = eos_token_id
         self.max_new_tokens = max_new_tokens
 
-    def forcing(self, num_generated_tokens: int) -> bool:
-        return num_generated_tokens == self.max_new_tokens - 1
+    def forces_eos(self, context: StepContext) -> bool:
+        return context.num_generated_tokens == self.max_new_tokens - 1
 
-    def __call__(self, scores: torch.Tensor, num_generated_tokens: int) -> None:
-        if self.forcing(num_generated_tokens):
+    def process(self, scores: torch.Tensor, context: StepContext) -> None:
+        if self.forces_eos(context):
             scores.fill_(float("-inf"))
             scores[:, self.eos_token_id] = 0.0
 
 
-def apply_processors(processors: Sequence[LogitsProcessor], scores: torch.Tensor,
-                     num_generated_tokens: int) -> torch.Tensor:
+def apply_processors(processors: Sequence[StepProcessor], scores: torch.Tensor,
+                     context: StepContext) -> torch.Tensor:
     for processor in processors:
-        processor(scores, num_generated_tokens)
+        processor.process(scores, context)
     return scores
 
 
-def forcing_eos(processors: Sequence[LogitsProcessor], num_generated_tokens: int) -> bool:
+def allowed_pairs(processors: Sequence[StepProcessor],
+                  context: StepContext) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The (rows, tokens) a lone processor allows, or None: with others after or before it, they edit
+    scores the set does not carry, so the decoder masks and ranks the rows instead."""
+    return processors[0].allowed(context) if len(processors) == 1 else None
+
+
+def forcing_eos(processors: Sequence[StepProcessor], context: StepContext) -> bool:
     """Whether a processor forces EOS at this step (beam search then lets EOS through min_new_tokens)."""
-    return any(isinstance(p, ForceEOSAtEnd) and p.forcing(num_generated_tokens) for p in processors)
+    return any(p.forces_eos(context) for p in processors)
