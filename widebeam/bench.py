@@ -200,7 +200,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     if not args.no_wide:
         points += [(w, p) for p in args.wide_prompt_lens for w in args.wide_widths if (w, p) not in points]
     llm = LLM(model=args.model, max_beam_width=max(w for w, _ in points), **engine_kwargs(args))
-    from widebeam.model.registry import model_dtype, quantize_int8
+    from widebeam.model.int8_linear import quantize_int8
+    from widebeam.model.registry import model_dtype
 
     dtype = model_dtype(llm.engine.model)
     hf = floor_model = AutoModelForCausalLM.from_pretrained(str(llm.engine.source.path), dtype=dtype).eval()

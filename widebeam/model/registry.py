@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import torch
 
-from widebeam.defaults import DTYPES, FLOAT_DTYPES
+from widebeam.defaults import DEFAULT_LINEAR_BACKEND, DTYPES, FLOAT_DTYPES
 from widebeam.kv.spec import kv_dtype
-from widebeam.model.families import SUPPORTED_MODEL_TYPES, ParsedConfig, parse_config  # noqa: F401
-from widebeam.model.int8_linear import Int8Linear, fuse_int8_projections, quantize_int8  # noqa: F401
+from widebeam.model.families import ParsedConfig, parse_config
+from widebeam.model.int8_linear import fuse_int8_projections, quantize_int8
 from widebeam.model.loader import ModelSource, load_config, load_state_dict
-from widebeam.model.packed_linear import DEFAULT_LINEAR_BACKEND, pack_linears
+from widebeam.model.packed_linear import pack_linears
 
 # torch's dtype by name for the float dtypes; int8 is weights-only (activations and KV in float32)
 _TORCH_DTYPES = {name: getattr(torch, name) for name in FLOAT_DTYPES}
