@@ -54,8 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "transformers also copies it every step, so its peak is about twice that)")
     add_engine_arguments(parser, ["kv_cache_memory", "tokens_per_block", "dtype", "linear_backend"],
                          kv_cache_memory={"default": "2GiB"},
-                         dtype={"choices": BENCH_DTYPES, "help": "int8: int8 linear weights (widebeam and transformers "
-                                "alike), float32 activations (default float32)"})
+                         dtype={"choices": BENCH_DTYPES,
+                                "help": "int8: int8 linear weights (widebeam and transformers alike), "
+                                        "float32 activations (default float32)"})
     parser.add_argument("--threads", type=int_at_least(1), default=2)
     parser.add_argument("--settle-s", type=float, default=1.0,
                         help="idle seconds before each timed run, so the previous engine's OpenMP threads, which "

@@ -16,10 +16,10 @@ from widebeam.engine_args import (
     SPECULATIVE,
     add_engine_arguments,
     catalogue_error_message,
+    engine_config,
     engine_kwargs,
     error_message,
     prefix_cache_kwargs,
-    speculative_kwargs,
 )
 from widebeam.units import format_bytes
 
@@ -71,7 +71,8 @@ def _add_plan(sub, help_text: str) -> None:
     p.add_argument("--max-new-tokens", type=_int_at_least(1), default=None,
                    help=f"generated tokens N (default {PLAN_MAX_NEW_TOKENS}; with a catalogue: its longest item + 1)")
     # plan sizes a GPU deployment: bfloat16 by default, where the engine defaults to float32 for CPUs
-    add_engine_arguments(p, ["tokens_per_block", "max_num_batched_tokens", "dtype"], dtype={"default": "bfloat16"})
+    add_engine_arguments(p, ["tokens_per_block", "max_num_batched_tokens", "dtype"],
+                         dtype={"default": "bfloat16"})
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--list-models", action="store_true", help="list the built-in model names and exit")
     add_engine_arguments(p, [*SPECULATIVE, *PREFIX_CACHE])
@@ -354,13 +355,12 @@ def _plan_catalogue_files(paths: list[str], parser: argparse.ArgumentParser):
 def _plan_speculative(args: argparse.Namespace, parser: argparse.ArgumentParser):
     """The plan's `SpeculativeConfig` (None without speculation), checked by the engine's own rules,
     and the draft model's arch (None without a draft model)."""
-    from widebeam.config import EngineConfig
     from widebeam.errors import InvalidParameterError
     from widebeam.model.arch import ConfigError
     from widebeam.model.families import load_arch
 
     try:
-        speculative = EngineConfig.from_kwargs(args.model, **speculative_kwargs(args)).speculative
+        speculative = engine_config(args, SPECULATIVE).speculative
     except InvalidParameterError as exc:
         parser.error(error_message(exc))
     if speculative is None or speculative.model is None:

@@ -118,9 +118,9 @@ class SpeculativeConfig:
             raise InvalidParameterError("speculative_model", "{speculative_method}='ngram' takes no draft model, "
                                         "got {value!r}", value=self.model)
         if self.dtype is not None and self.dtype not in FLOAT_DTYPES:
-            raise InvalidParameterError("speculative_dtype", "{speculative_dtype} must be "
-                                        f"{', '.join(FLOAT_DTYPES[:-1])} or {FLOAT_DTYPES[-1]}, got {{value!r}}",
-                                        value=self.dtype)
+            floats = f"{', '.join(FLOAT_DTYPES[:-1])} or {FLOAT_DTYPES[-1]}"
+            raise InvalidParameterError("speculative_dtype", f"{{speculative_dtype}} must be {floats}, "
+                                        "got {value!r}", value=self.dtype)
         if self.method == "ngram" and self.dtype is not None:
             raise InvalidParameterError("speculative_dtype", "{speculative_method}='ngram' has no draft model "
                                         "to give {speculative_dtype}")

@@ -46,14 +46,15 @@ def _num_speculative_tokens(text: str) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class EngineOption:
-    """One engine setting on the command line. `kwarg`: its `LLMEngine` keyword; `config`/`field`: the
-    dataclass field that holds it (and gives its default unless `default` is set). `unset_help`: what
-    a default of None means. `to_kwarg`: the engine's value from the parsed one, where they differ."""
+    """One engine setting on the command line. `kwarg`: its `LLMEngine` keyword; `config` and `field`
+    (default: `kwarg`): the dataclass field that holds it and gives its default, unless `default` is
+    set. `unset_help`: what a default of None means. `to_kwarg`: the engine's value from the parsed
+    one, where they differ."""
 
     kwarg: str
     config: type
-    field: str
     help: str
+    field: str | None = None
     type: Callable | None = None
     choices: tuple | None = None
     metavar: str | None = None
@@ -75,7 +76,8 @@ class EngineOption:
     def config_default(self):
         if self.default is not _FROM_CONFIG:
             return self.default
-        (field,) = (f for f in dataclasses.fields(self.config) if f.name == self.field)
+        name = self.field or self.kwarg
+        (field,) = (f for f in dataclasses.fields(self.config) if f.name == name)
         return field.default
 
 
@@ -94,7 +96,8 @@ def read_pinned_prefix(path: str) -> str | list[int]:
         # bool is an int to Python and JSON's true would pass as token 1: refuse it like a negative id
         if not (isinstance(token_ids, list) and token_ids and all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in token_ids)):
-            raise argparse.ArgumentTypeError(f"{path} must hold a non-empty JSON list of token ids (integers >= 0)")
+            raise argparse.ArgumentTypeError(f"{path} must hold a non-empty JSON list of token ids "
+                                             "(integers >= 0)")
         return token_ids
     if not text:
         raise argparse.ArgumentTypeError(f"{path} is empty")
@@ -105,64 +108,60 @@ SPECULATIVE_GROUP = "speculative decoding"
 SCHEDULING_GROUP = "capacity scheduling"
 PREFIX_CACHE_GROUP = "prefix caching (on by default: prompt blocks are reused across requests)"
 
+# short names, so the table's lines stay readable
+_Model, _Cache, _Sched, _Spec = ModelConfig, CacheConfig, SchedulerConfig, SpeculativeConfig
 OPTIONS: dict[str, EngineOption] = {o.kwarg: o for o in (
-    EngineOption("model", ModelConfig, "model",
-                 "alias (smollm2-135m-instruct, gemma3-270m), a Hugging Face model dir (Llama-family, Gemma 3, "
-                 "Marian translation), or a .gguf file"),
-    EngineOption("dtype", ModelConfig, "dtype", "weights and KV dtype (int8: int8 linear weights, float32 "
-                 "activations and KV)", choices=DTYPES),
-    EngineOption("linear_backend", ModelConfig, "linear_backend",
-                 "float32 on CPU: split (at 1-4 rows each weight's output rows run as batched blocks on every "
-                 "thread, F.linear otherwise; 1.4x faster W=1 and 4 beams, no extra memory); torch (F.linear, "
-                 "the reference); auto (weights also packed for oneDNN, used at 4-128 rows, the linear weights "
-                 "held twice); onednn (packed only: slower at 1-3 rows)", choices=LINEAR_BACKENDS),
-    EngineOption("device", ModelConfig, "device", "cpu or cuda", unset_help="cuda when available"),
-    EngineOption("kv_cache_memory", CacheConfig, "kv_cache_memory", "bytes for the KV cache, e.g. 2GiB",
-                 type=byte_size, unset_help="a fraction of free memory, at most 2GiB on a CPU host"),
-    EngineOption("kv_cache_fraction", CacheConfig, "kv_cache_fraction",
-                 "share of the memory left after the weights and activations given to KV", type=fraction),
-    EngineOption("tokens_per_block", CacheConfig, "tokens_per_block",
-                 "KV block size T: smaller blocks share more of the beams' common tokens", type=int_at_least(1)),
-    EngineOption("max_beam_width", SchedulerConfig, "max_beam_width", "widest beam search", type=int_at_least(1)),
-    EngineOption("max_seq_len", SchedulerConfig, "max_seq_len", "prompt + generated tokens",
-                 type=int_at_least(2), unset_help="the model's limit, bounded by the KV capacity"),
-    EngineOption("max_num_batched_tokens", SchedulerConfig, "max_num_batched_tokens",
-                 "tokens per step: the prefill chunk size, which sizes the activation reserve",
-                 type=int_at_least(1)),
-    # the speculative options are unset (None) by default: `EngineConfig.from_kwargs` turns speculation on
-    # only when a model or a method is given, so the config's own defaults cannot stand in for "not given"
-    EngineOption("speculative_model", SpeculativeConfig, "model",
-                 "draft model (alias, Hugging Face dir or .gguf; same tokenizer as --model): it proposes tokens "
-                 "the target verifies in one pass; turns speculation on (method draft)",
-                 metavar="MODEL", default=None, group=SPECULATIVE_GROUP),
-    EngineOption("num_speculative_tokens", SpeculativeConfig, "num_speculative_tokens",
-                 f"tokens drafted per sequence and round, 1..{MAX_NUM_SPECULATIVE_TOKENS}; every per-sequence KV "
-                 "pool reserves D more per sequence", type=_num_speculative_tokens, metavar="D", default=None,
-                 unset_help=f"{SpeculativeConfig.num_speculative_tokens} with speculation", group=SPECULATIVE_GROUP),
-    EngineOption("speculative_method", SpeculativeConfig, "method",
-                 "draft: a second model (--speculative-model); ngram: copy from the request's own prompt and "
-                 "output, no draft model", choices=SPECULATIVE_METHODS, default=None,
-                 unset_help="draft when --speculative-model is given", group=SPECULATIVE_GROUP),
-    EngineOption("speculative_dtype", SpeculativeConfig, "dtype",
-                 "the draft model's dtype; e.g. the target's own checkpoint in bfloat16 as its draft",
-                 choices=FLOAT_DTYPES, default=None, unset_help="the target's", group=SPECULATIVE_GROUP),
-    EngineOption("scheduling_policy", SchedulerConfig, "scheduling_policy",
-                 "guaranteed_no_evict: admit a request when its worst case (W beams x N tokens) fits, nothing is "
-                 "ever preempted; max_utilization: admit on the next step's blocks and preempt the newest request "
-                 "when a step runs short (it resumes by recomputation, its output unchanged)",
-                 choices=SCHEDULING_POLICIES, group=SCHEDULING_GROUP),
-    EngineOption("max_preemptions", SchedulerConfig, "max_preemptions",
-                 "max_utilization: a request preempted K times then runs under its worst-case reservation, never "
-                 "preempted again, before any newer request", type=int_at_least(0), metavar="K",
-                 group=SCHEDULING_GROUP),
-    EngineOption("enable_prefix_caching", CacheConfig, "enable_prefix_caching", "recompute every prompt",
-                 flag="--no-prefix-caching", action="store_true", default=False, to_kwarg=lambda off: not off,
-                 group=PREFIX_CACHE_GROUP),
-    EngineOption("pinned_prefixes", CacheConfig, "pinned_prefixes",
-                 "a prefix computed at start-up and never evicted (a system prompt): the file's text (UTF-8), "
-                 "or token ids as a JSON list in a .json file (repeatable)", flag="--pin-prefix", action="append",
-                 metavar="FILE", default=[], to_kwarg=lambda paths: [read_pinned_prefix(p) for p in paths],
-                 group=PREFIX_CACHE_GROUP),
+    EngineOption("model", _Model, f"alias ({DEFAULT_MODEL}, gemma3-270m), a Hugging Face model dir "
+                 "(Llama-family, Gemma 3, Marian translation), or a .gguf file"),
+    EngineOption("dtype", _Model, "weights and KV dtype (int8: int8 linear weights, float32 activations "
+                 "and KV)", choices=DTYPES),
+    EngineOption("linear_backend", _Model, "float32 on CPU: split (at 1-4 rows each weight's output rows "
+                 "run as batched blocks on every thread, F.linear otherwise; 1.4x faster W=1 and 4 beams, "
+                 "no extra memory); torch (F.linear, the reference); auto (weights also packed for oneDNN, "
+                 "used at 4-128 rows, the linear weights held twice); onednn (packed only: slower at 1-3 "
+                 "rows)", choices=LINEAR_BACKENDS),
+    EngineOption("device", _Model, "cpu or cuda", unset_help="cuda when available"),
+    EngineOption("kv_cache_memory", _Cache, "bytes for the KV cache, e.g. 2GiB", type=byte_size,
+                 unset_help="a fraction of free memory, at most 2GiB on a CPU host"),
+    EngineOption("kv_cache_fraction", _Cache, "share of the memory left after the weights and "
+                 "activations given to KV", type=fraction),
+    EngineOption("tokens_per_block", _Cache, "KV block size T: smaller blocks share more of the beams' "
+                 "common tokens", type=int_at_least(1)),
+    EngineOption("max_beam_width", _Sched, "widest beam search", type=int_at_least(1)),
+    EngineOption("max_seq_len", _Sched, "prompt + generated tokens", type=int_at_least(2),
+                 unset_help="the model's limit, bounded by the KV capacity"),
+    EngineOption("max_num_batched_tokens", _Sched, "tokens per step: the prefill chunk size, which sizes "
+                 "the activation reserve", type=int_at_least(1)),
+    # The speculative options are unset (None) by default: `EngineConfig.from_kwargs` turns speculation
+    # on only when a model or a method is given, so the config's defaults cannot stand for "not given".
+    EngineOption("speculative_model", _Spec, "draft model (alias, Hugging Face dir or .gguf; same "
+                 "tokenizer as --model): it proposes tokens the target verifies in one pass; turns "
+                 "speculation on (method draft)", field="model", metavar="MODEL", default=None,
+                 group=SPECULATIVE_GROUP),
+    EngineOption("num_speculative_tokens", _Spec, "tokens drafted per sequence and round, "
+                 f"1..{MAX_NUM_SPECULATIVE_TOKENS}; every per-sequence KV pool reserves D more per sequence",
+                 type=_num_speculative_tokens, metavar="D", default=None, group=SPECULATIVE_GROUP,
+                 unset_help=f"{SpeculativeConfig.num_speculative_tokens} with speculation"),
+    EngineOption("speculative_method", _Spec, "draft: a second model (--speculative-model); ngram: copy "
+                 "from the request's own prompt and output, no draft model", field="method",
+                 choices=SPECULATIVE_METHODS, default=None, group=SPECULATIVE_GROUP,
+                 unset_help="draft when --speculative-model is given"),
+    EngineOption("speculative_dtype", _Spec, "the draft model's dtype; e.g. the target's own checkpoint "
+                 "in bfloat16 as its draft", field="dtype", choices=FLOAT_DTYPES, default=None,
+                 unset_help="the target's", group=SPECULATIVE_GROUP),
+    EngineOption("scheduling_policy", _Sched, "guaranteed_no_evict: admit a request when its worst case "
+                 "(W beams x N tokens) fits, nothing is ever preempted; max_utilization: admit on the next "
+                 "step's blocks and preempt the newest request when a step runs short (it resumes by "
+                 "recomputation, its output unchanged)", choices=SCHEDULING_POLICIES, group=SCHEDULING_GROUP),
+    EngineOption("max_preemptions", _Sched, "max_utilization: a request preempted K times then runs under "
+                 "its worst-case reservation, never preempted again, before any newer request",
+                 type=int_at_least(0), metavar="K", group=SCHEDULING_GROUP),
+    EngineOption("enable_prefix_caching", _Cache, "recompute every prompt", flag="--no-prefix-caching",
+                 action="store_true", default=False, to_kwarg=lambda off: not off, group=PREFIX_CACHE_GROUP),
+    EngineOption("pinned_prefixes", _Cache, "a prefix computed at start-up and never evicted (a system "
+                 "prompt): the file's text (UTF-8), or token ids as a JSON list in a .json file "
+                 "(repeatable)", flag="--pin-prefix", action="append", metavar="FILE", default=[],
+                 to_kwarg=lambda paths: [read_pinned_prefix(p) for p in paths], group=PREFIX_CACHE_GROUP),
 )}
 
 SPECULATIVE = ("speculative_model", "num_speculative_tokens", "speculative_method", "speculative_dtype")
@@ -220,20 +219,16 @@ def engine_kwargs(args: argparse.Namespace, names: Iterable[str] | None = None) 
     return kwargs
 
 
-def speculative_kwargs(args: argparse.Namespace) -> dict:
-    """The speculative keyword arguments of `LLM`/`LLMEngine` from parsed options (None where not given)."""
-    return {name: getattr(args, OPTIONS[name].dest, None) for name in SPECULATIVE}
-
-
 def prefix_cache_kwargs(args: argparse.Namespace) -> dict:
     """`enable_prefix_caching` and `pinned_prefixes` (when given) from parsed options; a front end
     without these options (none parsed) gets the engine's default, caching on."""
     return {"enable_prefix_caching": True, **engine_kwargs(args, PREFIX_CACHE)}
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The `EngineConfig` the engine would build from the parsed options (`--model` included)."""
-    return EngineConfig.from_kwargs(getattr(args, "model", DEFAULT_MODEL), **engine_kwargs(args))
+def engine_config(args: argparse.Namespace, names: Iterable[str] | None = None) -> EngineConfig:
+    """The `EngineConfig` the engine would build from the parsed options (those of `names`, by default
+    all; `--model` included), checked by the engine's own rules (`InvalidParameterError`)."""
+    return EngineConfig.from_kwargs(getattr(args, "model", DEFAULT_MODEL), **engine_kwargs(args, names))
 
 
 def catalogue_spec(text: str) -> tuple[str, str]:
@@ -247,7 +242,8 @@ def catalogue_spec(text: str) -> tuple[str, str]:
 
 
 def catalogues_kwargs(args: argparse.Namespace) -> dict:
-    """`catalogues={NAME: PATH}` for `LLMEngine` from the repeated `--catalogue NAME=PATH` (empty when none)."""
+    """`catalogues={NAME: PATH}` for `LLMEngine` from the repeated `--catalogue NAME=PATH` (empty when
+    none)."""
     catalogues: dict[str, str] = {}
     for name, path in getattr(args, "catalogue", None) or ():
         if name in catalogues:

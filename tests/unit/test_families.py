@@ -175,7 +175,8 @@ def test_missing_shape_field_is_a_config_error():
 
 
 def test_family_table_and_plan_do_not_import_torch():
-    code = ("import sys; from widebeam.model.families import load_arch; from widebeam.model import families, family_configs;"
+    code = ("import sys; from widebeam.model.families import load_arch;"
+            "from widebeam.model import families, family_configs;"
             "[load_arch(m) for m in ('gemma3-270m', 'qwen3-0.6b', 'phi-3-mini-4k', 'opus-mt-en-de')];"
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)

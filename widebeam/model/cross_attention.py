@@ -5,11 +5,12 @@ K/V of its E output tokens in the request's cross block table, which never grows
 beams share. Decoder queries attend all E positions: no causal mask, no window.
 
 The definition of correct, one sequence at a time, is `cross_attention_reference` in
-tests/unit/test_encoder_decoder.py. `cross_attention` is the path the model runs: the sequences that share one cross block table (the beams of a request,
-with their prefill or decode queries) form a group, their K/V are gathered once and every query of
-the group is scored against them in one matrix-matrix product, instead of one read and one
-matrix-vector product per beam. The runner builds the groups (`groups(device)`) once per step,
-before the forward; every layer then reads the same index tensors, with no host reads.
+tests/unit/test_encoder_decoder.py. `cross_attention` is the path the model runs: the sequences that
+share one cross block table (the beams of a request, with their prefill or decode queries) form a
+group, their K/V are gathered once and every query of the group is scored against them in one
+matrix-matrix product, instead of one read and one matrix-vector product per beam. The runner builds
+the groups (`groups(device)`) once per step, before the forward; every layer then reads the same index
+tensors, with no host reads.
 """
 
 from __future__ import annotations

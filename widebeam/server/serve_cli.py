@@ -35,8 +35,8 @@ API_KEY_ENV = "WIDEBEAM_API_KEY"
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 EXIT_INTERRUPTED = 130
 # the engine options besides --model and the grouped ones (speculative, prefix cache, scheduling)
-SERVE_ENGINE_OPTIONS = ("kv_cache_memory", "kv_cache_fraction", "max_beam_width", "max_seq_len", "tokens_per_block",
-                        "dtype", "linear_backend", "device", "max_num_batched_tokens")
+SERVE_ENGINE_OPTIONS = ("kv_cache_memory", "kv_cache_fraction", "max_beam_width", "max_seq_len",
+                        "tokens_per_block", "dtype", "linear_backend", "device", "max_num_batched_tokens")
 
 log = logging.getLogger("widebeam.server")
 
