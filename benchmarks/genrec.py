@@ -50,7 +50,8 @@ from tables import markdown_table, print_table
 from widebeam import memstats
 from widebeam.catalogue.constraint import CatalogueConstraint
 from widebeam.catalogue.trie import Catalogue
-from widebeam.engine import LLM, LLMEngine, available_memory_bytes
+from widebeam.device import available_memory_bytes
+from widebeam.engine import LLM, LLMEngine
 from widebeam.memstats import rss_bytes
 from widebeam.params import BeamSearchParams
 from widebeam.units import format_bytes, parse_bytes

@@ -28,25 +28,21 @@ from pathlib import Path
 
 from widebeam import memstats
 from widebeam.argtypes import byte_size, int_at_least
-from widebeam.defaults import DEFAULT_MODEL, DEFAULT_TOKENS_PER_BLOCK
+from widebeam.defaults import DTYPES
+from widebeam.engine_args import SPECULATIVE, add_engine_arguments, engine_kwargs
 from widebeam.memstats import rss_bytes
-from widebeam.server.serve_cli import (
-    add_linear_backend_argument,
-    add_prefix_cache_arguments,
-    add_speculative_arguments,
-    prefix_cache_kwargs,
-    speculative_kwargs,
-)
 from widebeam.units import format_bytes
 
 # torch and transformers are imported where used: `widebeam plan` builds this parser too, and stays quick.
 
 DEFAULT_OUT = "benchmarks/results/beam_vs_hf.json"
+# transformers is the peer at every point, and it has no float16 CPU kernels worth timing
+BENCH_DTYPES = tuple(d for d in DTYPES if d != "float16")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help="alias or Hugging Face directory of a decoder-only model (default SmolLM2-135M)")
+    add_engine_arguments(parser, ["model"], model={
+        "help": "alias or Hugging Face directory of a decoder-only model (default SmolLM2-135M)"})
     parser.add_argument("--widths", type=int_at_least(1), nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--prompt-lens", type=int_at_least(1), nargs="+", default=[512])
     parser.add_argument("--max-new-tokens", type=int_at_least(1), default=32)
@@ -56,14 +52,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-kv-limit", type=byte_size, default=byte_size("4GiB"),
                         help="skip transformers when its W x (P+N) KV would exceed this (default 4GiB; "
                              "transformers also copies it every step, so its peak is about twice that)")
-    parser.add_argument("--kv-cache-memory", type=byte_size, default=byte_size("2GiB"),
-                        help="widebeam's KV budget (default 2GiB)")
-    parser.add_argument("--tokens-per-block", type=int_at_least(1), default=DEFAULT_TOKENS_PER_BLOCK,
-                        help="KV block size T: smaller blocks share more of the beams' common tokens "
-                             f"(default {DEFAULT_TOKENS_PER_BLOCK})")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int8"],
-                        help="int8: int8 linear weights (widebeam and transformers alike), float32 activations")
-    add_linear_backend_argument(parser)
+    add_engine_arguments(parser, ["kv_cache_memory", "tokens_per_block", "dtype", "linear_backend"],
+                         kv_cache_memory={"default": "2GiB"},
+                         dtype={"choices": BENCH_DTYPES,
+                                "help": "int8: int8 linear weights (widebeam and transformers alike), "
+                                        "float32 activations (default float32)"})
     parser.add_argument("--threads", type=int_at_least(1), default=2)
     parser.add_argument("--settle-s", type=float, default=1.0,
                         help="idle seconds before each timed run, so the previous engine's OpenMP threads, which "
@@ -74,10 +67,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "model converted once into the cache; transformers is always run for the floors)")
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"JSON path; the plot goes next to it (default {DEFAULT_OUT})")
     # widebeam's side only (transformers runs plain beam search); beam search stays exact with speculation
-    add_speculative_arguments(parser)
+    add_engine_arguments(parser, SPECULATIVE)
     # every run computes its whole prompt either way (the cache is emptied before it, see run_widebeam);
-    # --no-prefix-caching measures the engine without the cache's bookkeeping
-    add_prefix_cache_arguments(parser, pins=False)
+    # --no-prefix-caching measures the engine without the cache's bookkeeping; its prompts are synthetic,
+    # nothing there is worth pinning: no --pin-prefix
+    add_engine_arguments(parser, ["enable_prefix_caching"])
 
 
 def peak_rss_bytes() -> int:
@@ -206,10 +200,9 @@ def run(args: argparse.Namespace) -> list[dict]:
     points = [(w, p) for p in args.prompt_lens for w in args.widths]
     if not args.no_wide:
         points += [(w, p) for p in args.wide_prompt_lens for w in args.wide_widths if (w, p) not in points]
-    llm = LLM(model=args.model, dtype=args.dtype, linear_backend=args.linear_backend, kv_cache_memory=args.kv_cache_memory,
-              max_beam_width=max(w for w, _ in points), tokens_per_block=args.tokens_per_block,
-              **speculative_kwargs(args), **prefix_cache_kwargs(args))
-    from widebeam.model.registry import model_dtype, quantize_int8
+    llm = LLM(model=args.model, max_beam_width=max(w for w, _ in points), **engine_kwargs(args))
+    from widebeam.model.int8_linear import quantize_int8
+    from widebeam.model.registry import model_dtype
 
     dtype = model_dtype(llm.engine.model)
     hf = floor_model = AutoModelForCausalLM.from_pretrained(str(llm.engine.source.path), dtype=dtype).eval()

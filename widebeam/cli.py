@@ -9,61 +9,73 @@ from collections.abc import Sequence
 
 from widebeam.argtypes import OneLineParser
 from widebeam.argtypes import byte_size as _byte_size
-from widebeam.argtypes import fraction as _fraction
 from widebeam.argtypes import int_at_least as _int_at_least
-from widebeam.defaults import (
-    DEFAULT_KV_CACHE_FRACTION,
-    DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    DEFAULT_MODEL,
-    DEFAULT_TOKENS_PER_BLOCK,
-)
-from widebeam.server.serve_cli import (
-    add_linear_backend_argument,
-    add_prefix_cache_arguments,
-    add_scheduling_arguments,
-    add_speculative_arguments,
+from widebeam.engine_args import (
+    PREFIX_CACHE,
+    SCHEDULING,
+    SPECULATIVE,
+    add_engine_arguments,
     catalogue_error_message,
+    engine_config,
+    engine_kwargs,
     error_message,
     prefix_cache_kwargs,
-    scheduling_kwargs,
-    speculative_kwargs,
 )
 from widebeam.units import format_bytes
 
-DTYPES = ("float32", "bfloat16", "float16", "int8")  # int8: int8 linear weights, float32 activations and KV
 PLAN_MAX_NEW_TOKENS = 128
 PLAN_CATALOGUE_ITEM_TOKENS = 4  # semantic-ID items are 3 to 8 tokens; 4 is the common choice
 GENERATE_MAX_NEW_TOKENS = 32
 GENERATE_CATALOGUE_BEAM_WIDTH = 8
 CLI_CATALOGUE = "cli"  # the name `generate --catalogue` registers its file under
+# generate's engine options besides --model and the grouped ones; its beam width sets max_beam_width
+GENERATE_ENGINE_OPTIONS = ("dtype", "linear_backend", "device", "kv_cache_memory", "tokens_per_block")
 
 
-def build_parser() -> argparse.ArgumentParser:
+# Each subcommand's one-line help, in `widebeam --help` order.
+COMMANDS = {
+    "plan": "KV capacity plan for a model, a memory size and a request shape",
+    "generate": "generate a completion for one prompt",
+    "serve": "OpenAI-compatible HTTP server (beam search via use_beam_search)",
+    "batch": "run every row of a JSONL/CSV/Parquet file; resumable; --replicas N on Ray",
+    "bench": "beam search side by side with transformers: time, memory, KV, compute floor",
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The `widebeam` parser. `command`: give only that subcommand its options (the others keep their
+    one-line help), so that `widebeam generate` imports no server, batch or bench code; None: all."""
     parser = OneLineParser(prog="widebeam", description="Beam search at any width, with exact KV accounting.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+    adders = {"plan": _add_plan, "generate": _add_generate, "serve": _add_serve, "batch": _add_batch,
+              "bench": _add_bench}
+    for name, help_text in COMMANDS.items():
+        if command is None or name == command:
+            adders[name](sub, help_text)
+        else:
+            sub.add_parser(name, help=help_text)
+    return parser
 
-    p = sub.add_parser("plan", help="KV capacity plan for a model, a memory size and a request shape")
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help="built-in name (see --list-models), a Hugging Face model dir, or a config.json")
+
+def _add_plan(sub, help_text: str) -> None:
+    p = sub.add_parser("plan", help=help_text)
+    add_engine_arguments(p, ["model"], model={
+        "help": "built-in name (see --list-models), a Hugging Face model dir, or a config.json"})
     p.add_argument("--memory", type=_byte_size, default=_byte_size("16GiB"),
                    help="device memory for weights + activations + KV, e.g. 141GiB (default 16GiB)")
-    p.add_argument("--kv-cache-fraction", type=_fraction, default=DEFAULT_KV_CACHE_FRACTION,
-                   help=f"share of the memory left after weights and activations given to KV "
-                        f"(default {DEFAULT_KV_CACHE_FRACTION})")
+    add_engine_arguments(p, ["kv_cache_fraction"])
     p.add_argument("--beam-width", type=_int_at_least(1), default=1)
     p.add_argument("--prompt-len", type=_int_at_least(1), default=512)
     p.add_argument("--encoder-len", type=_int_at_least(1), default=None,
                    help="encoder-decoder models: source tokens E, held once in the cross pool (default: --prompt-len)")
     p.add_argument("--max-new-tokens", type=_int_at_least(1), default=None,
                    help=f"generated tokens N (default {PLAN_MAX_NEW_TOKENS}; with a catalogue: its longest item + 1)")
-    p.add_argument("--tokens-per-block", type=_int_at_least(1), default=DEFAULT_TOKENS_PER_BLOCK)
-    p.add_argument("--max-num-batched-tokens", type=_int_at_least(1), default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                   help=f"prefill chunk size, for the activation reserve (default {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
-    p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="weights and KV dtype")
+    # plan sizes a GPU deployment: bfloat16 by default, where the engine defaults to float32 for CPUs
+    add_engine_arguments(p, ["tokens_per_block", "max_num_batched_tokens", "dtype"],
+                         dtype={"default": "bfloat16"})
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--list-models", action="store_true", help="list the built-in model names and exit")
-    add_speculative_arguments(p)
-    add_prefix_cache_arguments(p)
+    add_engine_arguments(p, [*SPECULATIVE, *PREFIX_CACHE])
     c = p.add_argument_group("catalogue (generative retrieval): its bytes come off the memory before the KV share")
     c.add_argument("--catalogue", action="append", default=[], metavar="[NAME=]PATH",
                    help="a catalogue file (.jsonl of token ids, .npy, .parquet) the server registers at start-up; "
@@ -75,11 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--catalogue-bytes", type=_byte_size, default=None, metavar="B",
                    help="without a file: the catalogue's bytes as measured (Catalogue.nbytes); overrides the estimate")
     p.set_defaults(func=_cmd_plan)
-    g = sub.add_parser("generate", help="generate a completion for one prompt")
+
+
+def _add_generate(sub, help_text: str) -> None:
+    g = sub.add_parser("generate", help=help_text)
     g.add_argument("prompt", help="the prompt text (with --chat: the user message)")
-    g.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"alias ({DEFAULT_MODEL}, gemma3-270m), a Hugging Face model dir (Llama-family, Gemma 3, "
-                        "Marian translation), or a .gguf file")
+    add_engine_arguments(g, ["model"])
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     g.add_argument("--max-new-tokens", type=_int_at_least(1), default=None,
                    help=f"default {GENERATE_MAX_NEW_TOKENS}; with --catalogue: its longest item + 1")
@@ -94,35 +107,34 @@ def build_parser() -> argparse.ArgumentParser:
                    help="beams to print (default: all)")
     g.add_argument("--length-penalty", type=float, default=1.0)
     g.add_argument("--early-stopping", choices=("true", "false", "never"), default="false")
-    g.add_argument("--dtype", choices=DTYPES, default="float32")
-    add_linear_backend_argument(g)
-    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    g.add_argument("--kv-cache-memory", type=_byte_size, default=_byte_size("1GiB"))
-    g.add_argument("--tokens-per-block", type=_int_at_least(1), default=DEFAULT_TOKENS_PER_BLOCK)
+    add_engine_arguments(g, GENERATE_ENGINE_OPTIONS, kv_cache_memory={"default": "1GiB"})
     g.add_argument("--catalogue", default=None, metavar="PATH",
                    help="generative retrieval: beam search constrained to this file's items (.jsonl of token ids "
                         "or strings, .npy, .parquet); implies beam search (--beam-width default "
                         f"{GENERATE_CATALOGUE_BEAM_WIDTH}); each beam ends with its item")
     g.add_argument("--json", action="store_true", help="print one JSON object")
-    add_speculative_arguments(g)
-    add_prefix_cache_arguments(g)
-    add_scheduling_arguments(g)
+    add_engine_arguments(g, [*SPECULATIVE, *PREFIX_CACHE, *SCHEDULING])
     g.set_defaults(func=_cmd_generate)
 
+
+def _add_serve(sub, help_text: str) -> None:
     from widebeam.server.serve_cli import add_serve_parser
 
-    add_serve_parser(sub)
+    add_serve_parser(sub, help_text)
 
+
+def _add_batch(sub, help_text: str) -> None:
     from widebeam.batch.cli import add_batch_parser
 
-    add_batch_parser(sub)
+    add_batch_parser(sub, help_text)
 
+
+def _add_bench(sub, help_text: str) -> None:
     from widebeam import bench
 
-    b = sub.add_parser("bench", help="beam search side by side with transformers: time, memory, KV, compute floor")
+    b = sub.add_parser("bench", help=help_text)
     bench.add_arguments(b)
     b.set_defaults(func=_cmd_bench)
-    return parser
 
 
 def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -162,10 +174,8 @@ def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             params = SamplingParams(max_new_tokens=max_new_tokens, temperature=args.temperature,
                                     top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
         catalogues = {CLI_CATALOGUE: catalogue} if catalogue is not None else {}
-        llm = LLM(args.model, dtype=args.dtype, linear_backend=args.linear_backend, device=args.device, kv_cache_memory=args.kv_cache_memory,
-                  tokens_per_block=args.tokens_per_block, max_beam_width=max(args.beam_width or 1, 1),
-                  **({"catalogues": catalogues} if catalogues else {}), **speculative_kwargs(args),
-                  **prefix_cache_kwargs(args), **scheduling_kwargs(args))
+        llm = LLM(args.model, max_beam_width=max(args.beam_width or 1, 1),
+                  **({"catalogues": catalogues} if catalogues else {}), **engine_kwargs(args))
         prompt = llm.engine.apply_chat_template(args.prompt) if args.chat else args.prompt
         (output,) = llm.generate([prompt], params, use_tqdm=False)
     except argparse.ArgumentTypeError as exc:
@@ -345,13 +355,12 @@ def _plan_catalogue_files(paths: list[str], parser: argparse.ArgumentParser):
 def _plan_speculative(args: argparse.Namespace, parser: argparse.ArgumentParser):
     """The plan's `SpeculativeConfig` (None without speculation), checked by the engine's own rules,
     and the draft model's arch (None without a draft model)."""
-    from widebeam.config import EngineConfig
     from widebeam.errors import InvalidParameterError
     from widebeam.model.arch import ConfigError
     from widebeam.model.families import load_arch
 
     try:
-        speculative = EngineConfig.from_kwargs(args.model, **speculative_kwargs(args)).speculative
+        speculative = engine_config(args, SPECULATIVE).speculative
     except InvalidParameterError as exc:
         parser.error(error_message(exc))
     if speculative is None or speculative.model is None:
@@ -436,7 +445,8 @@ def _print_plan(result: dict) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv[0] if argv and argv[0] in COMMANDS else None)
     args = parser.parse_args(argv)
     subparser = parser._subparsers._group_actions[0].choices[args.command]  # type: ignore[union-attr]
     return args.func(args, subparser)

@@ -8,13 +8,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from widebeam.defaults import (
+    DEFAULT_DTYPE,
     DEFAULT_KV_CACHE_FRACTION,
     DEFAULT_LINEAR_BACKEND,
     DEFAULT_MAX_BEAM_WIDTH,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MODEL,
     DEFAULT_TOKENS_PER_BLOCK,
+    FLOAT_DTYPES,
     LINEAR_BACKENDS,
+    MAX_NUM_SPECULATIVE_TOKENS,
 )
 from widebeam.errors import InvalidParameterError
 
@@ -22,7 +25,7 @@ from widebeam.errors import InvalidParameterError
 @dataclass(frozen=True)
 class ModelConfig:
     model: str = DEFAULT_MODEL  # alias, Hugging Face directory or .gguf file
-    dtype: str = "float32"
+    dtype: str = DEFAULT_DTYPE
     device: str | None = None  # None: cuda when available, else cpu
     # None: $WIDEBEAM_ATTENTION_BACKEND, else "sdpa" (model/attention_backends.py); chosen once
     attention_backend: str | None = None
@@ -114,16 +117,18 @@ class SpeculativeConfig:
         if self.method == "ngram" and self.model:
             raise InvalidParameterError("speculative_model", "{speculative_method}='ngram' takes no draft model, "
                                         "got {value!r}", value=self.model)
-        if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
-            raise InvalidParameterError("speculative_dtype", "{speculative_dtype} must be float32, bfloat16 or "
-                                        "float16, got {value!r}", value=self.dtype)
+        if self.dtype is not None and self.dtype not in FLOAT_DTYPES:
+            floats = f"{', '.join(FLOAT_DTYPES[:-1])} or {FLOAT_DTYPES[-1]}"
+            raise InvalidParameterError("speculative_dtype", f"{{speculative_dtype}} must be {floats}, "
+                                        "got {value!r}", value=self.dtype)
         if self.method == "ngram" and self.dtype is not None:
             raise InvalidParameterError("speculative_dtype", "{speculative_method}='ngram' has no draft model "
                                         "to give {speculative_dtype}")
         if isinstance(self.num_speculative_tokens, bool) or not isinstance(self.num_speculative_tokens, int) \
-                or not 1 <= self.num_speculative_tokens <= 64:
+                or not 1 <= self.num_speculative_tokens <= MAX_NUM_SPECULATIVE_TOKENS:
             raise InvalidParameterError("num_speculative_tokens", "{num_speculative_tokens} must be an integer in "
-                                        "[1, 64], got {value!r}", value=self.num_speculative_tokens)
+                                        f"[1, {MAX_NUM_SPECULATIVE_TOKENS}], got {{value!r}}",
+                                        value=self.num_speculative_tokens)
 
 
 @dataclass(frozen=True)
@@ -134,7 +139,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     @classmethod
-    def from_kwargs(cls, model: str = DEFAULT_MODEL, *, dtype: str = "float32", device: str | None = None,
+    def from_kwargs(cls, model: str = DEFAULT_MODEL, *, dtype: str = DEFAULT_DTYPE, device: str | None = None,
                     attention_backend: str | None = None, linear_backend: str = DEFAULT_LINEAR_BACKEND,
                     kv_cache_memory: int | str | None = None, kv_cache_fraction: float = DEFAULT_KV_CACHE_FRACTION,
                     tokens_per_block: int = DEFAULT_TOKENS_PER_BLOCK, max_seq_len: int | None = None,

@@ -14,3 +14,10 @@ DEFAULT_LINEAR_BACKEND = "split"
 # On a CPU host the KV cache shares memory with everything else the user runs, and tests and
 # users may hold several engines in one process: without `kv_cache_memory`, take at most this.
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 2**30
+# Weights and KV dtypes, written once: every `--dtype` flag and config check reads them from here.
+# int8 is a weights-only dtype (int8 linear weights, float32 activations and KV): a draft model or a
+# KV pool takes a float one.
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = (*FLOAT_DTYPES, "int8")
+DEFAULT_DTYPE = "float32"
+MAX_NUM_SPECULATIVE_TOKENS = 64  # SpeculativeConfig's bound on D, drafted tokens per sequence and round

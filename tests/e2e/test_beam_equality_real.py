@@ -7,7 +7,7 @@ import openai
 import pytest
 import torch
 
-from widebeam.model.loader import DEFAULT_MODEL
+from widebeam.defaults import DEFAULT_MODEL
 
 QUESTION = "Name three colours."
 WIDTH = 4

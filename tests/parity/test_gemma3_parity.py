@@ -181,25 +181,27 @@ def test_sparse_configs_get_transformers_defaults():
     may hold four fields): layer pattern, window, RoPE bases, heads and scale must match transformers'."""
     from transformers import Gemma3Config as HFGemma3Config
 
-    from widebeam.model.gemma3 import Gemma3Config
+    from widebeam.model.families import parse_config
+    from widebeam.model.family_configs import gemma3_text_config
 
     sparse = {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
               "num_hidden_layers": 34,
               "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024}
     hf_text = HFGemma3Config(text_config=dict(sparse)).text_config
     for raw in ({"model_type": "gemma3", "text_config": dict(sparse)}, dict(sparse)):
-        cfg = Gemma3Config.from_hf_config(raw)
-        arch = cfg.arch
+        parsed = parse_config(raw)
+        arch, settings = parsed.arch, parsed.settings
         expected_windows = tuple(hf_text.sliding_window if t == "sliding_attention" else None
                                  for t in hf_text.layer_types)
         assert arch.layer_windows == expected_windows
         assert (arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.vocab_size) == (
             hf_text.num_attention_heads, hf_text.num_key_value_heads, hf_text.head_dim, hf_text.vocab_size)
-        assert cfg.query_pre_attn_scalar == hf_text.query_pre_attn_scalar
-        assert cfg.rms_norm_eps == hf_text.rms_norm_eps
+        assert float(gemma3_text_config(raw)["query_pre_attn_scalar"]) == hf_text.query_pre_attn_scalar
+        assert settings.attention_scale == float(hf_text.query_pre_attn_scalar) ** -0.5
+        assert settings.rms_norm_eps == hf_text.rms_norm_eps
         assert arch.tie_word_embeddings
         for kind in ("full_attention", "sliding_attention"):
             hf_rope = hf_text.rope_parameters[kind]
-            assert cfg.rope[kind]["rope_type"] == hf_rope["rope_type"]
-            assert cfg.rope[kind]["rope_theta"] == hf_rope["rope_theta"]
-            assert cfg.rope[kind].get("factor") == hf_rope.get("factor")
+            assert settings.rope[kind]["rope_type"] == hf_rope["rope_type"]
+            assert settings.rope[kind]["rope_theta"] == hf_rope["rope_theta"]
+            assert settings.rope[kind].get("factor") == hf_rope.get("factor")

@@ -7,13 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from widebeam.model.attention import (
+from widebeam.model.attention_backends import (
     ATTENTION_BACKEND_ENV,
     attention_backend_names,
     get_attention_backend,
-    write_kv,
 )
-from widebeam.model.paged_attention import PagedAttention
+from widebeam.model.paged_attention import PagedAttention, write_kv
 
 CPU = torch.device("cpu")
 

@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 
-from widebeam.model.attention import attention_backend_names, get_attention_backend
+from widebeam.model.attention_backends import attention_backend_names, get_attention_backend
 
 
 class Layout:

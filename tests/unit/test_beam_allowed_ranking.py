@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import live_cumulative_logprobs
 
 from widebeam.beam import BeamSearchState
 from widebeam.params import BeamSearchParams
@@ -32,17 +33,17 @@ def test_ranking_the_allowed_pairs_equals_masking_the_rest(seed, width, length_p
                               early_stopping=early_stopping, min_new_tokens=seed % 3)
     fast, reference = BeamSearchState(params, 7, {EOS}), BeamSearchState(params, 7, {EOS})
     while not fast.done:
-        assert not reference.done and fast.num_live_beams == reference.num_live_beams
-        logits = torch.randn(fast.num_live_beams, VOCAB, generator=generator) * 3
+        assert not reference.done and len(fast.live_token_ids) == len(reference.live_token_ids)
+        logits = torch.randn(len(fast.live_token_ids), VOCAB, generator=generator) * 3
         logits[:, EOS] += 4.0 * (seed % 2)  # odd seeds: EOS near the top of every row, so up to W of the
         logprobs = torch.log_softmax(logits, dim=-1)  # 2W candidates finish and the last one decides a live beam
-        rows, tokens = random_allowed(generator, fast.num_live_beams, 2 * width)
+        rows, tokens = random_allowed(generator, len(fast.live_token_ids), 2 * width)
         masked = torch.full_like(logprobs, float("-inf"))
         masked[rows, tokens] = logprobs[rows, tokens]
         got = fast.step(logprobs, allowed=(rows, tokens))
         expected = reference.step(masked)
         assert (got.parent_indices, got.token_ids) == (expected.parent_indices, expected.token_ids)
-        assert fast.live_cumulative_logprobs == reference.live_cumulative_logprobs
+        assert live_cumulative_logprobs(fast) == live_cumulative_logprobs(reference)
     assert reference.done
     assert [(h.token_ids, h.score, h.finish_reason) for h in fast.finalize()] == \
            [(h.token_ids, h.score, h.finish_reason) for h in reference.finalize()]

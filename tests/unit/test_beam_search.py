@@ -12,6 +12,7 @@ import random
 
 import pytest
 import torch
+from helpers import live_cumulative_logprobs
 
 from widebeam.beam import BeamSearchState, Hypothesis, StepResult, hypothesis_score, length_normalizer
 from widebeam.errors import InvalidParameterError
@@ -312,7 +313,7 @@ def table_logprobs(table, beams):
 def test_first_step_takes_one_row_and_later_steps_w_rows():
     params = BeamSearchParams(beam_width=3, max_new_tokens=4)
     state = BeamSearchState(params, 4, {0})
-    assert state.live_token_ids == [[]] and state.num_live_beams == 1
+    assert state.live_token_ids == [[]] and len(state.live_token_ids) == 1
     with pytest.raises(ValueError, match=r"\[1, vocab\]"):
         state.step(torch.zeros(3, 10))
     torch.manual_seed(1)
@@ -379,7 +380,7 @@ def test_finish_live_beams_keeps_a_stop_hypothesis(stopped_index):
     state = BeamSearchState(params, 6, set())
     state.step(table_logprobs(table, state.live_token_ids))
     state.step(table_logprobs(table, state.live_token_ids))
-    live, scores = state.live_token_ids, state.live_cumulative_logprobs
+    live, scores = state.live_token_ids, live_cumulative_logprobs(state)
     state.finish_live_beams([stopped_index])
     assert state.live_token_ids == [b for i, b in enumerate(live) if i != stopped_index] and not state.done
     result = state.step(table_logprobs(table, state.live_token_ids))
@@ -427,7 +428,7 @@ def test_step_accepts_other_dtypes_and_does_not_modify_the_input():
     state.step(lp)
     assert torch.equal(lp, before)
     state.step(torch.log_softmax(torch.randn(4, 50), dim=-1).to(torch.bfloat16))
-    assert state.num_live_beams == 4 and state.num_generated_tokens == 2
+    assert len(state.live_token_ids) == 4 and state.num_generated_tokens == 2
 
 
 # -- scores and parameters ----------------------------------------------------------------------------------

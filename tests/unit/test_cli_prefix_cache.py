@@ -14,11 +14,11 @@ import types
 import pytest
 
 from widebeam.cli import build_parser, main
+from widebeam.engine_args import error_message, prefix_cache_kwargs, read_pinned_prefix
 from widebeam.errors import WidebeamError
 from widebeam.model.arch import BUILTIN_CONFIGS
 from widebeam.model.families import load_arch
 from widebeam.plan import PlanError, PlanInputs, plan
-from widebeam.server.serve_cli import error_message, prefix_cache_kwargs, read_pinned_prefix
 
 T = 16
 SYSTEM_TEXT = "Système: réponds brièvement ✓\n"  # non-ASCII, with its newline: the file's text as it is

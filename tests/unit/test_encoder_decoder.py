@@ -14,10 +14,28 @@ import torch
 
 from widebeam.errors import InvalidParameterError, RequestTooLargeError
 from widebeam.kv.spec import CrossAttentionSpec, FullAttentionSpec
-from widebeam.model.cross_attention import CrossAttentionMetadata, cross_attention, cross_attention_reference
+from widebeam.model.cross_attention import CrossAttentionMetadata, cross_attention
 from widebeam.model.families import load_arch
 from widebeam.params import BeamSearchParams, SamplingParams
 from widebeam.plan import PlanInputs, plan
+
+
+def cross_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              meta: CrossAttentionMetadata, scale: float) -> torch.Tensor:
+    """The definition of correct for `cross_attention`, one sequence at a time (tests only):
+    q: [num_tokens, heads, head_dim] -> [num_tokens, heads, head_dim]."""
+    out = torch.empty_like(q)
+    for i in range(meta.num_seqs):
+        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        slots = meta.key_slots(i, q.device)
+        k = k_cache[slots]  # [E, KV, d]
+        v = v_cache[slots]
+        group = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(group, dim=1).float()  # [E, H, d]
+        v = v.repeat_interleave(group, dim=1).float()
+        scores = torch.einsum("qhd,ehd->hqe", q[start:end].float(), k) * scale
+        out[start:end] = torch.einsum("hqe,ehd->qhd", torch.softmax(scores, dim=-1), v).to(q.dtype)
+    return out
 
 
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (4, 2), (6, 1)])

@@ -194,7 +194,7 @@ def test_randomized_soak_returns_every_block(tiny_llama_dir):
 
 
 def test_default_sizing_runs_the_warm_up_and_stays_modest_on_cpu(tiny_llama_dir):
-    from widebeam.engine import DEFAULT_CPU_KV_CACHE_BYTES
+    from widebeam.defaults import DEFAULT_CPU_KV_CACHE_BYTES
 
     llm = LLM(str(tiny_llama_dir), device="cpu", tokens_per_block=4, max_num_batched_tokens=64, max_beam_width=8)
     pool = llm.stats()["pools"]["self"]

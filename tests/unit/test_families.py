@@ -11,10 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from widebeam.model.arch import BUILTIN_CONFIGS, ConfigError
+from widebeam.model.arch import BUILTIN_CONFIGS, ConfigError, UnsupportedModelError
 from widebeam.model.contract import CausalModel, EncoderDecoderModel
 from widebeam.model.families import FAMILIES, PHI3_LAYOUT, generation_settings, load_arch, parse_config
-from widebeam.model.layers import UnsupportedModelError
 from widebeam.model.registry import build_model
 from widebeam.model.weights import to_model_names
 
@@ -182,7 +181,7 @@ def test_missing_shape_field_is_a_config_error():
 
 def test_family_table_and_plan_do_not_import_torch():
     code = ("import sys; from widebeam.model.families import load_arch; "
-            "from widebeam.model import families, gemma3;"
+            "from widebeam.model import families, family_configs;"
             "[load_arch(m) for m in ('gemma3-270m', 'qwen3-0.6b', 'phi-3-mini-4k', 'opus-mt-en-de')];"
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True,

@@ -10,7 +10,7 @@ from tiny_models import save_tiny_model
 
 from widebeam.engine import LLM
 from widebeam.errors import InvalidParameterError
-from widebeam.model.layers import UnsupportedModelError
+from widebeam.model.arch import UnsupportedModelError
 from widebeam.model.loader import ModelNotFoundError
 from widebeam.params import SamplingParams
 

@@ -10,37 +10,32 @@ import argparse
 import json
 import sys
 
-from widebeam.argtypes import byte_size as _byte_size
 from widebeam.argtypes import int_at_least as _int_at_least
 from widebeam.batch.local import DEFAULT_MAX_IN_FLIGHT
-from widebeam.defaults import (
-    DEFAULT_MAX_BEAM_WIDTH,
-    DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    DEFAULT_MODEL,
-    DEFAULT_TOKENS_PER_BLOCK,
-)
-from widebeam.server.serve_cli import (
-    add_linear_backend_argument,
-    add_prefix_cache_arguments,
-    add_scheduling_arguments,
+from widebeam.engine_args import (
+    PREFIX_CACHE,
+    SCHEDULING,
+    add_engine_arguments,
     catalogue_spec,
     catalogues_kwargs,
+    engine_kwargs,
     error_message,
-    prefix_cache_kwargs,
-    scheduling_kwargs,
 )
 
-DTYPES = ("float32", "bfloat16", "float16", "int8")  # int8: int8 linear weights, float32 activations and KV
+# the engine options of every replica besides --model and the grouped ones (prefix cache, scheduling)
+BATCH_ENGINE_OPTIONS = ("dtype", "linear_backend", "device", "kv_cache_memory", "tokens_per_block",
+                        "max_beam_width", "max_num_batched_tokens")
 
 
-def add_batch_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("batch", help="run every row of a JSONL/CSV/Parquet file; resumable; --replicas N on Ray",
+def add_batch_parser(sub, help_text: str) -> argparse.ArgumentParser:
+    """Add `batch` to `sub` with `help_text` as its line in `widebeam --help`."""
+    p = sub.add_parser("batch", help=help_text,
                        description="Run every row of INPUT (one request per row: prompt, messages or "
                                    "prompt_token_ids, plus any parameter by name) and write each row's beams to "
                                    "OUTPUT (.jsonl, .csv or .parquet). Rerunning skips rows already written.")
     p.add_argument("input", help="a .jsonl, .csv or .parquet file, one request per row")
     p.add_argument("output", help="where results go (.jsonl, .csv, or .parquet: a directory of parts)")
-    p.add_argument("--model", default=DEFAULT_MODEL)
+    add_engine_arguments(p, ["model"])
     d = p.add_argument_group("defaults for rows that do not set them")
     d.add_argument("--beam-width", type=_int_at_least(1), default=None, help="beam search over this many beams")
     d.add_argument("--max-new-tokens", type=_int_at_least(1), default=None)
@@ -53,13 +48,7 @@ def add_batch_parser(sub) -> argparse.ArgumentParser:
     d.add_argument("--default-catalogue", default=None, metavar="NAME",
                    help="beam rows that name none: constrain them to this --catalogue")
     e = p.add_argument_group("engine (one per replica)")
-    e.add_argument("--dtype", choices=DTYPES, default="float32")
-    add_linear_backend_argument(e)
-    e.add_argument("--device", default=None)
-    e.add_argument("--kv-cache-memory", type=_byte_size, default=None)
-    e.add_argument("--tokens-per-block", type=_int_at_least(1), default=DEFAULT_TOKENS_PER_BLOCK)
-    e.add_argument("--max-beam-width", type=_int_at_least(1), default=DEFAULT_MAX_BEAM_WIDTH)
-    e.add_argument("--max-num-batched-tokens", type=_int_at_least(1), default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    add_engine_arguments(e, BATCH_ENGINE_OPTIONS)
     e.add_argument("--catalogue", type=catalogue_spec, action="append", default=[], metavar="NAME=PATH",
                    help="register a catalogue (generative retrieval) rows name in their `catalogue` field: a .jsonl "
                         "(token-id lists or strings), .npy or .parquet file (repeatable)")
@@ -70,8 +59,7 @@ def add_batch_parser(sub) -> argparse.ArgumentParser:
                    help="engine replicas on Ray (one GPU each where there are GPUs)")
     r.add_argument("--ray-address", default=None, help="join this Ray cluster (default: a local Ray instance)")
     r.add_argument("--cpus-per-replica", type=_int_at_least(1), default=1, help="CPU slots per replica without GPUs")
-    add_prefix_cache_arguments(p)
-    add_scheduling_arguments(p)
+    add_engine_arguments(p, [*PREFIX_CACHE, *SCHEDULING])
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_batch)
     return p
@@ -93,21 +81,18 @@ def _cmd_batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 
     if args.ray_address and not args.replicas:
         parser.error("argument --ray-address: give --replicas N too")
-    engine_kwargs = {"dtype": args.dtype, "linear_backend": args.linear_backend, "device": args.device, "kv_cache_memory": args.kv_cache_memory,
-                     "tokens_per_block": args.tokens_per_block, "max_beam_width": args.max_beam_width,
-                     "max_num_batched_tokens": args.max_num_batched_tokens, **scheduling_kwargs(args)}
     try:
-        engine_kwargs.update(prefix_cache_kwargs(args))
+        kwargs = engine_kwargs(args)
     except argparse.ArgumentTypeError as exc:
         parser.error(f"argument --pin-prefix: {exc}")
     try:
-        engine_kwargs.update(catalogues_kwargs(args))
+        kwargs.update(catalogues_kwargs(args))
     except argparse.ArgumentTypeError as exc:
         parser.error(f"argument --catalogue: {exc}")
     try:
         summary = run(args.input, args.output, args.model, defaults=defaults_from(args), replicas=args.replicas or 0,
                       ray_address=args.ray_address, max_in_flight=args.max_in_flight,
-                      cpus_per_replica=args.cpus_per_replica, progress=not args.no_progress, **engine_kwargs)
+                      cpus_per_replica=args.cpus_per_replica, progress=not args.no_progress, **kwargs)
     except (WidebeamError, ValueError, OSError) as exc:
         print(f"widebeam batch: error: {error_message(exc)}", file=sys.stderr)
         return 1

@@ -109,7 +109,7 @@ class BeamSearchState:
                 break
             # live beam i = old live beam result.parent_indices[i] + result.token_ids[i]
             # (optional) state.finish_live_beams([...]) for beams whose text hit a stop string
-            logprobs = ...                                   # [state.num_live_beams, vocab], same order
+            logprobs = ...                                   # [live beams, vocab], same order
         hypotheses = state.finalize()
 
     `logprobs` holds, for each live beam in order, the float32 `log_softmax` of the model's raw logits for
@@ -161,17 +161,9 @@ class BeamSearchState:
         return self._done
 
     @property
-    def num_live_beams(self) -> int:
-        return len(self._live_nodes)
-
-    @property
     def num_generated_tokens(self) -> int:
         """Tokens generated so far by every live beam (all live beams have the same length)."""
         return self._generated
-
-    @property
-    def live_cumulative_logprobs(self) -> list[float]:
-        return list(self._live_scores)
 
     @property
     def finished(self) -> list[Hypothesis]:
@@ -193,7 +185,7 @@ class BeamSearchState:
     def step(self, logprobs: torch.Tensor, mask_min_length_eos: bool = True,
              allowed: tuple[torch.Tensor, torch.Tensor] | None = None,
              annotate: Annotate | None = None) -> StepResult:
-        """Consume the live beams' next-token log-probs `[num_live_beams, vocab]`; return the next live beams.
+        """Consume the live beams' next-token log-probs `[live beams, vocab]`; return the next live beams.
 
         `mask_min_length_eos=False` lets EOS through before `min_new_tokens` (a caller forcing EOS).
         `allowed` = (rows, tokens): the only (beam, token) pairs this step may take (a catalogue);

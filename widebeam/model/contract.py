@@ -12,7 +12,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from widebeam.model.arch import ModelArch
-from widebeam.model.attention import AttentionMetadata
+from widebeam.model.attention_metadata import AttentionMetadata
 from widebeam.model.cross_attention import CrossAttentionMetadata
 
 KVCacheView = tuple[torch.Tensor, torch.Tensor]  # one layer's (K, V): [num_slots, kv_heads, head_dim] each

@@ -1,15 +1,16 @@
 """Cross-attention: decoder queries attend an encoder output whose K/V live in the 'cross' pool.
 
-The encoder runs once per request; `write_kv` (model/attention.py) stores every decoder layer's
+The encoder runs once per request; `write_kv` (model/paged_attention.py) stores every decoder layer's
 K/V of its E output tokens in the request's cross block table, which never grows and which all its
 beams share. Decoder queries attend all E positions: no causal mask, no window.
 
-`cross_attention_reference` is the definition of correct: one sequence at a time. `cross_attention`
-is the path the model runs: the sequences that share one cross block table (the beams of a request,
-with their prefill or decode queries) form a group, their K/V are gathered once and every query of
-the group is scored against them in one matrix-matrix product, instead of one read and one
-matrix-vector product per beam. The runner builds the groups (`groups(device)`) once per step,
-before the forward; every layer then reads the same index tensors, with no host reads.
+The definition of correct, one sequence at a time, is `cross_attention_reference` in
+tests/unit/test_encoder_decoder.py. `cross_attention` is the path the model runs: the sequences that
+share one cross block table (the beams of a request, with their prefill or decode queries) form a
+group, their K/V are gathered once and every query of the group is scored against them in one
+matrix-matrix product, instead of one read and one matrix-vector product per beam. The runner builds
+the groups (`groups(device)`) once per step, before the forward; every layer then reads the same index
+tensors, with no host reads.
 """
 
 from __future__ import annotations
@@ -76,26 +77,10 @@ def _attend_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
     return out[0].transpose(0, 1)
 
 
-def cross_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              meta: CrossAttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [num_tokens, heads, head_dim] -> [num_tokens, heads, head_dim], one sequence at a time."""
-    out = torch.empty_like(q)
-    for i in range(meta.num_seqs):
-        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-        slots = meta.key_slots(i, q.device)
-        k = k_cache[slots]  # [E, KV, d]
-        v = v_cache[slots]
-        group = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(group, dim=1).float()  # [E, H, d]
-        v = v.repeat_interleave(group, dim=1).float()
-        scores = torch.einsum("qhd,ehd->hqe", q[start:end].float(), k) * scale
-        out[start:end] = torch.einsum("hqe,ehd->qhd", torch.softmax(scores, dim=-1), v).to(q.dtype)
-    return out
-
-
 def cross_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: CrossAttentionMetadata, scale: float) -> torch.Tensor:
-    """Same contract as `cross_attention_reference`; each request's K/V are read once for all its beams."""
+    """q: [num_tokens, heads, head_dim] -> [num_tokens, heads, head_dim], every query against all E
+    keys of its sequence; each request's K/V are read once for all its beams."""
     out = torch.empty_like(q)
     for group in meta.groups(q.device):
         rows = q.index_select(0, group.token_index)

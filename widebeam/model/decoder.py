@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from widebeam.model.arch import ModelArch
-from widebeam.model.attention import AttentionMetadata
+from widebeam.model.attention_metadata import AttentionMetadata
 from widebeam.model.families import ParsedConfig
 from widebeam.model.family_configs import DecoderSettings
 from widebeam.model.layers import (

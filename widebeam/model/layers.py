@@ -10,7 +10,7 @@ from torch.nn import functional as F
 
 # Re-exported: both moved to torch-free modules so the family table can raise and parse them.
 from widebeam.model.arch import UnsupportedModelError
-from widebeam.model.family_configs import SUPPORTED_ROPE_TYPES, rope_parameters  # noqa: F401
+from widebeam.model.family_configs import SUPPORTED_ROPE_TYPES
 
 
 class RMSNorm(nn.Module):

@@ -23,9 +23,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from widebeam.model.arch import CROSS_POOL, ModelArch
-from widebeam.model.attention import AttentionMetadata, write_kv
+from widebeam.model.attention_metadata import AttentionMetadata
 from widebeam.model.cross_attention import CrossAttentionMetadata, cross_attention
-from widebeam.model.paged_attention import PagedAttention
+from widebeam.model.paged_attention import PagedAttention, write_kv
 from widebeam.model.weights import copy_checkpoint
 
 ACTIVATIONS = {"swish": F.silu, "silu": F.silu, "gelu": F.gelu, "relu": F.relu,

@@ -11,7 +11,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from widebeam.model.attention import AttentionMetadata, write_kv
+from widebeam.model.attention_metadata import AttentionMetadata
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store the new tokens' K/V ([num_tokens, kv_heads, head_dim]) at their slots."""
+    k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 class PagedAttention(nn.Module):

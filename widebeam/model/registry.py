@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import torch
 
-from widebeam.kv.spec import WEIGHT_ONLY_DTYPES, kv_dtype
-from widebeam.model.families import SUPPORTED_MODEL_TYPES, ParsedConfig, parse_config  # noqa: F401
-from widebeam.model.int8_linear import Int8Linear, fuse_int8_projections, quantize_int8  # noqa: F401
+from widebeam.defaults import DEFAULT_LINEAR_BACKEND, DTYPES, FLOAT_DTYPES
+from widebeam.kv.spec import kv_dtype
+from widebeam.model.families import ParsedConfig, parse_config
+from widebeam.model.int8_linear import fuse_int8_projections, quantize_int8
 from widebeam.model.loader import ModelSource, load_config, load_state_dict
-from widebeam.model.packed_linear import DEFAULT_LINEAR_BACKEND, pack_linears
+from widebeam.model.packed_linear import pack_linears
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# torch's dtype by name for the float dtypes; int8 is weights-only (activations and KV in float32)
+_TORCH_DTYPES = {name: getattr(torch, name) for name in FLOAT_DTYPES}
 
 
 def activation_dtype(dtype: str) -> str:
@@ -24,10 +26,9 @@ def activation_dtype(dtype: str) -> str:
 
 def torch_dtype(dtype: str) -> torch.dtype:
     try:
-        return DTYPES[activation_dtype(dtype)]
+        return _TORCH_DTYPES[activation_dtype(dtype)]
     except KeyError:
-        raise ValueError(f"dtype must be one of {', '.join([*DTYPES, *WEIGHT_ONLY_DTYPES])}, got "
-                         f"{dtype!r}") from None
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}") from None
 
 
 def model_dtype(model: torch.nn.Module) -> torch.dtype:

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from widebeam.model.arch import CROSS_POOL
-from widebeam.model.attention import AttentionMetadata, get_attention_backend
-from widebeam.model.attention_metadata import tree_depths
+from widebeam.model.attention_backends import get_attention_backend
+from widebeam.model.attention_metadata import AttentionMetadata, tree_depths
 from widebeam.model.cross_attention import CrossAttentionMetadata
 
 

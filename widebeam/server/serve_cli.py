@@ -1,17 +1,15 @@
 """`widebeam serve`: the OpenAI-compatible server on one engine.
 
-`widebeam/cli.py` adds the subcommand with `add_serve_parser(sub)`; its `func` default calls
+`widebeam/cli.py` adds the subcommand with `add_serve_parser(sub, help_text)`; its `func` default calls
 `run_serve`. `python -m widebeam.server.serve_cli [options]` runs it alone. Bad input gets one line
-naming the argument, and exit code 2, like the rest of the command line. This module imports nothing
-from `cli.py` (which imports it): both take the parser and value types from `argtypes.py`, and the
-speculative decoding options (`add_speculative_arguments`, `speculative_kwargs`) from here.
+naming the argument, and exit code 2, like the rest of the command line. The engine's options come from
+`engine_args.py`, as every front end's do; this module adds the server's own.
 """
 
 from __future__ import annotations
 
 import argparse
 import ipaddress
-import json
 import logging
 import math
 import os
@@ -21,32 +19,24 @@ from pathlib import Path
 
 from widebeam.argtypes import EXIT_USAGE, OneLineParser
 from widebeam.argtypes import byte_size as _byte_size
-from widebeam.argtypes import fraction as _fraction
 from widebeam.argtypes import int_at_least as _int_at_least
-from widebeam.config import SPECULATIVE_METHODS
-from widebeam.defaults import (
-    DEFAULT_KV_CACHE_FRACTION,
-    DEFAULT_LINEAR_BACKEND,
-    DEFAULT_MAX_BEAM_WIDTH,
-    DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    DEFAULT_MODEL,
-    DEFAULT_TOKENS_PER_BLOCK,
-    LINEAR_BACKENDS,
+from widebeam.engine_args import (
+    PREFIX_CACHE,
+    SCHEDULING,
+    SPECULATIVE,
+    add_engine_arguments,
+    catalogue_error_message,
+    catalogue_spec,
+    catalogues_kwargs,
 )
+from widebeam.engine_args import engine_kwargs as engine_kwargs_from
 
-DTYPES = ("float32", "bfloat16", "float16", "int8")  # int8: int8 linear weights, float32 activations and KV
-DRAFT_DTYPES = DTYPES[:3]
-MAX_NUM_SPECULATIVE_TOKENS = 64  # SpeculativeConfig's bound on D
-# The engine's parameter names as the command line spells them, for the errors SpeculativeConfig raises.
-SPECULATIVE_FLAG_NAMES = {"speculative_model": "--speculative-model",
-                          "num_speculative_tokens": "--num-speculative-tokens",
-                          "speculative_method": "--speculative-method",
-                          "speculative_dtype": "--speculative-dtype"}
-# The same for the prefix cache's settings (CacheConfig's errors name `pinned_prefixes`).
-PREFIX_CACHE_FLAG_NAMES = {"pinned_prefixes": "--pin-prefix", "enable_prefix_caching": "--no-prefix-caching"}
 API_KEY_ENV = "WIDEBEAM_API_KEY"
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 EXIT_INTERRUPTED = 130
+# the engine options besides --model and the grouped ones (speculative, prefix cache, scheduling)
+SERVE_ENGINE_OPTIONS = ("kv_cache_memory", "kv_cache_fraction", "max_beam_width", "max_seq_len",
+                        "tokens_per_block", "dtype", "linear_backend", "device", "max_num_batched_tokens")
 
 log = logging.getLogger("widebeam.server")
 
@@ -68,165 +58,6 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _num_speculative_tokens(text: str) -> int:
-    bounds = f"[1, {MAX_NUM_SPECULATIVE_TOKENS}]"
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer in {bounds}, got {text!r}") from None
-    if not 1 <= value <= MAX_NUM_SPECULATIVE_TOKENS:
-        raise argparse.ArgumentTypeError(f"must be in {bounds}, got {value}")
-    return value
-
-
-def add_speculative_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """`--speculative-model`, `--num-speculative-tokens`, `--speculative-method`, `--speculative-dtype`
-    (generate, bench, serve, plan). Unset ones are None; `speculative_kwargs(args)` hands them to `LLM`/`LLMEngine`, whose
-    `SpeculativeConfig` rejects bad combinations."""
-    g = p.add_argument_group("speculative decoding")
-    g.add_argument("--speculative-model", default=None, metavar="MODEL",
-                   help="draft model (alias, Hugging Face dir or .gguf; same tokenizer as --model): it proposes "
-                        "tokens the target verifies in one pass; turns speculation on (method draft)")
-    g.add_argument("--num-speculative-tokens", type=_num_speculative_tokens, default=None, metavar="D",
-                   help=f"tokens drafted per sequence and round, 1..{MAX_NUM_SPECULATIVE_TOKENS}; every "
-                        "per-sequence KV pool reserves D more per sequence (default 4 with speculation)")
-    g.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default=None,
-                   help="draft: a second model (--speculative-model); ngram: copy from the request's own prompt "
-                        "and output, no draft model (default: draft when --speculative-model is given)")
-    g.add_argument("--speculative-dtype", choices=DRAFT_DTYPES, default=None,
-                   help="the draft model's dtype (default: the target's); e.g. the target's own checkpoint "
-                        "in bfloat16 as its draft")
-    return p
-
-
-def speculative_kwargs(args: argparse.Namespace) -> dict:
-    """The speculative keyword arguments of `LLM`/`LLMEngine` from parsed options (None where not given)."""
-    return {"speculative_model": args.speculative_model, "num_speculative_tokens": args.num_speculative_tokens,
-            "speculative_method": args.speculative_method,
-            "speculative_dtype": getattr(args, "speculative_dtype", None)}
-
-
-def add_linear_backend_argument(p) -> None:
-    """`--linear-backend` (generate, serve, batch, bench): how float32 linears run on a CPU."""
-    p.add_argument("--linear-backend", choices=LINEAR_BACKENDS, default=DEFAULT_LINEAR_BACKEND,
-                   help="float32 on CPU: split (default: at 1-4 rows each weight's output rows run as batched "
-                        "blocks on every thread, F.linear otherwise; 1.4x faster W=1 and 4 beams, no extra memory); "
-                        "torch (F.linear, the reference); auto (weights also packed for oneDNN, used at 4-128 "
-                        "rows, the linear weights held twice); onednn (packed only: slower at 1-3 rows)")
-
-
-def add_prefix_cache_arguments(p: argparse.ArgumentParser, pins: bool = True) -> argparse.ArgumentParser:
-    """`--no-prefix-caching` and `--pin-prefix FILE` (serve, generate, batch, plan; bench takes only
-    the first: its prompts are synthetic, nothing there is worth pinning)."""
-    g = p.add_argument_group("prefix caching (on by default: prompt blocks are reused across requests)")
-    g.add_argument("--no-prefix-caching", action="store_true", help="recompute every prompt")
-    if pins:
-        g.add_argument("--pin-prefix", action="append", default=[], metavar="FILE",
-                       help="a prefix computed at start-up and never evicted (a system prompt): the file's text "
-                            "(UTF-8), or token ids as a JSON list in a .json file (repeatable)")
-    return p
-
-
-def add_scheduling_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """`--scheduling-policy` and `--max-preemptions K` (serve, generate, batch)."""
-    from widebeam.config import DEFAULT_MAX_PREEMPTIONS, SCHEDULING_POLICIES
-
-    g = p.add_argument_group("capacity scheduling")
-    g.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=SCHEDULING_POLICIES[0],
-                   help="guaranteed_no_evict (default): admit a request when its worst case (W beams x N tokens) "
-                        "fits, nothing is ever preempted; max_utilization: admit on the next step's blocks and "
-                        "preempt the newest request when a step runs short (it resumes by recomputation, its "
-                        "output unchanged)")
-    g.add_argument("--max-preemptions", type=_int_at_least(0), default=DEFAULT_MAX_PREEMPTIONS, metavar="K",
-                   help="max_utilization: a request preempted K times then runs under its worst-case reservation, "
-                        f"never preempted again, before any newer request (default {DEFAULT_MAX_PREEMPTIONS})")
-    return p
-
-
-def scheduling_kwargs(args: argparse.Namespace) -> dict:
-    """The engine's keyword arguments from `add_scheduling_arguments`' flags."""
-    return {"scheduling_policy": args.scheduling_policy, "max_preemptions": args.max_preemptions}
-
-
-def read_pinned_prefix(path: str) -> str | list[int]:
-    """A `--pin-prefix` file: text (UTF-8), or a JSON list of token ids in a .json file. Raises
-    `argparse.ArgumentTypeError` naming the file when it cannot be read or holds no prefix."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise argparse.ArgumentTypeError(f"cannot read {path}: {exc}") from None
-    if path.endswith(".json"):
-        try:
-            token_ids = json.loads(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(f"{path} is not JSON: {exc}") from None
-        # bool is an int to Python and JSON's true would pass as token 1: refuse it like a negative id
-        if not (isinstance(token_ids, list) and token_ids and all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in token_ids)):
-            raise argparse.ArgumentTypeError(f"{path} must hold a non-empty JSON list of token ids (integers >= 0)")
-        return token_ids
-    if not text:
-        raise argparse.ArgumentTypeError(f"{path} is empty")
-    return text
-
-
-def prefix_cache_kwargs(args: argparse.Namespace) -> dict:
-    """`enable_prefix_caching` and `pinned_prefixes` of `LLM`/`LLMEngine` from parsed options; raises
-    `argparse.ArgumentTypeError` for an unreadable `--pin-prefix` file."""
-    pins = [read_pinned_prefix(path) for path in getattr(args, "pin_prefix", None) or ()]
-    kwargs: dict = {"enable_prefix_caching": not getattr(args, "no_prefix_caching", False)}
-    if pins:
-        kwargs["pinned_prefixes"] = pins
-    return kwargs
-
-
-def error_message(exc: Exception, missing_file_param: str | None = None) -> str:
-    """One line for an engine start-up error: the argument it names (`missing_file_param` for a
-    FileNotFoundError without one), then the message, start-up parameters called by their flags."""
-    name = getattr(exc, "param", None) or (missing_file_param if isinstance(exc, FileNotFoundError) else None)
-    # only the start-up settings' own errors are re-rendered (SpeculativeConfig, CacheConfig, pinning):
-    # others may carry context in their args (`LLM.generate` prefixes which prompt of the batch failed)
-    flags = {**SPECULATIVE_FLAG_NAMES, **PREFIX_CACHE_FLAG_NAMES}
-    message = exc.render(flags) if name in flags and hasattr(exc, "render") else str(exc)
-    flag = flags.get(name) or ("--" + name.replace("_", "-") if name else None)
-    return f"{'argument ' + flag + ': ' if flag else ''}{message}"
-
-
-def model_aliases(model: str) -> tuple[str, ...]:
-    """Names a client may use for the served model besides `--served-model-name`: the `--model` value
-    as given and, for a path, its last part ("models/my-llama/" -> "my-llama")."""
-    name = Path(model.rstrip("/")).name
-    return tuple(dict.fromkeys(a for a in (model, name) if a))
-
-
-def catalogue_error_message(exc: Exception, missing_file_param: str | None = None) -> str:
-    """`error_message`, with a catalogue file's own errors (`CatalogueError`, raised while the engine
-    reads the file) put on `--catalogue`."""
-    if getattr(exc, "param", None) is None and type(exc).__name__ == "CatalogueError":
-        return f"argument --catalogue: {exc}"
-    return error_message(exc, missing_file_param)
-
-
-def catalogue_spec(text: str) -> tuple[str, str]:
-    """`--catalogue NAME=PATH`: a name for requests' `catalogue` field and an existing file."""
-    name, sep, path = text.partition("=")
-    if not sep or not name.strip() or not path:
-        raise argparse.ArgumentTypeError(f"expected NAME=PATH (e.g. items=catalogue.jsonl), got {text!r}")
-    if not os.path.isfile(path):
-        raise argparse.ArgumentTypeError(f"{path!r} is not a file (NAME=PATH, got {text!r})")
-    return name.strip(), path
-
-
-def catalogues_kwargs(args: argparse.Namespace) -> dict:
-    """`catalogues={NAME: PATH}` for `LLMEngine` from the repeated `--catalogue NAME=PATH` (empty when none)."""
-    catalogues: dict[str, str] = {}
-    for name, path in getattr(args, "catalogue", None) or ():
-        if name in catalogues:
-            raise argparse.ArgumentTypeError(f"catalogue name {name!r} is given twice")
-        catalogues[name] = path
-    return {"catalogues": catalogues} if catalogues else {}
-
-
 def is_loopback(host: str) -> bool:
     """Whether binding `host` keeps the server on this machine (127.0.0.0/8, ::1, localhost)."""
     if host.lower().rstrip(".") == "localhost":
@@ -246,28 +77,20 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
             "'Authorization: Bearer KEY'), or bind 127.0.0.1")
 
 
+def model_aliases(model: str) -> tuple[str, ...]:
+    """Names a client may use for the served model besides `--served-model-name`: the `--model` value
+    as given and, for a path, its last part ("models/my-llama/" -> "my-llama")."""
+    name = Path(model.rstrip("/")).name
+    return tuple(dict.fromkeys(a for a in (model, name) if a))
+
+
 def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
     p.add_argument("--port", type=_port, default=8000, help="port to bind (default 8000)")
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"alias ({DEFAULT_MODEL}, gemma3-270m), a Hugging Face model dir, or a .gguf file")
+    add_engine_arguments(p, ["model"])
     p.add_argument("--served-model-name", default=None,
                    help="the name clients send as `model` and /v1/models lists (default: --model as given)")
-    p.add_argument("--kv-cache-memory", type=_byte_size, default=None,
-                   help="bytes for the KV cache, e.g. 2GiB (default: a fraction of free memory, "
-                        "at most 2GiB on a CPU host)")
-    p.add_argument("--kv-cache-fraction", type=_fraction, default=DEFAULT_KV_CACHE_FRACTION,
-                   help=f"share of the memory left after the warm-up given to KV (default {DEFAULT_KV_CACHE_FRACTION})")
-    p.add_argument("--max-beam-width", type=_int_at_least(1), default=DEFAULT_MAX_BEAM_WIDTH,
-                   help=f"widest beam search (default {DEFAULT_MAX_BEAM_WIDTH})")
-    p.add_argument("--max-seq-len", type=_int_at_least(2), default=None,
-                   help="prompt + generated tokens (default: the model's limit, bounded by the KV capacity)")
-    p.add_argument("--tokens-per-block", type=_int_at_least(1), default=DEFAULT_TOKENS_PER_BLOCK)
-    p.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and KV dtype (default float32)")
-    add_linear_backend_argument(p)
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--max-num-batched-tokens", type=_int_at_least(1), default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                   help=f"tokens per step: the prefill chunk size (default {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
+    add_engine_arguments(p, SERVE_ENGINE_OPTIONS)
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on every endpoint but /health "
                         f"(default: ${API_KEY_ENV}, which keeps the key out of the process list)")
@@ -282,9 +105,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="register a catalogue for generative retrieval under NAME (requests send "
                         "\"catalogue\": NAME with use_beam_search): a .jsonl (token-id lists or strings), .npy "
                         "or .parquet file; its bytes come off the KV budget (repeatable)")
-    add_speculative_arguments(p)
-    add_prefix_cache_arguments(p)
-    add_scheduling_arguments(p)
+    add_engine_arguments(p, [*SPECULATIVE, *PREFIX_CACHE, *SCHEDULING])
     r = p.add_argument_group("replicas on Ray Serve (pip install 'widebeam[ray]')")
     r.add_argument("--replicas", type=_int_at_least(1), default=None,
                    help="serve N engine replicas behind Ray Serve (one GPU each where there are GPUs)")
@@ -295,12 +116,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
-def add_serve_parser(subparsers):
-    """Add `serve` to `subparsers` (built with `parser_class=OneLineParser`, as `cli.py` does).
+def add_serve_parser(subparsers, help_text: str):
+    """Add `serve` to `subparsers` (built with `parser_class=OneLineParser`, as `cli.py` does), with
+    `help_text` as its line in `widebeam --help`.
 
     The subcommand's defaults set `func(args, parser)` to run the server, like the other subcommands.
     """
-    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (beam search via use_beam_search)",
+    p = subparsers.add_parser("serve", help=help_text,
                               description="OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, "
                                           "/v1/models, /health, /metrics.")
     add_serve_arguments(p)
@@ -333,14 +155,9 @@ def run_serve(args: argparse.Namespace) -> int:
     except argparse.ArgumentTypeError as exc:
         return _fail(f"argument --catalogue: {exc}")
     try:
-        prefix_cache = prefix_cache_kwargs(args)
+        engine_kwargs = {**engine_kwargs_from(args), **catalogues}
     except argparse.ArgumentTypeError as exc:
         return _fail(f"argument --pin-prefix: {exc}")
-    engine_kwargs = dict(dtype=args.dtype, linear_backend=args.linear_backend, device=args.device, tokens_per_block=args.tokens_per_block,
-                         kv_cache_memory=args.kv_cache_memory, kv_cache_fraction=args.kv_cache_fraction,
-                         max_seq_len=args.max_seq_len, max_beam_width=args.max_beam_width,
-                         max_num_batched_tokens=args.max_num_batched_tokens, **catalogues, **speculative_kwargs(args),
-                         **prefix_cache, **scheduling_kwargs(args))
     app_kwargs = {"model_name": args.served_model_name or args.model, "api_key": api_key,
                   "max_request_bytes": args.max_request_bytes, "model_aliases": model_aliases(args.model)}
     warning = exposure_warning(args.host, api_key)
