@@ -130,10 +130,11 @@ class Request:
         # would be wasted (and would sit past the positions admission checked).
         max_depth = min(num_nodes, max(0, self.admission.max_new_tokens - generated - 1))
         branching = branching_for_width(self.params.beam_width)
+        # what prompt lookup searches: built only for a round that drafts
+        live_token_ids = self.decoder.live_token_ids if num_nodes else []
         rounds = []
         for i, pending in enumerate(self.pending_token_ids):
-            # what prompt lookup searches: built only for a round that drafts
-            history = self.prompt_token_ids + self.decoder.live_token_ids[i] if num_nodes else []
+            history = self.prompt_token_ids + live_token_ids[i] if num_nodes else []
             tables, (cross_table, num_encoder_tokens) = self._tables(i)
             rounds.append(SequenceRound(committed, pending[:num_fed], tables, slots[i], self.request_id, history,
                                         max_depth, branching, num_nodes, cross_block_table=cross_table,

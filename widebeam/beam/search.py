@@ -171,6 +171,10 @@ class BeamSearchState:
         return [self._hypothesis(entry) for entry in self._finished]
 
     @property
+    def num_live_beams(self) -> int:
+        return len(self._live_nodes)
+
+    @property
     def live_token_ids(self) -> list[list[int]]:
         """Generated tokens of each live beam, in live-beam order (one empty list before the first step).
 
