@@ -56,13 +56,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         export_renamed(args.base, Path(tmp))
         sys.path.insert(0, tmp)
-        import widebeam_base.engine as base_engine
+        import widebeam_base  # its lazy `LLM`: the class moved from engine.py to llm.py in #29
         import widebeam_base.params as base_params
 
-        from widebeam.engine import LLM
+        from widebeam.llm import LLM
         from widebeam.params import BeamSearchParams
 
-        engines = {"base": (base_engine.LLM(kv_cache_memory="1GiB"), base_params.BeamSearchParams),
+        engines = {"base": (widebeam_base.LLM(kv_cache_memory="1GiB"), base_params.BeamSearchParams),
                    "new": (LLM(kv_cache_memory="1GiB"), BeamSearchParams)}
         prompt = {"prompt_token_ids": [(i * 7919) % 40000 + 100 for i in range(args.prompt_len)]}
         rows = []

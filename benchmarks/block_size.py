@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from widebeam.bench import make_prompt, run_widebeam
-from widebeam.engine import LLM
+from widebeam.llm import LLM
 
 MIB = 1 << 20
 

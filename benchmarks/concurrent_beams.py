@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from widebeam.engine import LLM
+from widebeam.llm import LLM
 from widebeam.params import BeamSearchParams
 
 TOPICS = ["the sea", "a robot", "winter", "a library", "coffee", "the moon", "a garden", "trains",

@@ -51,7 +51,8 @@ from widebeam import memstats
 from widebeam.catalogue.constraint import CatalogueConstraint
 from widebeam.catalogue.trie import Catalogue
 from widebeam.device import available_memory_bytes
-from widebeam.engine import LLM, LLMEngine
+from widebeam.engine import LLMEngine
+from widebeam.llm import LLM
 from widebeam.memstats import rss_bytes
 from widebeam.params import BeamSearchParams
 from widebeam.units import format_bytes, parse_bytes

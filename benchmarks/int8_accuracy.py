@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from tables import machine_info, markdown_table, print_table
 
-from widebeam.engine import LLM
+from widebeam.llm import LLM
 from widebeam.model.int8_linear import quantize_int8
 from widebeam.params import BeamSearchParams
 

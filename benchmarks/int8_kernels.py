@@ -25,7 +25,7 @@ from unittest import mock
 import torch
 from ab_engines import ab_points, add_ab_arguments, linears_only, run_meta
 
-from widebeam.engine import LLM
+from widebeam.llm import LLM
 
 REFERENCES = ("int_mm", "unfused")
 

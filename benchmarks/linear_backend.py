@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from ab_engines import ab_points, add_ab_arguments, linears_only, run_meta
 
-from widebeam.engine import LLM
+from widebeam.llm import LLM
 
 BACKENDS = ["torch", "split"]  # the reference, then the candidate (--candidate)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from widebeam.bench import peak_rss_bytes, reset_peak_rss
-from widebeam.engine import LLM
+from widebeam.llm import LLM
 from widebeam.model.arch import BUILTIN_CONFIGS
 from widebeam.params import BeamSearchParams
 

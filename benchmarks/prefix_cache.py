@@ -44,8 +44,8 @@ import torch
 from tables import machine_info, markdown_table, print_table
 
 from widebeam.defaults import DEFAULT_MAX_BEAM_WIDTH, DEFAULT_MODEL
-from widebeam.engine import LLM
 from widebeam.kv.budget import KVRequest
+from widebeam.llm import LLM
 from widebeam.memstats import reset_peak_rss, rss_bytes
 from widebeam.params import BeamSearchParams, SamplingParams
 

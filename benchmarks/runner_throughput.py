@@ -56,8 +56,8 @@ from contention import (  # benchmarks/ is on sys.path when run as a script
 from rich.console import Console
 from throughput_report import cpu_flags, cpu_model, print_report, source_fingerprint, speedups
 
-from widebeam.engine import LLM
 from widebeam.kv.managers import Holding
+from widebeam.llm import LLM
 from widebeam.model.runner import SequenceInput
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -70,7 +70,7 @@ import json, sys, time
 t0 = time.perf_counter()
 import torch
 torch.set_num_threads(int(sys.argv[1]))
-from widebeam.engine import LLM
+from widebeam.llm import LLM
 t1 = time.perf_counter()
 llm = LLM(dtype=sys.argv[2], device="cpu", kv_cache_memory=sys.argv[3], tokens_per_block=int(sys.argv[4]))
 t2 = time.perf_counter()

@@ -42,7 +42,7 @@ import torch
 from tables import machine_info, markdown_table, print_table
 
 from widebeam.defaults import DEFAULT_MODEL
-from widebeam.engine import LLM
+from widebeam.llm import LLM
 from widebeam.params import BeamSearchParams, SamplingParams
 
 POLICIES = ("guaranteed_no_evict", "max_utilization")

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from tables import machine_info, markdown_table, print_table
 
-from widebeam.engine import LLM
+from widebeam.llm import LLM
 from widebeam.memstats import reset_peak_rss, rss_bytes
 from widebeam.params import BeamSearchParams, SamplingParams
 

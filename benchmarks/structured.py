@@ -23,7 +23,7 @@ from pathlib import Path
 import jsonschema
 import torch
 
-from widebeam.engine import LLM
+from widebeam.llm import LLM
 from widebeam.params import BeamSearchParams, SamplingParams
 from widebeam.structured.constraint import GrammarConstraint
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from widebeam.engine import LLM
+from widebeam.llm import LLM
 from widebeam.params import BeamSearchParams
 from widebeam.units import format_bytes
 

@@ -7,6 +7,7 @@ from widebeam.decoding.factory import build_request_decoder
 
 
 def engine_decoder(engine, params, max_new_tokens: int, prompt_token_ids=()):
-    return build_request_decoder(params, max_new_tokens, engine.eos_token_ids, prompt_token_ids=prompt_token_ids,
+    return build_request_decoder(params, max_new_tokens, engine.eos_token_ids,
+                                 prompt_token_ids=prompt_token_ids,
                                  suppress_token_ids=engine.suppress_token_ids,
                                  forced_eos_token_id=engine.forced_eos_token_id)

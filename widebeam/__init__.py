@@ -14,7 +14,7 @@ __all__ = ["LLM", "BeamSearchParams", "LLMEngine", "RequestTooLargeError", "Samp
 
 # The engine pulls in torch and transformers; `widebeam plan` should not pay for that.
 _LAZY = {
-    "LLM": "widebeam.engine",
+    "LLM": "widebeam.llm",
     "LLMEngine": "widebeam.engine",
     "SamplingParams": "widebeam.params",
     "BeamSearchParams": "widebeam.params",

@@ -194,7 +194,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from widebeam.engine import LLM
+    from widebeam.llm import LLM
 
     torch.set_num_threads(args.threads)
     points = [(w, p) for p in args.prompt_lens for w in args.widths]

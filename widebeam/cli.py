@@ -150,8 +150,8 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 
 
 def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from widebeam.engine import LLM
     from widebeam.errors import WidebeamError
+    from widebeam.llm import LLM
     from widebeam.params import BeamSearchParams, SamplingParams
 
     catalogue = args.catalogue

@@ -1,15 +1,13 @@
 """LLMEngine (add_request / step / abort): the engine's loop over its workers and one KV cache.
 
-One step runs one forward pass: the prefill of newly admitted requests and one decode token for
-every running sequence, in one batch, and returns one `RequestDelta` per request that took part. By
-default a request is admitted when its worst case fits beside the remaining worst cases of the running
-ones (nothing in use is ever evicted); `max_utilization` admits on the next step's blocks and preempts
-the newest request when a step runs short (sched/preemption.py). One request's path: docs/architecture.md.
+One step runs one forward pass: prompt chunks of newly admitted requests and one round of every
+running request (its live sequences' pending tokens and any drafted nodes; no drafts: a plain
+decode step), and returns one `RequestDelta` per request that chose a token. Admission and
+preemption are the scheduler's (sched/); one request's path is in docs/architecture.md.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Sequence
 
@@ -23,16 +21,11 @@ from widebeam.decoding.factory import build_request_decoder
 from widebeam.decoding.logprobs import execute_step
 from widebeam.decoding.processors import LogitsProcessor
 from widebeam.decoding.stream import output_stream
-from widebeam.defaults import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_MODEL
-from widebeam.device import available_memory_bytes, default_device
-from widebeam.errors import CacheTooSmallError, InvalidParameterError
-from widebeam.kv.cache import KVCache
-from widebeam.layout import activation_rows, compute_layout
-from widebeam.model.loader import resolve_model
-from widebeam.model.registry import load_model, load_tokenizer, model_dtype
+from widebeam.defaults import DEFAULT_MODEL
+from widebeam.device import default_device
+from widebeam.errors import InvalidParameterError
 from widebeam.model.runner import SequenceInput
-from widebeam.model.warmup import measure_activation_peak_bytes
-from widebeam.outputs import RequestDelta, RequestOutput
+from widebeam.outputs import RequestDelta
 from widebeam.params import BeamSearchParams, SamplingParams
 from widebeam.pinning import pin_prefixes, pin_token_ids
 from widebeam.prompts import chat_prompt, read_generation_settings, tokenize_prompt
@@ -42,23 +35,17 @@ from widebeam.sched.preemption import make_scheduler
 from widebeam.sched.scheduler import SchedulerOutput
 from widebeam.speculative.policy import DraftLength
 from widebeam.speculative.round import SequenceRound
-from widebeam.speculative.setup import start_drafter
+from widebeam.startup import allocate_pools, lay_out_pools, load_workers
 from widebeam.structured.grammars import Grammars
-from widebeam.units import format_bytes
-from widebeam.worker import Worker
 
 log = logging.getLogger("widebeam")
 
 
 class LLMEngine:
     def __init__(self, model: str = DEFAULT_MODEL, catalogues: dict | None = None, **kwargs):
-        """`kwargs`: the settings of `EngineConfig.from_kwargs` (dtype, device, attention_backend,
-        linear_backend, kv_cache_memory, kv_cache_fraction, tokens_per_block, max_seq_len,
-        max_beam_width, max_num_batched_tokens, speculative_model, num_speculative_tokens,
-        speculative_method, speculative_dtype, speculative_adaptive, enable_prefix_caching,
-        pinned_prefixes: prompts computed at start-up whose blocks stay cached, see pinning.py).
-        `catalogues`: name -> source, registered before the KV pools are sized, so their bytes come off
-        the memory budget (see `register_catalogue`).
+        """`kwargs`: the settings of `EngineConfig.from_kwargs` (config.py; as command-line options in
+        engine_args.py). `catalogues`: name -> source, registered before the KV pools are sized, so
+        their bytes come off the memory budget (see `register_catalogue`).
 
         Start-up, in order: load the models (workers), register the catalogues, lay out the pools
         (layout.py, what `widebeam plan` prints), allocate them, build the scheduler; last, with the
@@ -68,66 +55,34 @@ class LLMEngine:
         self.max_beam_width = sched_config.max_beam_width
         self.device = torch.device(config.model.device) if config.model.device else default_device()
         self.dtype = config.model.dtype
-        self.source = resolve_model(model)
-        self.model = load_model(self.source, self.dtype, self.device, config.model.linear_backend)
-        self.tokenizer = load_tokenizer(self.source)
-        self.arch = self.model.arch
-        self.workers = [Worker("target", self.model, self.dtype)]
         self.speculative = config.speculative
         self.num_draft_tokens = self.speculative.num_speculative_tokens if self.speculative else 0
-        self.drafter = None
-        if self.speculative is not None:
-            # a draft model joins as a second worker, its pools sized with the target's from one budget
-            self.drafter, draft_worker = start_drafter(self.speculative, self.arch, self.tokenizer, model,
-                                                       self.dtype, self.device)
-            if draft_worker is not None:
-                self.workers.append(draft_worker)
+        loaded = load_workers(config, model, self.device)
+        self.source, self.tokenizer = loaded.source, loaded.tokenizer
+        self.workers, self.drafter = loaded.workers, loaded.drafter
+        self.model = self.workers[0].model
+        self.arch = self.model.arch
         self.catalogues = CatalogueRegistry(self.arch.vocab_size, self.device, self.tokenizer)
-        for name, source in (catalogues or {}).items():
+        for name, source in (catalogues or {}).items():  # before the layout: their bytes come off the memory
             self.catalogues.register(name, source)
         self.catalogue_bytes = self.catalogues.nbytes
         # the layout counts the pins' blocks from token ids: text pins are tokenized now
-        pins = pin_token_ids(cache_config.pinned_prefixes, lambda text: tokenize_prompt(text, self.tokenizer, self.arch.vocab_size)[1])
-        activation_bytes = None  # with kv_cache_memory: the layout's shape-based estimate, as plan's
-        if cache_config.kv_cache_memory is None:
-            # the pools take what is left, so measure what the largest steps really need (the user who
-            # sizes the cache skips it: a measured warm-up costs seconds per engine on a CPU)
-            rows = activation_rows(self.max_beam_width, self.num_draft_tokens)
-            activation_bytes = sum(
-                measure_activation_peak_bytes(w.model, self.device, model_dtype(w.model),
-                                              cache_config.tokens_per_block,
-                                              sched_config.max_num_batched_tokens, rows)
-                for w in self.workers)
-        self.layout = layout = compute_layout(
-            config, self.arch, available_memory_bytes(self.device),
-            draft=self.workers[1].arch if len(self.workers) > 1 else None,
-            catalogue_bytes=self.catalogue_bytes, pinned_prefixes=pins, activation_bytes=activation_bytes,
-            default_kv_cache_bytes=DEFAULT_CPU_KV_CACHE_BYTES if self.device.type == "cpu" else None)
-        if layout.too_small:
-            raise CacheTooSmallError(layout.too_small)
+        pins = pin_token_ids(cache_config.pinned_prefixes,
+                             lambda text: tokenize_prompt(text, self.tokenizer, self.arch.vocab_size)[1])
+        self.layout = layout = lay_out_pools(config, self.workers, self.device, self.catalogue_bytes, pins)
         self.activation_peak_bytes = layout.activation_bytes
         self.max_encoder_tokens = layout.max_encoder_tokens
         self.max_seq_len = layout.max_seq_len
-        t, chunk = layout.tokens_per_block, sched_config.max_num_batched_tokens
-        self.cache = KVCache([(pool.spec, pool.num_blocks) for pool in layout.pools], t, chunk,
-                             cache_config.enable_prefix_caching)
-        log.info(
-            "KV cache %s: %s; max_seq_len %d; activation peak %s (%d rows); device %s",
-            format_bytes(layout.kv_cache_bytes),
-            ", ".join(f"{p.name} {p.num_blocks} blocks x {t} = {p.num_blocks * t} tokens"
-                      for p in layout.pools),
-            self.max_seq_len, format_bytes(layout.activation_bytes), layout.activation_rows, self.device,
-        )
-        for worker in self.workers:
-            worker.start(layout.blocks_per_pool, t, self.device, config.model.attention_backend)
+        self.cache = allocate_pools(config, layout, self.workers, self.device)
         generation = read_generation_settings(self.source, self.tokenizer)
         self.eos_token_ids = generation.eos_token_ids
         self.grammars = Grammars(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)  # response_format
         self.decoder_start_token_id = generation.decoder_start_token_id
         self.suppress_token_ids = generation.suppress_token_ids
         self.forced_eos_token_id = generation.forced_eos_token_id
-        self.scheduler = make_scheduler(sched_config.scheduling_policy, self.cache, chunk,
-                                        sched_config.max_preemptions, self.num_draft_tokens)
+        self.scheduler = make_scheduler(sched_config.scheduling_policy, self.cache,
+                                        sched_config.max_num_batched_tokens, sched_config.max_preemptions,
+                                        self.num_draft_tokens)
         self.last_schedule: SchedulerOutput | None = None  # what the latest step ran (tests and benchmarks)
         self._requests: dict[str, Request] = {}
         self._num_rejected = 0
@@ -152,19 +107,21 @@ class LLMEngine:
         that raises fails this request alone: the step reports it and goes on for the others."""
         params = params or SamplingParams()
         if request_id in self._requests:
-            raise InvalidParameterError("request_id", "{request_id} {value!r} is already in use", value=request_id)
+            raise InvalidParameterError("request_id", "{request_id} {value!r} is already in use",
+                                        value=request_id)
         try:
             if not isinstance(params, (SamplingParams, BeamSearchParams)):
-                raise InvalidParameterError("params", "expected SamplingParams or BeamSearchParams, got {value!r}",
-                                            value=params)
+                raise InvalidParameterError("params", "expected SamplingParams or BeamSearchParams, "
+                                            "got {value!r}", value=params)
             out_of_vocab = [t for t in params.stop_token_ids if t >= self.arch.vocab_size]
             if out_of_vocab:
                 raise InvalidParameterError("stop_token_ids", "{stop_token_ids} must hold token ids in "
-                                            "[0, {vocab_size}), got {value!r}", vocab_size=self.arch.vocab_size,
-                                            value=out_of_vocab[0])
+                                            "[0, {vocab_size}), got {value!r}",
+                                            vocab_size=self.arch.vocab_size, value=out_of_vocab[0])
             if params.beam_width > self.max_beam_width:
                 raise InvalidParameterError(
-                    "beam_width", "{beam_width} must be in [1, {limit}] (the engine's max_beam_width), got {value}",
+                    "beam_width",
+                    "{beam_width} must be in [1, {limit}] (the engine's max_beam_width), got {value}",
                     limit=self.max_beam_width, value=params.beam_width)
             catalogue = self.catalogues.for_request(params) if isinstance(params, BeamSearchParams) else None
             if catalogue is not None and params.max_new_tokens is None:
@@ -177,24 +134,29 @@ class LLMEngine:
                     raise InvalidParameterError("prompt", "the source is empty: give at least one token")
                 # the prompt is the source; the decoder starts from its start token alone
                 encoder_token_ids, token_ids = token_ids, [self.decoder_start_token_id]
-            caching = self.cache.enable_prefix_caching and params.prompt_logprobs is None  # those compute every token
+            # prompt log-probs compute every token: no prefix reuse for them
+            caching = self.cache.enable_prefix_caching and params.prompt_logprobs is None
             key = self.cache.prefix_key(token_ids, encoder_token_ids) if caching else None
             admission = admit_check(self.cache, self.max_seq_len, len(token_ids), params.max_new_tokens,
                                     params.beam_width, encoder_tokens=len(encoder_token_ids or ()),
                                     max_encoder_tokens=self.max_encoder_tokens,
-                                    extra_tokens=self.num_draft_tokens, refeed_tokens=self.num_draft_tokens, key=key)
+                                    extra_tokens=self.num_draft_tokens, refeed_tokens=self.num_draft_tokens,
+                                    key=key)
         except ValueError:
             self._num_rejected += 1
             raise
         decoder = build_request_decoder(params, admission.max_new_tokens, self.eos_token_ids,
-                                        prompt_token_ids=token_ids, suppress_token_ids=self.suppress_token_ids,
-                                        forced_eos_token_id=self.forced_eos_token_id, catalogue=catalogue,
+                                        prompt_token_ids=token_ids, catalogue=catalogue,
+                                        suppress_token_ids=self.suppress_token_ids,
+                                        forced_eos_token_id=self.forced_eos_token_id,
                                         grammar=self.grammars.constraint(params.response_format),
                                         extra_processors=logits_processors)
-        draft_length = DraftLength(self.num_draft_tokens, self.speculative.adaptive) if self.speculative else None
+        draft_length = None
+        if self.speculative:
+            draft_length = DraftLength(self.num_draft_tokens, self.speculative.adaptive)
         kv = self.cache.new_request(key, len(encoder_token_ids or ()))
-        request = Request(request_id, text, token_ids, admission, kv, decoder, output_stream(decoder, self.tokenizer),
-                          encoder_token_ids, draft_length)
+        request = Request(request_id, text, token_ids, admission, kv, decoder,
+                          output_stream(decoder, self.tokenizer), encoder_token_ids, draft_length)
         self._requests[request_id] = request
         self.scheduler.add(request)
         return list(request.source_token_ids)
@@ -223,21 +185,21 @@ class LLMEngine:
 
     def stats(self) -> dict:
         cache = self.cache
+        keys = ("total_blocks", "free_blocks", "evictable_blocks", "pinned_blocks")
         stats = {
-            "pools": {name: {key: s[key] for key in ("total_blocks", "free_blocks", "evictable_blocks", "pinned_blocks")}
-                      for name, s in cache.stats().items()},
+            "pools": {name: {key: s[key] for key in keys} for name, s in cache.stats().items()},
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "rejected": self._num_rejected,
             "scheduling": self.scheduler.stats(),  # policy, preemptions, recomputed_tokens
-            "prefix_cache": {"enabled": cache.enable_prefix_caching, "queried_tokens": cache.num_queried_tokens,
-                             "hit_tokens": cache.num_hit_tokens,
-                             "hit_rate": cache.num_hit_tokens / cache.num_queried_tokens if cache.num_queried_tokens
-                             else 0.0},
+            "prefix_cache": {"enabled": cache.enable_prefix_caching,
+                             "queried_tokens": cache.num_queried_tokens, "hit_tokens": cache.num_hit_tokens,
+                             "hit_rate": cache.num_hit_tokens / max(cache.num_queried_tokens, 1)},
         }
         if self.speculative:
             stats["speculative"] = {"method": self.speculative.method, "model": self.speculative.model,
-                                    "num_speculative_tokens": self.num_draft_tokens, **self._speculative_counts}
+                                    "num_speculative_tokens": self.num_draft_tokens,
+                                    **self._speculative_counts}
         return stats
 
     # -- the loop ---------------------------------------------------------------------------------
@@ -292,8 +254,10 @@ class LLMEngine:
         greedy_rows = [i for i, (request, _) in enumerate(prefills)
                        if request.prompt_done and request.decoder.batched_greedy]
         greedy_rows += [r for request, request_rounds in rounds_by_request if request.decoder.batched_greedy
-                        for rnd in request_rounds for r in range(rnd.row_start, rnd.row_start + rnd.num_verify_rows)]
-        logits = execute_step(target, prefill_inputs + [rnd.verify_input() for rnd in rounds], num_rows, collectors)
+                        for rnd in request_rounds
+                        for r in range(rnd.row_start, rnd.row_start + rnd.num_verify_rows)]
+        inputs = prefill_inputs + [rnd.verify_input() for rnd in rounds]
+        logits = execute_step(target, inputs, num_rows, collectors)
         scores = StepScores(logits, greedy_rows)  # a failure of the shared pass fails the whole batch
         for i, (request, _) in enumerate(prefills):
             self._collect(deltas, request, request.finish_prefill, scores, i)
@@ -333,64 +297,3 @@ class LLMEngine:
 
     def apply_chat_template(self, message: str) -> str:
         return chat_prompt(self.tokenizer, message)
-
-
-class LLM:
-    """Offline batches: `LLM(model=...).generate(prompts, params)`."""
-
-    def __init__(self, model: str = DEFAULT_MODEL, **engine_kwargs):
-        self.engine = LLMEngine(model, **engine_kwargs)
-        self._ids = itertools.count()
-
-    @property
-    def max_seq_len(self) -> int:
-        return self.engine.max_seq_len
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    def stats(self) -> dict:
-        return self.engine.stats()
-
-    def register_catalogue(self, name: str, source):
-        """Register a catalogue for `BeamSearchParams(catalogue=name)` (see `LLMEngine.register_catalogue`)."""
-        return self.engine.register_catalogue(name, source)
-
-    def generate(self, prompts, params: SamplingParams | BeamSearchParams | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in the order of `prompts`.
-
-        Every prompt is checked before anything runs: if one can never fit, this raises and
-        nothing is queued.
-        """
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        ids = [f"offline-{next(self._ids)}" for _ in prompts]
-        added = []
-        try:
-            for request_id, prompt in zip(ids, prompts):
-                self.engine.add_request(request_id, prompt, params)
-                added.append(request_id)
-        except ValueError as exc:
-            for request_id in added:
-                self.engine.abort(request_id)
-            exc.args = (f"prompt {len(added)} of the batch: {exc}",)  # keeps the type and its attributes
-            raise
-        results: dict[str, RequestOutput] = {}
-        progress = None
-        if use_tqdm and len(prompts) > 1:
-            from tqdm import tqdm
-
-            progress = tqdm(total=len(prompts), desc="requests", unit="req")
-        try:
-            while self.engine.has_unfinished():
-                for delta in self.engine.step():
-                    if delta.finished:
-                        results[delta.request_id] = delta.output
-                        if progress:
-                            progress.update(1)
-        finally:
-            if progress:
-                progress.close()
-        return [results[request_id] for request_id in ids]

@@ -12,7 +12,8 @@ from widebeam.model.families import GenerationSettings, generation_settings
 from widebeam.model.loader import ModelSource, load_config
 
 
-def tokenize_prompt(prompt: str | dict | list[int], tokenizer, vocab_size: int) -> tuple[str | None, list[int]]:
+def tokenize_prompt(prompt: str | dict | list[int], tokenizer,
+                    vocab_size: int) -> tuple[str | None, list[int]]:
     """(the text or None, the token ids) of a prompt given as text, token ids or
     `{"prompt_token_ids": [...]}`; every id in [0, vocab_size)."""
     if isinstance(prompt, dict):

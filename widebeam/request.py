@@ -84,7 +84,8 @@ class Request:
     def num_step_tokens(self, num_draft_tokens: int = 0) -> int:
         """Tokens a round of this request feeds: the pending tokens of every live sequence it feeds
         now (`num_feed_tokens`), and up to `num_draft_tokens` drafted ones each when speculating."""
-        return sum(min(len(pending), self.num_feed_tokens) + num_draft_tokens for pending in self.pending_token_ids)
+        num_fed = self.num_feed_tokens
+        return sum(min(len(pending), num_fed) + num_draft_tokens for pending in self.pending_token_ids)
 
     def num_round_tokens(self, num_draft_tokens: int = 0) -> int:
         """Tokens per live sequence the next round takes slots for: those it feeds, and up to
@@ -136,9 +137,9 @@ class Request:
         for i, pending in enumerate(self.pending_token_ids):
             history = self.prompt_token_ids + live_token_ids[i] if num_nodes else []
             tables, (cross_table, num_encoder_tokens) = self._tables(i)
-            rounds.append(SequenceRound(committed, pending[:num_fed], tables, slots[i], self.request_id, history,
-                                        max_depth, branching, num_nodes, cross_block_table=cross_table,
-                                        num_encoder_tokens=num_encoder_tokens))
+            rounds.append(SequenceRound(committed, pending[:num_fed], tables, slots[i], self.request_id,
+                                        history, max_depth, branching, num_nodes,
+                                        cross_block_table=cross_table, num_encoder_tokens=num_encoder_tokens))
         return rounds
 
     def _tables(self, seq_index: int) -> tuple[dict[str, list[int]], tuple[list[int] | None, int]]:
@@ -172,7 +173,8 @@ class Request:
         if self._num_fed_tokens < len(self.pending_token_ids[0]):
             self.pending_token_ids = [pending[self._num_fed_tokens:] for pending in self.pending_token_ids]
             return None
-        delta, replayed = self._replay(scores, [rnd.row_start for rnd in rounds], [rnd.tree for rnd in rounds])
+        root_rows = [rnd.row_start for rnd in rounds]
+        delta, replayed = self._replay(scores, root_rows, [rnd.tree for rnd in rounds])
         if self.draft_length is not None:
             self.draft_length.record(rounds[0].max_nodes, replayed.num_steps)
         if delta.finished:
@@ -233,7 +235,8 @@ class Request:
 
     def _peak_blocks(self) -> dict[str, int]:
         """The most distinct blocks held at once per pool, over every run since admission."""
-        return {name: max(n, self._earlier_peak_blocks.get(name, 0)) for name, n in self.kv.peak_blocks().items()}
+        earlier = self._earlier_peak_blocks
+        return {name: max(n, earlier.get(name, 0)) for name, n in self.kv.peak_blocks().items()}
 
     # -- results -----------------------------------------------------------------------------------
     @property
@@ -242,8 +245,8 @@ class Request:
         return self.prompt_token_ids if self.encoder_token_ids is None else self.encoder_token_ids
 
     def output(self) -> RequestOutput:
-        return RequestOutput(self.request_id, self.prompt, self.source_token_ids, list(self.completions or []),
-                             self.finished, peak_blocks=self._peak_blocks(),
+        prompt_logprobs = with_token_text(self.decoder.prompt_logprobs, self.stream.tokenizer)
+        return RequestOutput(self.request_id, self.prompt, self.source_token_ids,
+                             list(self.completions or []), self.finished, peak_blocks=self._peak_blocks(),
                              required_blocks=dict(self.admission.required_blocks),
-                             num_cached_tokens=self.kv.num_cached_tokens,
-                             prompt_logprobs=with_token_text(self.decoder.prompt_logprobs, self.stream.tokenizer))
+                             num_cached_tokens=self.kv.num_cached_tokens, prompt_logprobs=prompt_logprobs)

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from widebeam.engine import LLM
+from widebeam.llm import LLM
 from widebeam.params import BeamSearchParams
 
 MODEL = "tiny-chat"

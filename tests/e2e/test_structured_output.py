@@ -17,8 +17,8 @@ import torch
 from beam_checks import assert_beams_match
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
-from widebeam.engine import LLM
 from widebeam.errors import InvalidParameterError
+from widebeam.llm import LLM
 from widebeam.params import BeamSearchParams, SamplingParams
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],

@@ -8,7 +8,7 @@ import torch
 from beam_checks import assert_beams_match, hf_beam_search
 from transformers import AutoModelForCausalLM
 
-from widebeam.engine import LLM
+from widebeam.llm import LLM
 from widebeam.params import BeamSearchParams
 
 PAD = 0

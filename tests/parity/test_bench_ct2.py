@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from widebeam.bench_ct2 import CT2Peer
-from widebeam.engine import LLM
+from widebeam.llm import LLM
 from widebeam.params import BeamSearchParams
 
 pytest.importorskip("ctranslate2", reason="make test installs CTranslate2 (the dev extra)")

@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from widebeam.engine import LLM
+from widebeam.llm import LLM
 from widebeam.params import BeamSearchParams
 
 TOLERANCE = 0.05  # nats per generated token

@@ -8,7 +8,7 @@ import pytest
 import torch
 from beam_checks import assert_beams_match, assert_greedy_matches_transformers, hf_beam_search
 
-from widebeam.engine import LLM
+from widebeam.llm import LLM
 from widebeam.params import BeamSearchParams
 
 pytestmark = [pytest.mark.cuda,

@@ -11,7 +11,7 @@ import pytest
 import torch
 from beam_checks import assert_beams_match, hf_beam_search
 
-from widebeam.engine import LLM
+from widebeam.llm import LLM
 from widebeam.model.int8_linear import quantize_int8
 from widebeam.params import BeamSearchParams, SamplingParams
 

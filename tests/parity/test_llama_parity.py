@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from widebeam.engine import LLM
 from widebeam.kv.managers import Holding
+from widebeam.llm import LLM
 from widebeam.model.runner import SequenceInput
 from widebeam.params import SamplingParams
 

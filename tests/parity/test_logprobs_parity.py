@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from widebeam.engine import LLM
+from widebeam.llm import LLM
 from widebeam.logprobs import Logprob
 from widebeam.params import BeamSearchParams, SamplingParams
 

@@ -17,8 +17,8 @@ from tiny_models import TINY_MARIAN_EOS as EOS
 from tiny_models import TINY_MARIAN_PAD as PAD
 from transformers import MarianMTModel
 
-from widebeam.engine import LLM
 from widebeam.kv.managers import Holding
+from widebeam.llm import LLM
 from widebeam.model.runner import SequenceInput
 from widebeam.params import BeamSearchParams, SamplingParams
 

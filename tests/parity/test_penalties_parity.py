@@ -11,7 +11,7 @@ import torch
 from beam_checks import assert_beams_match
 from transformers import AutoModelForCausalLM
 
-from widebeam.engine import LLM
+from widebeam.llm import LLM
 from widebeam.params import BeamSearchParams, SamplingParams
 
 PAD = 0

@@ -15,8 +15,8 @@ import random
 
 import pytest
 
-from widebeam.engine import LLM
 from widebeam.errors import RequestTooLargeError
+from widebeam.llm import LLM
 from widebeam.params import BeamSearchParams, SamplingParams
 
 T = 4

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from widebeam.engine import LLM
+from widebeam.llm import LLM
 from widebeam.params import SamplingParams
 
 

@@ -90,7 +90,8 @@ def test_beam_search_is_exact(engines, draft, num_draft_tokens):
 
 @pytest.mark.parametrize("draft", ["self", "noisy", "ngram"])
 def test_greedy_is_exact(engines, draft):
-    requests = [(prompt, SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)) for prompt in PROMPTS]
+    requests = [(prompt, SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True))
+                for prompt in PROMPTS]
     requests += [(PROMPTS[0], SamplingParams(temperature=0, max_new_tokens=12, min_new_tokens=5))]
     assert_same(run(engines(), requests), run(engines(draft, 4), requests))
 
@@ -155,7 +156,8 @@ def test_mixed_requests_in_one_engine(engines):
     every pool whole after."""
     requests = [(PROMPTS[0], SamplingParams(temperature=0, max_new_tokens=15, ignore_eos=True)),
                 (PROMPTS[1], BeamSearchParams(beam_width=4, max_new_tokens=12)),
-                (PROMPTS[2], SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_new_tokens=14, ignore_eos=True)),
+                (PROMPTS[2], SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_new_tokens=14,
+                                            ignore_eos=True)),
                 (PROMPTS[1], BeamSearchParams(beam_width=8, max_new_tokens=9, length_penalty=0.7)),
                 (PROMPTS[2], SamplingParams(temperature=0, max_new_tokens=6, min_new_tokens=4))]
     expected, got = run(engines(), requests), run(engines("noisy", 3, adaptive=True), requests)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from widebeam.engine import LLM
 from widebeam.errors import InvalidParameterError
+from widebeam.llm import LLM
 from widebeam.params import BeamSearchParams, SamplingParams
 
 MAX_SEQ_LEN = 24

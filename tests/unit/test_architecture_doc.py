@@ -83,7 +83,8 @@ def problem(span: str) -> str | None:
         path = resolve(qualified["file"])
         if path is None or path not in definitions():
             return f"no file {qualified['file']}"
-        return None if qualified["name"] in definitions()[path][0] else f"{qualified['name']} not in {path.name}"
+        name = qualified["name"]
+        return None if name in definitions()[path][0] else f"{name} not in {path.name}"
     match = IDENTIFIER.match(span)
     if not match:
         return None  # a formula, a command line, a literal: not a name

@@ -17,7 +17,7 @@ from batch_checks import DEFAULTS, ENGINE, assert_same_results, by_id, mixed_row
 from widebeam.batch import read_output, run
 from widebeam.batch.files import OutputWriter
 from widebeam.batch.rows import make_params, parse_row
-from widebeam.engine import LLM
+from widebeam.llm import LLM
 from widebeam.params import BeamSearchParams, SamplingParams
 
 

@@ -56,7 +56,7 @@ def recorded(monkeypatch):
             raise seen["error"]
         raise Stop("stopped before loading")
 
-    monkeypatch.setattr("widebeam.engine.LLM", FakeLLM)
+    monkeypatch.setattr("widebeam.llm.LLM", FakeLLM)
     monkeypatch.setattr("widebeam.engine.LLMEngine", fake_engine)
     return seen
 

@@ -62,7 +62,7 @@ def recorded(monkeypatch):
         seen.update(kwargs)
         raise Stop("stopped before running")
 
-    monkeypatch.setattr("widebeam.engine.LLM", FakeLLM)
+    monkeypatch.setattr("widebeam.llm.LLM", FakeLLM)
     monkeypatch.setattr("widebeam.engine.LLMEngine", fake_engine)
     # the module, not the package's `run` function of the same name
     monkeypatch.setattr(importlib.import_module("widebeam.batch.run"), "run", fake_run)
@@ -330,7 +330,7 @@ def test_bench_computes_every_prompt_whole(tiny_llama_dir):
     """Each bench point must do the work transformers and the floors count: a prompt repeated (the
     next width) or sharing its start (make_prompt) must not come from the cache."""
     from widebeam import bench
-    from widebeam.engine import LLM
+    from widebeam.llm import LLM
     from widebeam.params import SamplingParams
 
     llm = LLM(str(tiny_llama_dir), device="cpu", tokens_per_block=8, kv_cache_memory=1 << 20, max_beam_width=4)

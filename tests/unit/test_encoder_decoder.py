@@ -103,7 +103,7 @@ def test_plan_cli_lists_the_cross_pool():
 @pytest.fixture(scope="module")
 def small_llm(tiny_marian_dir):
     """8 blocks of 4 tokens in each pool (tiny Marian: 1 KiB per token per pool, memory split by need)."""
-    from widebeam.engine import LLM
+    from widebeam.llm import LLM
 
     llm = LLM(str(tiny_marian_dir), dtype="float32", device="cpu", tokens_per_block=4, kv_cache_memory="64KiB",
               max_num_batched_tokens=64, max_beam_width=8)

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from widebeam.engine import LLM
 from widebeam.errors import InvalidParameterError, RequestTooLargeError
+from widebeam.llm import LLM
 from widebeam.params import BeamSearchParams, SamplingParams
 
 BYTES_PER_BLOCK = 4 * 2 * 2 * 2 * 16 * 4  # T=4 tokens x K,V x 2 layers x 2 kv heads x 16 head_dim x float32

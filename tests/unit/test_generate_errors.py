@@ -8,8 +8,8 @@ import sys
 import pytest
 from tiny_models import save_tiny_model
 
-from widebeam.engine import LLM
 from widebeam.errors import InvalidParameterError
+from widebeam.llm import LLM
 from widebeam.model.arch import UnsupportedModelError
 from widebeam.model.loader import ModelNotFoundError
 from widebeam.params import SamplingParams

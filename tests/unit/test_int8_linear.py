@@ -136,7 +136,7 @@ def test_concat_refuses_mixed_inputs_or_kernels():
 
 
 def test_an_int8_engine_runs_fused_projections_and_holds_each_weight_once(tiny_llama_dir):
-    from widebeam.engine import LLM
+    from widebeam.llm import LLM
     from widebeam.model.layers import FusedProjections
 
     model = LLM(str(tiny_llama_dir), dtype="int8", device="cpu", kv_cache_memory="1MiB").engine.model

@@ -18,8 +18,8 @@ from __future__ import annotations
 import pytest
 from tiny_models import save_tiny_marian, save_tiny_model
 
-from widebeam.engine import LLM
 from widebeam.kv.budget import cross_attention_blocks, full_attention_blocks, sliding_window_blocks
+from widebeam.llm import LLM
 from widebeam.params import BeamSearchParams
 
 

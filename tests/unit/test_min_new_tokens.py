@@ -8,7 +8,7 @@ import torch
 from tiny_models import TINY_MARIAN_EOS, save_tiny_marian
 from transformers import MarianMTModel
 
-from widebeam.engine import LLM
+from widebeam.llm import LLM
 from widebeam.params import BeamSearchParams, SamplingParams
 
 

@@ -99,7 +99,7 @@ def test_a_build_whose_kernels_fail_keeps_f_linear(monkeypatch):
 
 @pytest.fixture(scope="module")
 def engines(tiny_llama_dir):
-    from widebeam.engine import LLM
+    from widebeam.llm import LLM
 
     def llm(backend):
         return LLM(str(tiny_llama_dir), device="cpu", linear_backend=backend, kv_cache_memory="2MiB",

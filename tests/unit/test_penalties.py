@@ -16,8 +16,8 @@ from widebeam.decoding.context import TokenHistory
 from widebeam.decoding.decoders import BeamDecoder, SamplingDecoder
 from widebeam.decoding.penalties import TokenPenalties
 from widebeam.decoding.processors import BanUntilMinTokens, BeamStateFollower
-from widebeam.engine import LLM
 from widebeam.errors import InvalidParameterError
+from widebeam.llm import LLM
 from widebeam.params import BeamSearchParams, SamplingParams
 
 VOCAB = 40

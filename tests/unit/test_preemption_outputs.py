@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from tiny_models import TINY_MARIAN_EOS, save_tiny_model
 
-from widebeam.engine import LLM
+from widebeam.llm import LLM
 from widebeam.params import BeamSearchParams, SamplingParams
 
 POLICIES = ["guaranteed_no_evict", "max_utilization"]

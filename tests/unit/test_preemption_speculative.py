@@ -61,7 +61,8 @@ def test_speculative_requests_preempted_every_few_steps_still_match(tiny_llama_d
 
 # CROWD's shape with N = 20: each worst case (D = 3 drafted slots per beam included) fits the pool
 # alone, not all at once.
-CROWD20 = {request_id: (prompt, params.replace(max_new_tokens=20)) for request_id, (prompt, params) in CROWD.items()}
+CROWD20 = {request_id: (prompt, params.replace(max_new_tokens=20))
+           for request_id, (prompt, params) in CROWD.items()}
 
 
 @pytest.mark.parametrize("speculation", sorted(SPECULATION))

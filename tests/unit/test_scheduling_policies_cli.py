@@ -40,7 +40,7 @@ def recorded(monkeypatch):
         seen.update(kwargs)
         raise Stop("stopped before running")
 
-    monkeypatch.setattr("widebeam.engine.LLM", FakeLLM)
+    monkeypatch.setattr("widebeam.llm.LLM", FakeLLM)
     monkeypatch.setattr("widebeam.engine.LLMEngine", fake_engine)
     monkeypatch.setattr(importlib.import_module("widebeam.batch.run"), "run", fake_run)
     return seen
@@ -95,7 +95,7 @@ def test_engine_settings_check_the_policy():
 
 
 def test_llm_takes_the_policy(tiny_llama_dir):
-    from widebeam.engine import LLM
+    from widebeam.llm import LLM
     from widebeam.params import SamplingParams
 
     llm = LLM(str(tiny_llama_dir), device="cpu", kv_cache_memory="1MiB", scheduling_policy="max_utilization",

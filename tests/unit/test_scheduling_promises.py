@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from widebeam.engine import LLM
+from widebeam.llm import LLM
 from widebeam.params import BeamSearchParams, SamplingParams
 
 BYTES_PER_BLOCK = 4 * 2 * 2 * 2 * 16 * 4  # T=4 tokens x K,V x 2 layers x 2 kv heads x 16 head_dim x float32

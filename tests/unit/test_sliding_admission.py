@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from tiny_models import save_tiny_model
 
-from widebeam.engine import LLM
 from widebeam.errors import RequestTooLargeError
 from widebeam.kv.budget import full_attention_blocks
+from widebeam.llm import LLM
 from widebeam.params import BeamSearchParams, SamplingParams
 
 WINDOW = 8

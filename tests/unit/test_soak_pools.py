@@ -12,8 +12,8 @@ import random
 import pytest
 from tiny_models import save_tiny_marian, save_tiny_model
 
-from widebeam.engine import LLM
 from widebeam.errors import InvalidParameterError, RequestTooLargeError
+from widebeam.llm import LLM
 from widebeam.params import BeamSearchParams, SamplingParams
 
 WINDOW = 8

@@ -47,7 +47,7 @@ def engine_kwargs(monkeypatch):
         record(model, **kwargs)
         raise Stop("stopped before loading")
 
-    monkeypatch.setattr("widebeam.engine.LLM", FakeLLM)
+    monkeypatch.setattr("widebeam.llm.LLM", FakeLLM)
     monkeypatch.setattr("widebeam.engine.LLMEngine", fake_engine)
     return seen
 
@@ -160,7 +160,7 @@ def test_bench_passes_the_flags_to_llm(engine_kwargs, no_transformers, monkeypat
         engine_kwargs.update(kwargs)
         raise Stop("stopped before loading")
 
-    monkeypatch.setattr("widebeam.engine.LLM", fake_llm)
+    monkeypatch.setattr("widebeam.llm.LLM", fake_llm)
     assert main(["bench", "--no-wide", "--speculative-method", "ngram", "--num-speculative-tokens", "6"]) == 1
     assert _spec(engine_kwargs) == {"speculative_model": None, "num_speculative_tokens": 6,
                                     "speculative_method": "ngram"}

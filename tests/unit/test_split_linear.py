@@ -70,14 +70,14 @@ PROMPTS = [[(i * 31 + k) % 120 + 3 for i in range(n)] for k, n in ((1, 9), (5, 2
 
 @pytest.fixture(scope="module")
 def engines(tiny_llama_dir):
-    from widebeam.engine import LLM
+    from widebeam.llm import LLM
 
     return [LLM(str(tiny_llama_dir), device="cpu", linear_backend=backend, kv_cache_memory="2MiB",
                 enable_prefix_caching=False) for backend in ("torch", "split")]
 
 
 def test_the_default_engine_holds_split_linears(tiny_llama_dir, engines):
-    from widebeam.engine import LLM
+    from widebeam.llm import LLM
 
     default = LLM(str(tiny_llama_dir), device="cpu", kv_cache_memory="1MiB").engine.model
     assert isinstance(default.lm_head, SplitLinear)

@@ -14,7 +14,7 @@ import sys
 SCRIPT = """
 import json, sys, torch
 torch.set_num_threads(1)
-from widebeam.engine import LLM
+from widebeam.llm import LLM
 from widebeam.model.activation import estimate_activation_peak_bytes
 llm = LLM(sys.argv[1], device="cpu", tokens_per_block=16)
 engine = llm.engine

@@ -34,7 +34,7 @@ class BatchEngine:
     """An engine that turns batch rows into records."""
 
     def __init__(self, model: str, **engine_kwargs):
-        from widebeam.engine import LLM
+        from widebeam.llm import LLM
 
         self.llm = LLM(model, **engine_kwargs)
         self._ids = itertools.count()

@@ -60,17 +60,19 @@ class PromptLogprobs:
         if count <= 0:
             return
         targets = self.prompt_token_ids[start + 1:start + 1 + count]
-        self.entries[start + 1:start + 1 + count] = token_logprobs(logprobs, range(count), targets, self.num_top)
+        self.entries[start + 1:start + 1 + count] = token_logprobs(logprobs, range(count), targets,
+                                                                   self.num_top)
 
 
-def execute_step(worker, inputs: list, num_rows: list[int], collectors: dict[int, PromptLogprobs]) -> torch.Tensor:
+def execute_step(worker, inputs: list, num_rows: list[int],
+                 collectors: dict[int, PromptLogprobs]) -> torch.Tensor:
     """Run a step's forward pass: the logits of the last `num_rows[i]` tokens of input i, in order
     [sum(num_rows), vocab], as `worker.execute(inputs, num_logits=num_rows)` returns them. A prompt
     chunk with a collector (`collectors[i]`: its request wants prompt log-probs) also gets the
     logits of every one of its tokens from the same pass, handed to the collector; its last row is
     returned as usual."""
-    wanted = {i: c for i, c in collectors.items()
-              if not inputs[i].tree_parents and c.wants(inputs[i].num_computed_tokens, len(inputs[i].token_ids))}
+    wanted = {i: c for i, c in collectors.items() if not inputs[i].tree_parents
+              and c.wants(inputs[i].num_computed_tokens, len(inputs[i].token_ids))}
     if not wanted:
         if all(n == 1 for n in num_rows):
             return worker.execute(inputs)

@@ -47,7 +47,9 @@ class SampledStream:
         if cut is not None:
             self._unsent = self._unsent[:cut]
             decoder.stop()
-        safe_end = len(self._unsent) if decoder.done else len(self._unsent) - held_back_chars(self._unsent, stops)
+        safe_end = len(self._unsent)
+        if not decoder.done:
+            safe_end -= held_back_chars(self._unsent, stops)
         if safe_end:
             piece = self._unsent[:safe_end]
             delta.new_text += piece
@@ -57,8 +59,9 @@ class SampledStream:
 
     def completions(self) -> list[CompletionOutput]:
         decoder = self.decoder
+        logprobs = with_token_text(decoder.logprobs, self.tokenizer)
         return [CompletionOutput(0, "".join(self._sent), list(decoder.token_ids), decoder.cumulative_logprob,
-                                 decoder.finish_reason, logprobs=with_token_text(decoder.logprobs, self.tokenizer))]
+                                 decoder.finish_reason, logprobs=logprobs)]
 
 
 class BeamStream:
@@ -76,8 +79,9 @@ class BeamStream:
             return set()
         # Each beam's text is decoded whole: beams are reordered every step, so no per-beam
         # incremental state survives (a known cost for long beams with stop strings).
-        stopped = [i for i, token_ids in enumerate(self.decoder.live_token_ids)
-                   if stop_string_cut(self.tokenizer.decode(token_ids, skip_special_tokens=True), stops) is not None]
+        texts = [self.tokenizer.decode(token_ids, skip_special_tokens=True)
+                 for token_ids in self.decoder.live_token_ids]
+        stopped = [i for i, text in enumerate(texts) if stop_string_cut(text, stops) is not None]
         if stopped:
             self.decoder.stop(stopped)
         return set(stopped)
@@ -99,4 +103,6 @@ class BeamStream:
 
 def output_stream(decoder: SamplingDecoder | BeamDecoder, tokenizer) -> SampledStream | BeamStream:
     """The stream of this decoder's kind (the one place that tells the kinds apart)."""
-    return BeamStream(decoder, tokenizer) if isinstance(decoder, BeamDecoder) else SampledStream(decoder, tokenizer)
+    if isinstance(decoder, BeamDecoder):
+        return BeamStream(decoder, tokenizer)
+    return SampledStream(decoder, tokenizer)

@@ -57,7 +57,8 @@ class ModelDrafter:
             self._expand(growing, [rnd.tree.level(depth) for rnd in growing], logits)
             depth += 1
 
-    def _expand(self, rounds: Sequence[SequenceRound], parents: Sequence[list[int]], logits: torch.Tensor) -> None:
+    def _expand(self, rounds: Sequence[SequenceRound], parents: Sequence[list[int]],
+                logits: torch.Tensor) -> None:
         """Add each parent's best children, best-first by the draft's path score within each
         sequence's node budget; one top-k and one host read for all rows."""
         width = max(rnd.branching for rnd in rounds)

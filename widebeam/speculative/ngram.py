@@ -9,7 +9,8 @@ from collections.abc import Sequence
 DEFAULT_MAX_NGRAM = 3
 
 
-def lookup_continuation(history: Sequence[int], num_tokens: int, max_ngram: int = DEFAULT_MAX_NGRAM) -> list[int]:
+def lookup_continuation(history: Sequence[int], num_tokens: int,
+                        max_ngram: int = DEFAULT_MAX_NGRAM) -> list[int]:
     """Up to `num_tokens` tokens to draft after `history`; empty when no suffix n-gram recurs."""
     if num_tokens < 1 or len(history) < 2:
         return []

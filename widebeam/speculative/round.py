@@ -53,16 +53,17 @@ class SequenceRound:
         nodes = self.tree.level(depth)
         first, last = nodes[0], nodes[-1]
         start = self.num_pending + first
-        return SequenceInput(self.tree.token_ids[first:last + 1], self.committed_tokens + start, self.block_tables,
-                             self._slots(start, start + len(nodes)), self.group,
+        return SequenceInput(self.tree.token_ids[first:last + 1], self.committed_tokens + start,
+                             self.block_tables, self._slots(start, start + len(nodes)), self.group,
                              tree_parents=self.tree.parents[:last + 1])
 
     def verify_input(self) -> SequenceInput:
         """Pending tokens then every drafted node, for the target's one pass."""
         num_tokens = self.num_pending + len(self.tree)
-        return SequenceInput(self.pending_token_ids + self.tree.token_ids, self.committed_tokens, self.block_tables,
-                             self._slots(0, num_tokens), self.group, self.cross_block_table,
-                             self.num_encoder_tokens, list(self.tree.parents) if len(self.tree) else None)
+        return SequenceInput(self.pending_token_ids + self.tree.token_ids, self.committed_tokens,
+                             self.block_tables, self._slots(0, num_tokens), self.group,
+                             self.cross_block_table, self.num_encoder_tokens,
+                             list(self.tree.parents) if len(self.tree) else None)
 
     @property
     def num_verify_rows(self) -> int:

@@ -31,8 +31,8 @@ def start_drafter(spec: SpeculativeConfig, target_arch, target_tokenizer, target
             "speculative_model", "{speculative_model} {value!r} must share the target's tokenizer (the same "
             "token ids): its vocabulary differs from {model!r}'s", value=spec.model, model=target_model_name)
     if draft_model.arch.is_encoder_decoder:
-        raise InvalidParameterError("speculative_model", "{speculative_model} {value!r} must be a decoder-only "
-                                    "model", value=spec.model)
+        raise InvalidParameterError("speculative_model", "{speculative_model} {value!r} must be a "
+                                    "decoder-only model", value=spec.model)
     worker = Worker("draft", draft_model, spec.dtype or dtype, prefix=DRAFT_PREFIX)
     return ModelDrafter(worker, min(target_arch.vocab_size, draft_model.arch.vocab_size)), worker
 

@@ -1,0 +1,71 @@
+"""`LLM`: offline batches over one engine, `LLM(model=...).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+import itertools
+
+from widebeam.defaults import DEFAULT_MODEL
+from widebeam.engine import LLMEngine
+from widebeam.outputs import RequestOutput
+from widebeam.params import BeamSearchParams, SamplingParams
+
+
+class LLM:
+    """Offline batches: `LLM(model=...).generate(prompts, params)`."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, **engine_kwargs):
+        self.engine = LLMEngine(model, **engine_kwargs)
+        self._ids = itertools.count()
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.engine.max_seq_len
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def register_catalogue(self, name: str, source):
+        """Register a catalogue for `BeamSearchParams(catalogue=name)` (`LLMEngine.register_catalogue`)."""
+        return self.engine.register_catalogue(name, source)
+
+    def generate(self, prompts, params: SamplingParams | BeamSearchParams | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in the order of `prompts`.
+
+        Every prompt is checked before anything runs: if one can never fit, this raises and
+        nothing is queued.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        ids = [f"offline-{next(self._ids)}" for _ in prompts]
+        added = []
+        try:
+            for request_id, prompt in zip(ids, prompts):
+                self.engine.add_request(request_id, prompt, params)
+                added.append(request_id)
+        except ValueError as exc:
+            for request_id in added:
+                self.engine.abort(request_id)
+            exc.args = (f"prompt {len(added)} of the batch: {exc}",)  # keeps the type and its attributes
+            raise
+        results: dict[str, RequestOutput] = {}
+        progress = None
+        if use_tqdm and len(prompts) > 1:
+            from tqdm import tqdm
+
+            progress = tqdm(total=len(prompts), desc="requests", unit="req")
+        try:
+            while self.engine.has_unfinished():
+                for delta in self.engine.step():
+                    if delta.finished:
+                        results[delta.request_id] = delta.output
+                        if progress:
+                            progress.update(1)
+        finally:
+            if progress:
+                progress.close()
+        return [results[request_id] for request_id in ids]
