@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 
-from widebeam import engine as engine_module
+from widebeam import startup as startup_module
 from widebeam.catalogue.sources import trie_size
 from widebeam.config import SpeculativeConfig
 from widebeam.engine import LLMEngine
@@ -49,7 +49,7 @@ def plan_and_engine(monkeypatch, model_dir, beam_width: int = 4, draft_dir=None,
                     + catalogue_bytes + KV_BYTES)
     result = plan(arch, replace(inputs, memory_bytes=memory_bytes), draft_arch)
     available_bytes = memory_bytes - result["weight_bytes"] - catalogue_bytes
-    monkeypatch.setattr(engine_module, "available_memory_bytes", lambda device: available_bytes)
+    monkeypatch.setattr(startup_module, "available_memory_bytes", lambda device: available_bytes)
     kwargs = {"speculative_model": str(draft_dir), "num_speculative_tokens": num_speculative_tokens} \
         if draft_dir else {}
     engine = LLMEngine(str(model_dir), catalogues={"items": catalogue_items} if catalogue_items else None,
