@@ -65,8 +65,8 @@ def engine(tiny_llama_dir):
 def hf_beams(hf_model, prompt, items, width, max_new_tokens, **kwargs):
     with torch.no_grad():
         return hf_model.generate(torch.tensor([prompt]), num_beams=width, num_return_sequences=width,
-                                 do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=EOS, pad_token_id=PAD,
-                                 prefix_allowed_tokens_fn=allowed_fn(items)(len(prompt)),
+                                 do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=EOS,
+                                 pad_token_id=PAD, prefix_allowed_tokens_fn=allowed_fn(items)(len(prompt)),
                                  return_dict_in_generate=True, output_scores=True, **kwargs)
 
 

@@ -93,7 +93,8 @@ def test_logprobs_off_by_default_and_zero_is_the_chosen_token_only(models):
     prompt = {"prompt_token_ids": PROMPTS[0]}
     plain = llm.generate([prompt], SamplingParams(max_new_tokens=4, temperature=0), use_tqdm=False)[0]
     assert plain.outputs[0].logprobs is None and plain.prompt_logprobs is None
-    zero = llm.generate([prompt], SamplingParams(max_new_tokens=4, temperature=0, logprobs=0), use_tqdm=False)[0]
+    zero = llm.generate([prompt], SamplingParams(max_new_tokens=4, temperature=0, logprobs=0),
+                        use_tqdm=False)[0]
     assert [list(entry) for entry in zero.outputs[0].logprobs] == [[t] for t in zero.outputs[0].token_ids]
     assert zero.outputs[0].token_ids == plain.outputs[0].token_ids
 

@@ -228,5 +228,6 @@ def test_plan_with_a_catalogue_file_stays_torch_free(catalogue_file):
             "with contextlib.redirect_stdout(io.StringIO()):\n"
             f"    main(['plan', '--catalogue', {str(catalogue_file)!r}, '--json'])\n"
             "print('torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True,
+                         timeout=120)
     assert out.stdout.strip() == "False", out.stderr

@@ -18,7 +18,8 @@ from widebeam.decoding.context import TokenHistory
 
 VOCAB = 12
 EOS = 0
-items_strategy = st.lists(st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=5), min_size=1, max_size=40)
+items_strategy = st.lists(st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=5), min_size=1,
+                          max_size=40)
 
 
 def reference(items):

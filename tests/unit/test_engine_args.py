@@ -15,7 +15,8 @@ from widebeam.config import EngineConfig
 from widebeam.defaults import DTYPES, FLOAT_DTYPES
 from widebeam.engine_args import OPTIONS, engine_config, engine_kwargs
 
-COMMANDS = {"serve": [], "generate": ["a prompt"], "batch": ["in.jsonl", "out.jsonl"], "plan": [], "bench": []}
+COMMANDS = {"serve": [], "generate": ["a prompt"], "batch": ["in.jsonl", "out.jsonl"], "plan": [],
+            "bench": []}
 
 
 def test_every_option_is_a_keyword_of_the_engine_with_the_same_default():

@@ -25,7 +25,8 @@ def requests_for(width_cap: int = 32, prompt=PROMPT, eos_free: bool = True):
         "greedy": (prompt, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=eos_free)),
         "sampled": (prompt[:13], SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.95, seed=11)),
         "beam4": (prompt[2:], BeamSearchParams(beam_width=4, max_new_tokens=10, **beam)),
-        f"beam{width_cap}": ([t + 60 for t in prompt[:17]], BeamSearchParams(beam_width=width_cap, max_new_tokens=8,
+        f"beam{width_cap}": ([t + 60 for t in prompt[:17]],
+                             BeamSearchParams(beam_width=width_cap, max_new_tokens=8,
                                                           num_return_sequences=3, **beam)),
     }
 
@@ -101,8 +102,8 @@ FORCED = {
     "during prefill": {"greedy": ["prefill"], "beam4": ["prefill"], "beam32": ["prefill"]},
     "right after prefill": {request_id: ["first token"] for request_id in ALL},
     "mid-decode": {request_id: ["decode"] for request_id in ALL},
-    "twice": {"greedy": ["prefill", "decode"], "sampled": ["first token", "decode"], "beam4": ["decode", "decode"],
-              "beam32": ["first token", "first token"]},
+    "twice": {"greedy": ["prefill", "decode"], "sampled": ["first token", "decode"],
+              "beam4": ["decode", "decode"], "beam32": ["first token", "first token"]},
 }
 
 
@@ -226,7 +227,8 @@ def test_sliding_window_outputs_survive_preemption(gemma3_dir, policy):
 def test_logprobs_and_catalogue_beams_survive_preemption(tiny_llama_dir):
     """Per-token log-probs, prompt log-probs (recomputed with the prompt) and catalogue-constrained beams
     (per-beam trie state, untouched while tokens are re-fed) come out as without preemption."""
-    catalogue = [[5, 6, 7, 8], [5, 6, 9, 10], [5, 11, 12, 13], [14, 15, 16, 17], [14, 15, 18, 19], [20, 21, 22, 23]]
+    catalogue = [[5, 6, 7, 8], [5, 6, 9, 10], [5, 11, 12, 13], [14, 15, 16, 17], [14, 15, 18, 19],
+                 [20, 21, 22, 23]]
     requests = {
         "logprobs": (PROMPT, SamplingParams(max_new_tokens=8, temperature=0, logprobs=3, prompt_logprobs=2,
                                             ignore_eos=True)),
