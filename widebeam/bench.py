@@ -167,7 +167,8 @@ def run_widebeam(llm, prompt_ids: list[int], width: int, new_tokens: int) -> dic
     elapsed = time.perf_counter() - start
     spec = llm.engine.cache["self"].spec
     return {"wall_s": elapsed, "peak_rss_bytes": peak_rss_bytes(),
-            "peak_kv_bytes": out.peak_blocks["self"] * spec.bytes_per_block(llm.engine.cache.tokens_per_block),
+            "peak_kv_bytes": out.peak_blocks["self"]
+                             * spec.bytes_per_block(llm.engine.cache.tokens_per_block),
             "best": out.outputs[0].token_ids, "num_cached_tokens": out.num_cached_tokens}
 
 
@@ -175,7 +176,8 @@ def hf_kv_bytes(hf_model, num_tokens: int) -> int:
     """What transformers' cache holds for `num_tokens` positions (every beam's own copy counted)."""
     cfg = hf_model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return num_tokens * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * hf_model.dtype.itemsize
+    return (num_tokens * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim
+            * hf_model.dtype.itemsize)
 
 
 def run_hf(hf_model, prompt_ids: list[int], width: int, new_tokens: int, eos_id: int) -> dict:
@@ -286,7 +288,8 @@ def print_table(rows: list[dict]) -> None:
     from rich.table import Table
 
     peers = [name for name in rows[0] if name.startswith("ctranslate2")] if rows else []
-    table = Table(title="beam search: widebeam vs transformers" + (" and CTranslate2" if peers else "") + " (same run)")
+    table = Table(title="beam search: widebeam vs transformers" + (" and CTranslate2" if peers else "")
+                  + " (same run)")
     columns = ["W", "P", "widebeam s", "hf s", "speed-up", "same best"]
     for name in peers:  # its time, widebeam's speed-up over it, and whether its best beam is widebeam's
         columns += [f"{name.removeprefix('ctranslate2 ')} CT2 s", "x", "same"]

@@ -84,7 +84,8 @@ def _add_plan(sub, help_text: str) -> None:
                    help="a catalogue file (.jsonl of token ids, .npy, .parquet) the server registers at "
                         "start-up; its trie is counted exactly (repeatable)")
     c.add_argument("--catalogue-items", type=_int_at_least(1), default=None, metavar="N",
-                   help="without a file: the catalogue's item count, for an upper-bound estimate of its bytes")
+                   help="without a file: the catalogue's item count, for an upper-bound estimate of its "
+                        "bytes")
     c.add_argument("--catalogue-item-tokens", type=_int_at_least(1), default=None, metavar="L",
                    help=f"without a file: tokens per item (default {PLAN_CATALOGUE_ITEM_TOKENS})")
     c.add_argument("--catalogue-bytes", type=_byte_size, default=None, metavar="B",
@@ -210,7 +211,8 @@ def _print_beams(output, beam_width: int) -> None:
     console = Console()
     if not console.is_terminal:
         console = Console(width=120)
-    peak = ", ".join(f"{pool} {output.peak_blocks[pool]}/{output.required_blocks[pool]}" for pool in output.peak_blocks)
+    peak = ", ".join(f"{pool} {output.peak_blocks[pool]}/{output.required_blocks[pool]}"
+                     for pool in output.peak_blocks)
     table = Table(title=f"beam search, width {beam_width} (KV blocks peak/required: {peak})")
     for column in ("rank", "score", "logprob", "finish", "text"):
         table.add_column(column, justify="right" if column in ("rank", "score", "logprob") else "left")
@@ -327,7 +329,8 @@ def _plan_catalogue(args: argparse.Namespace, parser: argparse.ArgumentParser):
     if args.catalogue_items is None and args.catalogue_bytes is None:
         parser.error("argument --catalogue-item-tokens: give --catalogue-items (or --catalogue-bytes) too")
     width = args.catalogue_item_tokens or PLAN_CATALOGUE_ITEM_TOKENS
-    num_nodes = catalogue_node_bound(args.catalogue_items, width) if args.catalogue_items is not None else None
+    num_nodes = (catalogue_node_bound(args.catalogue_items, width) if args.catalogue_items is not None
+                 else None)
     nbytes = args.catalogue_bytes if args.catalogue_bytes is not None else catalogue_nbytes(num_nodes)
     return CataloguePlan(nbytes=nbytes, num_items=args.catalogue_items, num_nodes=num_nodes,
                          max_item_tokens=width, upper_bound=args.catalogue_bytes is None)

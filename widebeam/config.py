@@ -29,7 +29,8 @@ class ModelConfig:
     device: str | None = None  # None: cuda when available, else cpu
     # None: $WIDEBEAM_ATTENTION_BACKEND, else "sdpa" (model/attention_backends.py); chosen once
     attention_backend: str | None = None
-    # "torch" | "auto" | "onednn": float32 CPU linears with the weight packed once for oneDNN (model/packed_linear.py)
+    # "torch" | "auto" | "onednn": float32 CPU linears with the weight packed once for oneDNN
+    # (model/packed_linear.py)
     linear_backend: str = DEFAULT_LINEAR_BACKEND
 
     def __post_init__(self) -> None:

@@ -98,7 +98,8 @@ class PlanInputs:
 
     @property
     def num_speculative_tokens(self) -> int:
-        """D, the tokens every per-sequence pool reserves per sequence beyond P + N (0 without speculation)."""
+        """D, the tokens every per-sequence pool reserves per sequence beyond P + N (0 without
+        speculation)."""
         return 0 if self.speculative is None else self.speculative.num_speculative_tokens
 
     def request(self, arch: ModelArch) -> KVRequest:

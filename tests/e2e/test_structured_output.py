@@ -47,7 +47,8 @@ def test_sampled_outputs_always_validate(llm):
     params = [SamplingParams(max_new_tokens=MAX_TOKENS, temperature=1.2, seed=seed,
                              response_format=PERSON_FORMAT)
               for seed in range(32)]
-    outputs = [llm.generate([PROMPTS[seed % len(PROMPTS)]], p, use_tqdm=False)[0] for seed, p in enumerate(params)]
+    outputs = [llm.generate([PROMPTS[seed % len(PROMPTS)]], p, use_tqdm=False)[0]
+               for seed, p in enumerate(params)]
     texts = {o.outputs[0].text for o in outputs}
     assert len(texts) > 16, "the seeds give different outputs"
     for output in outputs:
@@ -93,7 +94,8 @@ class ReplayedGrammar(LogitsProcessor):
     def __init__(self, compiled_grammar, prompt_len: int, vocab_size: int, eos: int):
         import xgrammar
 
-        self.xgr, self.compiled, self.prompt_len, self.vocab_size = xgrammar, compiled_grammar, prompt_len, vocab_size
+        self.xgr, self.compiled, self.prompt_len, self.vocab_size = (xgrammar, compiled_grammar, prompt_len,
+                                                                     vocab_size)
         self.eos = eos
 
     def __call__(self, input_ids, scores):

@@ -42,7 +42,8 @@ def _check_entry(entry: dict[int, Logprob], token: int, ref_row: torch.Tensor, t
     alternatives = sorted(entry.items(), key=lambda item: item[1].rank)
     ranked = {t: lp for t, lp in alternatives if lp.rank <= top}
     assert len(ranked) == top, where
-    assert sorted(lp.logprob for lp in ranked.values()) == pytest.approx(sorted(ref_values.tolist()), abs=ATOL), where
+    assert sorted(lp.logprob for lp in ranked.values()) == pytest.approx(sorted(ref_values.tolist()),
+                                                                         abs=ATOL), where
     assert set(ranked) == set(ref_tokens.tolist()), where  # the tiny model has no near-ties in its top 5
     for t, lp in entry.items():
         assert lp.logprob == pytest.approx(float(ref_row[t]), abs=ATOL), where

@@ -87,8 +87,10 @@ def test_encoder_decoder_reuses_the_encoder_output_whole(tiny_marian_dir):
     source = [random.Random(3).randrange(5, 50) for _ in range(13)] + [0]
     other = source[:-2] + [7, 0]
     params = BeamSearchParams(beam_width=3, max_new_tokens=6)
-    cached = [cached_llm.generate([{"prompt_token_ids": s}], params, use_tqdm=False)[0] for s in (source, source, other)]
-    plain = [plain_llm.generate([{"prompt_token_ids": s}], params, use_tqdm=False)[0] for s in (source, source, other)]
+    cached = [cached_llm.generate([{"prompt_token_ids": s}], params, use_tqdm=False)[0]
+              for s in (source, source, other)]
+    plain = [plain_llm.generate([{"prompt_token_ids": s}], params, use_tqdm=False)[0]
+             for s in (source, source, other)]
     assert_same_outputs(cached, plain)
     # the same source: its encoder output came from the cache; a different one is encoded again
     assert [out.num_cached_tokens for out in cached] == [0, len(source), 0]

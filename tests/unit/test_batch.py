@@ -101,8 +101,8 @@ def test_parquet_parts_are_whole_or_absent(tmp_path):
 JOB = """
 import sys
 from widebeam.batch import run
-run(sys.argv[1], sys.argv[2], sys.argv[3], defaults={"max_new_tokens": 24, "temperature": 0.0}, progress=False,
-    max_in_flight=4, device="cpu", kv_cache_memory="1MiB", tokens_per_block=4)
+run(sys.argv[1], sys.argv[2], sys.argv[3], defaults={"max_new_tokens": 24, "temperature": 0.0},
+    progress=False, max_in_flight=4, device="cpu", kv_cache_memory="1MiB", tokens_per_block=4)
 """
 
 

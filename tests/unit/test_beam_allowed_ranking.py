@@ -15,7 +15,8 @@ from widebeam.params import BeamSearchParams
 EOS, VOCAB = 0, 12
 
 
-def random_allowed(generator: torch.Generator, num_rows: int, min_pairs: int) -> tuple[torch.Tensor, torch.Tensor]:
+def random_allowed(generator: torch.Generator, num_rows: int,
+                   min_pairs: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A random set of (row, token) pairs, EOS often among them, at least `min_pairs` of them."""
     while True:
         keep = torch.rand(num_rows, VOCAB, generator=generator) < 0.5

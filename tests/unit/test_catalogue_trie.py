@@ -46,7 +46,8 @@ def test_every_prefix_has_the_reference_children_and_ends(items):
     catalogue = Catalogue.from_sequences(items, VOCAB)
     children, ends = reference(items)
     assert catalogue.num_items == len(ends)
-    assert catalogue.num_nodes == 1 + len({tuple(item[:i]) for item in items for i in range(1, len(item) + 1)})
+    assert catalogue.num_nodes == 1 + len({tuple(item[:i])
+                                           for item in items for i in range(1, len(item) + 1)})
     for prefix, allowed in children.items():
         node = walk(catalogue, prefix)
         assert node >= 0 and catalogue.children(node) == sorted(allowed)

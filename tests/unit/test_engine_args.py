@@ -37,7 +37,8 @@ def test_every_front_end_takes_its_engine_options_from_the_table(command):
     assert {"model", "dtype", "tokens_per_block"} <= taken, taken
     dtype = next(a for a in sub._actions if "--dtype" in a.option_strings)
     # bench runs transformers beside widebeam: no float16 there; every other front end takes them all
-    assert tuple(dtype.choices) == (tuple(d for d in DTYPES if d != "float16") if command == "bench" else DTYPES)
+    assert tuple(dtype.choices) == (tuple(d for d in DTYPES if d != "float16") if command == "bench"
+                                    else DTYPES)
 
 
 def test_parsed_options_become_the_engines_config():

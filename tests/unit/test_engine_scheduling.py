@@ -213,7 +213,8 @@ def test_attention_backend_is_chosen_once_for_the_engine(tiny_llama_dir):
     """The plain-PyTorch reference and the fast default give the same beams through the engine; an
     unknown name is refused at start-up, naming the ones there are."""
     params = BeamSearchParams(beam_width=6, max_new_tokens=10, ignore_eos=True)
-    outs = {name: make_llm(tiny_llama_dir, 200, attention_backend=name).generate(ids(list(range(3, 40))), params)[0]
+    outs = {name: make_llm(tiny_llama_dir, 200, attention_backend=name).generate(ids(list(range(3, 40))),
+                                                                                 params)[0]
             for name in ("reference", "sdpa")}
     for ref, fast in zip(outs["reference"].outputs, outs["sdpa"].outputs, strict=True):
         assert ref.token_ids == fast.token_ids

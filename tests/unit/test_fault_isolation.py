@@ -99,8 +99,8 @@ def requests(draw):
     """A valid request with up to two fields (or the prompt) replaced by odd values: each odd value
     meets an otherwise runnable request, so a step would see it if admission let it through."""
     prompt = draw(st.one_of(st.sampled_from(["Hello there", "a b c", "é世界🎉"]),
-                            st.fixed_dictionaries({"prompt_token_ids": st.lists(st.integers(0, 49151), min_size=1,
-                                                                                 max_size=8)})))
+                            st.fixed_dictionaries({"prompt_token_ids": st.lists(st.integers(0, 49151),
+                                                                                 min_size=1, max_size=8)})))
     if draw(st.booleans()):
         kind, fields = BeamSearchParams, {"beam_width": draw(st.integers(1, 6)), "max_new_tokens": 4}
         odd = {"beam_width": ODD_NUMBERS, "length_penalty": ODD_NUMBERS, "num_return_sequences": ODD_NUMBERS,

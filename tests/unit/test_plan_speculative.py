@@ -61,7 +61,8 @@ def test_draft_row_follows_the_formula_with_d(d):
     assert result["speculative"] == {"method": "draft", "model": SMOLLM2, "num_speculative_tokens": d,
                                      "draft_model": SMOLLM2,
                                      "draft_weight_bytes": arch.weight_bytes("bfloat16"),
-                                     "draft_activation_reserve_bytes": result["activation_reserve_bytes"] // 2}
+                                     "draft_activation_reserve_bytes":
+                                         result["activation_reserve_bytes"] // 2}
 
 
 def test_d_increases_the_targets_required_blocks():
@@ -160,9 +161,8 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 def test_plan_json_has_the_speculative_entry_and_the_draft_rows():
     proc = run_cli("plan", "--model", SMOLLM2, "--speculative-model", SMOLLM2, "--num-speculative-tokens",
-                   "3",
-                   "--memory", "1GiB", "--beam-width", str(W), "--prompt-len", str(P), "--max-new-tokens",
-                   str(N), "--json")
+                   "3", "--memory", "1GiB", "--beam-width", str(W), "--prompt-len", str(P),
+                   "--max-new-tokens", str(N), "--json")
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert {k: result["speculative"][k] for k in ("method", "model", "num_speculative_tokens")} == \

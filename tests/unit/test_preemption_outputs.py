@@ -84,7 +84,8 @@ def assert_same(got, expected):
         # recomputed K/V in other batch shapes: float rounding in the last bits, nothing more
         assert [c.cumulative_logprob for c in have.outputs] == pytest.approx(
             [c.cumulative_logprob for c in want.outputs], abs=1e-4), request_id
-        assert [c.score for c in have.outputs] == pytest.approx([c.score for c in want.outputs], abs=1e-4), request_id
+        assert [c.score for c in have.outputs] == pytest.approx(
+            [c.score for c in want.outputs], abs=1e-4), request_id
         assert all(have.peak_blocks[p] <= have.required_blocks[p] for p in have.required_blocks), request_id
 
 
@@ -137,8 +138,8 @@ def test_a_request_preempted_every_few_steps_still_matches(tiny_llama_dir, llama
 # Four W=8 beam searches and two greedy requests, N=24: their worst cases (50-58 blocks each) run one at
 # a time in a pool of 64 blocks under guaranteed_no_evict; max_utilization runs them together until the
 # pool runs short, then preempts.
-CROWD = {f"beam{i}": ([5 + 7 * i + j for j in range(8 + i)], BeamSearchParams(beam_width=8, max_new_tokens=24,
-                                                                                ignore_eos=True)) for i in range(4)}
+CROWD = {f"beam{i}": ([5 + 7 * i + j for j in range(8 + i)],
+                      BeamSearchParams(beam_width=8, max_new_tokens=24, ignore_eos=True)) for i in range(4)}
 CROWD.update({f"greedy{i}": ([90 + i] * 6, SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True))
               for i in range(2)})
 
@@ -246,10 +247,12 @@ def test_logprobs_and_catalogue_beams_survive_preemption(tiny_llama_dir):
 
     def assert_same_entries(have, want):
         # the same tokens ranked; their log-probs within float rounding (recomputed in other batch shapes)
-        assert [None if e is None else list(e) for e in have] == [None if e is None else list(e) for e in want]
+        assert ([None if e is None else list(e) for e in have]
+                == [None if e is None else list(e) for e in want])
         for h, w in zip(have, want):
             if w is not None:
-                assert [lp.logprob for lp in h.values()] == pytest.approx([lp.logprob for lp in w.values()], abs=1e-4)
+                assert [lp.logprob for lp in h.values()] == pytest.approx([lp.logprob for lp in w.values()],
+                                                                          abs=1e-4)
 
     assert_same_entries(got["logprobs"].prompt_logprobs, reference["logprobs"].prompt_logprobs)
     assert_same_entries(got["logprobs"].outputs[0].logprobs, reference["logprobs"].outputs[0].logprobs)

@@ -109,7 +109,8 @@ class Simulator:
             for i, block_id in enumerate(entries):
                 if block_id != DROPPED:
                     got = [self.written[name].get(block_id * self.t + o) for o in range(self.t)]
-                    assert got == request.prompt[i * self.t:(i + 1) * self.t], f"{name}: hit block {i} is stale"
+                    assert got == request.prompt[i * self.t:(i + 1) * self.t], \
+                        f"{name}: hit block {i} is stale"
 
     def sequence_tokens(self, request: SimRequest, seq: int) -> list[int]:
         return request.prompt + (request.beams[seq] if request.beams else [])
@@ -426,7 +427,8 @@ def test_reset_forgets_evictable_blocks_but_keeps_pins_and_blocks_in_use():
     pool = cache["self"].pool
     assert pool.num_evictable_blocks == 3 and pool.num_pinned_blocks == 2
     assert cache.reset_prefix_cache() == 3
-    assert pool.num_evictable_blocks == 0 and pool.num_free_blocks == 32 - 2 - running.kv.holdings["self"].num_held_blocks
+    assert (pool.num_evictable_blocks == 0
+            and pool.num_free_blocks == 32 - 2 - running.kv.holdings["self"].num_held_blocks)
     # the pin is still found
     assert cache.find_hit(cache.prefix_key(list(range(10, 18)) + [1])).num_tokens == 8
     assert cache.find_hit(cache.prefix_key(list(range(40, 53)))).num_tokens == 0

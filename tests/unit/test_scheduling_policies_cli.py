@@ -76,7 +76,8 @@ def test_the_flags_reach_the_engine(command, recorded, tmp_path, capsys):
     recorded.clear()
     with pytest.raises(SystemExit) if command == "generate" else contextlib.nullcontext():
         main(argv)
-    assert (recorded["scheduling_policy"], recorded["max_preemptions"]) == ("guaranteed_no_evict", 3), recorded
+    assert (recorded["scheduling_policy"], recorded["max_preemptions"]) == ("guaranteed_no_evict", 3), \
+        recorded
 
 
 def test_engine_settings_check_the_policy():

@@ -65,7 +65,8 @@ def test_every_command_takes_the_three_flags(command):
                               "--speculative-method", "draft"])
     assert (args.speculative_model, args.num_speculative_tokens, args.speculative_method) == ("d", 7, "draft")
     args = parser.parse_args(command)
-    assert (args.speculative_model, args.num_speculative_tokens, args.speculative_method) == (None, None, None)
+    assert (args.speculative_model, args.num_speculative_tokens,
+            args.speculative_method) == (None, None, None)
 
 
 @pytest.mark.parametrize("command", [["generate", "hi"], ["bench"], ["serve"], ["plan"]])

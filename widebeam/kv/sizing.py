@@ -73,7 +73,8 @@ def resolve_max_seq_len(
     return bound
 
 
-def capacity_tokens(specs: Sequence[PoolSpec], blocks_per_pool: Sequence[int], tokens_per_block: int) -> int | None:
+def capacity_tokens(specs: Sequence[PoolSpec], blocks_per_pool: Sequence[int],
+                    tokens_per_block: int) -> int | None:
     """Token capacity that bounds one sequence's length: the smallest length-bounding pool's
     `blocks x T`. Sliding-window pools release what falls behind the window, so their need
     saturates and they do not bound the length (admission still checks their saturated need);

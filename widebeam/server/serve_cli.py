@@ -191,7 +191,8 @@ def run_serve(args: argparse.Namespace) -> int:
 def _serve_on_ray(args: argparse.Namespace, engine_kwargs: dict, app_kwargs: dict,
                   warning: str | None) -> int:
     """`--replicas N` (or autoscaling bounds): the same app on Ray Serve (server/ray_serve.py)."""
-    if args.min_replicas is not None and args.max_replicas is not None and args.min_replicas > args.max_replicas:
+    if args.min_replicas is not None and args.max_replicas is not None \
+            and args.min_replicas > args.max_replicas:
         return _fail(f"argument --min-replicas: {args.min_replicas} is more than --max-replicas "
                      f"{args.max_replicas}")
     try:
