@@ -79,10 +79,12 @@ def smollm2(tmp_path_factory):
 
 
 TINY_VARIANTS = {
-    "llama3-rope": ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+    "llama3-rope": ("llama",
+                    {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                    "original_max_position_embeddings": 16}}),
-    "linear-rope": ("llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}}),
+    "linear-rope": ("llama",
+                    {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}}),
     "mistral": ("mistral", {"sliding_window": None}),
 }
 
@@ -104,7 +106,8 @@ TINY_GEMMA3 = {
     "w8": {"sliding_window": 8, "head_dim": 16, "query_pre_attn_scalar": 24, "final_logit_softcapping": 30.0,
            "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
                                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
-    "w16": {"sliding_window": 16, "head_dim": 32, "query_pre_attn_scalar": 32, "attn_logit_softcapping": 50.0},
+    "w16": {"sliding_window": 16, "head_dim": 32, "query_pre_attn_scalar": 32,
+            "attn_logit_softcapping": 50.0},
 }
 TINY_GEMMA3_FLAT_ROPE = {"rope_theta": 500000.0, "rope_scaling": {"rope_type": "linear", "factor": 4.0},
                          "rope_local_base_freq": 100.0}

@@ -59,13 +59,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                         "float32 activations (default float32)"})
     parser.add_argument("--threads", type=int_at_least(1), default=2)
     parser.add_argument("--settle-s", type=float, default=1.0,
-                        help="idle seconds before each timed run, so the previous engine's OpenMP threads, which "
-                             "spin for a while after their last parallel region (CTranslate2's for 200 ms), are "
-                             "asleep before the next engine starts (default 1)")
-    parser.add_argument("--peers", nargs="+", choices=["transformers", "ctranslate2"], default=["transformers"],
-                        help="engines beside widebeam (ctranslate2: pip install ctranslate2; float32 and int8, the "
-                             "model converted once into the cache; transformers is always run for the floors)")
-    parser.add_argument("--out", default=DEFAULT_OUT, help=f"JSON path; the plot goes next to it (default {DEFAULT_OUT})")
+                        help="idle seconds before each timed run, so the previous engine's OpenMP threads, "
+                             "which spin for a while after their last parallel region (CTranslate2's for 200 "
+                             "ms), are asleep before the next engine starts (default 1)")
+    parser.add_argument("--peers", nargs="+", choices=["transformers", "ctranslate2"],
+                        default=["transformers"],
+                        help="engines beside widebeam (ctranslate2: pip install ctranslate2; float32 and "
+                             "int8, the model converted once into the cache; transformers is always run for "
+                             "the floors)")
+    parser.add_argument("--out", default=DEFAULT_OUT,
+                        help=f"JSON path; the plot goes next to it (default {DEFAULT_OUT})")
     # widebeam's side only (transformers runs plain beam search); beam search stays exact with speculation
     add_engine_arguments(parser, SPECULATIVE)
     # every run computes its whole prompt either way (the cache is emptied before it, see run_widebeam);
@@ -164,7 +167,8 @@ def run_widebeam(llm, prompt_ids: list[int], width: int, new_tokens: int) -> dic
     elapsed = time.perf_counter() - start
     spec = llm.engine.cache["self"].spec
     return {"wall_s": elapsed, "peak_rss_bytes": peak_rss_bytes(),
-            "peak_kv_bytes": out.peak_blocks["self"] * spec.bytes_per_block(llm.engine.cache.tokens_per_block),
+            "peak_kv_bytes": out.peak_blocks["self"]
+                             * spec.bytes_per_block(llm.engine.cache.tokens_per_block),
             "best": out.outputs[0].token_ids, "num_cached_tokens": out.num_cached_tokens}
 
 
@@ -172,7 +176,8 @@ def hf_kv_bytes(hf_model, num_tokens: int) -> int:
     """What transformers' cache holds for `num_tokens` positions (every beam's own copy counted)."""
     cfg = hf_model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return num_tokens * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * hf_model.dtype.itemsize
+    return (num_tokens * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim
+            * hf_model.dtype.itemsize)
 
 
 def run_hf(hf_model, prompt_ids: list[int], width: int, new_tokens: int, eos_id: int) -> dict:
@@ -181,7 +186,8 @@ def run_hf(hf_model, prompt_ids: list[int], width: int, new_tokens: int, eos_id:
     reset_peak_rss()
     start = time.perf_counter()
     with torch.inference_mode():
-        out = hf_model.generate(torch.tensor([prompt_ids]), num_beams=width, do_sample=False, max_new_tokens=new_tokens,
+        out = hf_model.generate(torch.tensor([prompt_ids]), num_beams=width, do_sample=False,
+                                max_new_tokens=new_tokens,
                                 min_new_tokens=new_tokens, eos_token_id=eos_id, pad_token_id=eos_id)
     elapsed = time.perf_counter() - start
     return {"wall_s": elapsed, "peak_rss_bytes": peak_rss_bytes(),
@@ -234,7 +240,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     for width, prompt_len in points:
         prompt_ids = make_prompt(llm.tokenizer, prompt_len, vocab_size)
         n = args.max_new_tokens
-        row = {"beam_width": width, "prompt_len": len(prompt_ids), "max_new_tokens": n, "dtype": args.dtype, "linear_backend": args.linear_backend,
+        row = {"beam_width": width, "prompt_len": len(prompt_ids), "max_new_tokens": n, "dtype": args.dtype,
+               "linear_backend": args.linear_backend,
                "threads": args.threads, "tokens_per_block": args.tokens_per_block, **speculative,
                "compute_floor_s": compute_floor_s(floor_model, len(prompt_ids), width, n, dtype),
                "attention_floor_s": attention_floor_s(floor_model, len(prompt_ids), width, n, dtype)}
@@ -243,8 +250,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         row["widebeam"] = {k: v for k, v in wb.items() if k != "best"}
         hf_kv = hf_kv_bytes(hf, width * (len(prompt_ids) + n))
         if hf_kv > args.hf_kv_limit:
-            row["transformers"] = {"skipped": f"its KV for W x (P+N) = {width * (len(prompt_ids) + n)} tokens "
-                                              f"({format_bytes(hf_kv)}) exceeds --hf-kv-limit "
+            row["transformers"] = {"skipped": f"its KV for W x (P+N) = {width * (len(prompt_ids) + n)} "
+                                              f"tokens ({format_bytes(hf_kv)}) exceeds --hf-kv-limit "
                                               f"{format_bytes(args.hf_kv_limit)}"}
         else:
             time.sleep(args.settle_s)
@@ -267,7 +274,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         print(json.dumps(row), flush=True)
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text(json.dumps({"model": args.model, "torch": torch.__version__,
-                                        "kv_cache_memory_bytes": args.kv_cache_memory, "points": rows}, indent=2) + "\n")
+                                        "kv_cache_memory_bytes": args.kv_cache_memory, "points": rows},
+                                       indent=2) + "\n")
     for peer in ct2.values():
         peer.close()  # its worker process
     print_table(rows)
@@ -280,7 +288,8 @@ def print_table(rows: list[dict]) -> None:
     from rich.table import Table
 
     peers = [name for name in rows[0] if name.startswith("ctranslate2")] if rows else []
-    table = Table(title="beam search: widebeam vs transformers" + (" and CTranslate2" if peers else "") + " (same run)")
+    table = Table(title="beam search: widebeam vs transformers" + (" and CTranslate2" if peers else "")
+                  + " (same run)")
     columns = ["W", "P", "widebeam s", "hf s", "speed-up", "same best"]
     for name in peers:  # its time, widebeam's speed-up over it, and whether its best beam is widebeam's
         columns += [f"{name.removeprefix('ctranslate2 ')} CT2 s", "x", "same"]
@@ -297,7 +306,8 @@ def print_table(rows: list[dict]) -> None:
             peer = r[name]
             cells += [f"{peer['wall_s']:.2f}", f"{peer['widebeam_speedup']:.2f}x",
                       "yes" if peer["same_best_sequence"] else "NO"]
-        cells += [format_bytes(wb["peak_kv_bytes"]), format_bytes(hf["peak_kv_bytes"]) if "peak_kv_bytes" in hf else "-",
+        cells += [format_bytes(wb["peak_kv_bytes"]),
+                  format_bytes(hf["peak_kv_bytes"]) if "peak_kv_bytes" in hf else "-",
                   f"{wb['x_compute_floor']:.2f}", f"{wb['x_compute_and_attention_floor']:.2f}"]
         table.add_row(*cells)
     console = Console()

@@ -67,25 +67,30 @@ def _add_plan(sub, help_text: str) -> None:
     p.add_argument("--beam-width", type=_int_at_least(1), default=1)
     p.add_argument("--prompt-len", type=_int_at_least(1), default=512)
     p.add_argument("--encoder-len", type=_int_at_least(1), default=None,
-                   help="encoder-decoder models: source tokens E, held once in the cross pool (default: --prompt-len)")
+                   help="encoder-decoder models: source tokens E, held once in the cross pool (default: "
+                        "--prompt-len)")
     p.add_argument("--max-new-tokens", type=_int_at_least(1), default=None,
-                   help=f"generated tokens N (default {PLAN_MAX_NEW_TOKENS}; with a catalogue: its longest item + 1)")
+                   help=f"generated tokens N (default {PLAN_MAX_NEW_TOKENS}; with a catalogue: its longest "
+                        "item + 1)")
     # plan sizes a GPU deployment: bfloat16 by default, where the engine defaults to float32 for CPUs
     add_engine_arguments(p, ["tokens_per_block", "max_num_batched_tokens", "dtype"],
                          dtype={"default": "bfloat16"})
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--list-models", action="store_true", help="list the built-in model names and exit")
     add_engine_arguments(p, [*SPECULATIVE, *PREFIX_CACHE])
-    c = p.add_argument_group("catalogue (generative retrieval): its bytes come off the memory before the KV share")
+    c = p.add_argument_group("catalogue (generative retrieval): its bytes come off the memory before the KV "
+                             "share")
     c.add_argument("--catalogue", action="append", default=[], metavar="[NAME=]PATH",
-                   help="a catalogue file (.jsonl of token ids, .npy, .parquet) the server registers at start-up; "
-                        "its trie is counted exactly (repeatable)")
+                   help="a catalogue file (.jsonl of token ids, .npy, .parquet) the server registers at "
+                        "start-up; its trie is counted exactly (repeatable)")
     c.add_argument("--catalogue-items", type=_int_at_least(1), default=None, metavar="N",
-                   help="without a file: the catalogue's item count, for an upper-bound estimate of its bytes")
+                   help="without a file: the catalogue's item count, for an upper-bound estimate of its "
+                        "bytes")
     c.add_argument("--catalogue-item-tokens", type=_int_at_least(1), default=None, metavar="L",
                    help=f"without a file: tokens per item (default {PLAN_CATALOGUE_ITEM_TOKENS})")
     c.add_argument("--catalogue-bytes", type=_byte_size, default=None, metavar="B",
-                   help="without a file: the catalogue's bytes as measured (Catalogue.nbytes); overrides the estimate")
+                   help="without a file: the catalogue's bytes as measured (Catalogue.nbytes); overrides the "
+                        "estimate")
     p.set_defaults(func=_cmd_plan)
 
 
@@ -109,8 +114,8 @@ def _add_generate(sub, help_text: str) -> None:
     g.add_argument("--early-stopping", choices=("true", "false", "never"), default="false")
     add_engine_arguments(g, GENERATE_ENGINE_OPTIONS, kv_cache_memory={"default": "1GiB"})
     g.add_argument("--catalogue", default=None, metavar="PATH",
-                   help="generative retrieval: beam search constrained to this file's items (.jsonl of token ids "
-                        "or strings, .npy, .parquet); implies beam search (--beam-width default "
+                   help="generative retrieval: beam search constrained to this file's items (.jsonl of token "
+                        "ids or strings, .npy, .parquet); implies beam search (--beam-width default "
                         f"{GENERATE_CATALOGUE_BEAM_WIDTH}); each beam ends with its item")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     add_engine_arguments(g, [*SPECULATIVE, *PREFIX_CACHE, *SCHEDULING])
@@ -206,13 +211,14 @@ def _print_beams(output, beam_width: int) -> None:
     console = Console()
     if not console.is_terminal:
         console = Console(width=120)
-    peak = ", ".join(f"{pool} {output.peak_blocks[pool]}/{output.required_blocks[pool]}" for pool in output.peak_blocks)
+    peak = ", ".join(f"{pool} {output.peak_blocks[pool]}/{output.required_blocks[pool]}"
+                     for pool in output.peak_blocks)
     table = Table(title=f"beam search, width {beam_width} (KV blocks peak/required: {peak})")
     for column in ("rank", "score", "logprob", "finish", "text"):
         table.add_column(column, justify="right" if column in ("rank", "score", "logprob") else "left")
     for c in output.outputs:
-        table.add_row(str(c.index + 1), f"{c.score:.4f}", f"{c.cumulative_logprob:.3f}", c.finish_reason or "",
-                      c.text.strip().replace("\n", " "))
+        table.add_row(str(c.index + 1), f"{c.score:.4f}", f"{c.cumulative_logprob:.3f}",
+                      c.finish_reason or "", c.text.strip().replace("\n", " "))
     console.print(table)
 
 
@@ -293,14 +299,16 @@ def _plan_tokenizer(model: str, parser: argparse.ArgumentParser):
         else:
             source = resolve_model(model)
         tokenizer = load_tokenizer(source)
-    except (OSError, ValueError) as exc:  # ModelNotFoundError is a FileNotFoundError, ModelFormatError a ValueError
+    # ModelNotFoundError is a FileNotFoundError, ModelFormatError a ValueError
+    except (OSError, ValueError) as exc:
         if directory is None and model in BUILTIN_CONFIGS:  # a shape only (llama-3-8b): no files at all
             parser.error(f"argument --pin-prefix: {model} is a built-in shape without a tokenizer; give the "
                          "prefix as token ids in a .json file, or --model a directory with its tokenizer")
-        parser.error(f"argument --pin-prefix: cannot load {model}'s tokenizer ({exc}); give token ids in a .json file")
+        parser.error(f"argument --pin-prefix: cannot load {model}'s tokenizer ({exc}); give token ids in a "
+                     ".json file")
     if tokenizer is None:
-        parser.error(f"argument --pin-prefix: {model} has no tokenizer files (tokenizer.json, tokenizer.model, "
-                     "vocab.json); give token ids in a .json file")
+        parser.error(f"argument --pin-prefix: {model} has no tokenizer files (tokenizer.json, "
+                     "tokenizer.model, vocab.json); give token ids in a .json file")
     return tokenizer
 
 
@@ -321,7 +329,8 @@ def _plan_catalogue(args: argparse.Namespace, parser: argparse.ArgumentParser):
     if args.catalogue_items is None and args.catalogue_bytes is None:
         parser.error("argument --catalogue-item-tokens: give --catalogue-items (or --catalogue-bytes) too")
     width = args.catalogue_item_tokens or PLAN_CATALOGUE_ITEM_TOKENS
-    num_nodes = catalogue_node_bound(args.catalogue_items, width) if args.catalogue_items is not None else None
+    num_nodes = (catalogue_node_bound(args.catalogue_items, width) if args.catalogue_items is not None
+                 else None)
     nbytes = args.catalogue_bytes if args.catalogue_bytes is not None else catalogue_nbytes(num_nodes)
     return CataloguePlan(nbytes=nbytes, num_items=args.catalogue_items, num_nodes=num_nodes,
                          max_item_tokens=width, upper_bound=args.catalogue_bytes is None)
@@ -418,14 +427,16 @@ def _print_plan(result: dict) -> None:
     speculative = f", +{spec['num_speculative_tokens']} speculative per sequence" if spec else ""
     pools = Table(title=f"request: {source}prompt {req['prompt_len']}, new {req['max_new_tokens']}, "
                         f"beam {req['beam_width']}{speculative}")
-    columns = ["pool", "kind", "layers", "bytes/token", "required blocks", "capacity blocks", "fits", "at once"]
+    columns = ["pool", "kind", "layers", "bytes/token", "required blocks", "capacity blocks", "fits",
+               "at once"]
     if pins:  # capacity is then what requests may use: the pool less its pinned blocks
         columns[5] = "capacity blocks (less pinned)"
         columns.insert(6, "pinned blocks")
     for column in columns:
         pools.add_column(column, justify="right" if column not in ("pool", "kind") else "left")
     for p in result["pools"]:
-        row = [p["name"], p["kind"], str(p["num_layers"]), str(p["bytes_per_token"]), str(p["required_blocks"]),
+        row = [p["name"], p["kind"], str(p["num_layers"]), str(p["bytes_per_token"]),
+               str(p["required_blocks"]),
                str(p["capacity_blocks"]), "yes" if p["fits"] else "NO", str(p["max_concurrent_requests"])]
         if pins:
             row.insert(6, str(p["pinned_blocks"]))

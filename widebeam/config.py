@@ -29,13 +29,15 @@ class ModelConfig:
     device: str | None = None  # None: cuda when available, else cpu
     # None: $WIDEBEAM_ATTENTION_BACKEND, else "sdpa" (model/attention_backends.py); chosen once
     attention_backend: str | None = None
-    # "torch" | "auto" | "onednn": float32 CPU linears with the weight packed once for oneDNN (model/packed_linear.py)
+    # "torch" | "auto" | "onednn": float32 CPU linears with the weight packed once for oneDNN
+    # (model/packed_linear.py)
     linear_backend: str = DEFAULT_LINEAR_BACKEND
 
     def __post_init__(self) -> None:
         if self.linear_backend not in LINEAR_BACKENDS:
             raise InvalidParameterError("linear_backend", "{linear_backend} must be one of "
-                                        f"{', '.join(LINEAR_BACKENDS)}, got {{value!r}}", value=self.linear_backend)
+                                        f"{', '.join(LINEAR_BACKENDS)}, got {{value!r}}",
+                                        value=self.linear_backend)
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,8 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if not 0 < self.kv_cache_fraction <= 1:
-            raise InvalidParameterError("kv_cache_fraction", "{kv_cache_fraction} must be in (0, 1], got {value}",
+            raise InvalidParameterError("kv_cache_fraction",
+                                        "{kv_cache_fraction} must be in (0, 1], got {value}",
                                         value=self.kv_cache_fraction)
         if self.tokens_per_block < 1:
             raise InvalidParameterError("tokens_per_block", "{tokens_per_block} must be >= 1, got {value}",
@@ -81,13 +84,15 @@ class SchedulerConfig:
                                         value=self.scheduling_policy)
         if isinstance(self.max_preemptions, bool) or not isinstance(self.max_preemptions, int) \
                 or self.max_preemptions < 0:
-            raise InvalidParameterError("max_preemptions", "{max_preemptions} must be an integer >= 0, got {value!r}",
+            raise InvalidParameterError("max_preemptions",
+                                        "{max_preemptions} must be an integer >= 0, got {value!r}",
                                         value=self.max_preemptions)
         if self.max_beam_width < 1:
             raise InvalidParameterError("max_beam_width", "{max_beam_width} must be >= 1, got {value}",
                                         value=self.max_beam_width)
         if self.max_num_batched_tokens < 1:
-            raise InvalidParameterError("max_num_batched_tokens", "{max_num_batched_tokens} must be >= 1, got {value}",
+            raise InvalidParameterError("max_num_batched_tokens",
+                                        "{max_num_batched_tokens} must be >= 1, got {value}",
                                         value=self.max_num_batched_tokens)
 
 
@@ -110,23 +115,27 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
             raise InvalidParameterError("speculative_method", "{speculative_method} must be one of "
-                                        f"{', '.join(SPECULATIVE_METHODS)}, got {{value!r}}", value=self.method)
+                                        f"{', '.join(SPECULATIVE_METHODS)}, got {{value!r}}",
+                                        value=self.method)
         if self.method == "draft" and not self.model:
             raise InvalidParameterError("speculative_model", "{speculative_model} is required with "
                                         "{speculative_method}='draft'")
         if self.method == "ngram" and self.model:
-            raise InvalidParameterError("speculative_model", "{speculative_method}='ngram' takes no draft model, "
+            raise InvalidParameterError("speculative_model",
+                                        "{speculative_method}='ngram' takes no draft model, "
                                         "got {value!r}", value=self.model)
         if self.dtype is not None and self.dtype not in FLOAT_DTYPES:
             floats = f"{', '.join(FLOAT_DTYPES[:-1])} or {FLOAT_DTYPES[-1]}"
             raise InvalidParameterError("speculative_dtype", f"{{speculative_dtype}} must be {floats}, "
                                         "got {value!r}", value=self.dtype)
         if self.method == "ngram" and self.dtype is not None:
-            raise InvalidParameterError("speculative_dtype", "{speculative_method}='ngram' has no draft model "
+            raise InvalidParameterError("speculative_dtype",
+                                        "{speculative_method}='ngram' has no draft model "
                                         "to give {speculative_dtype}")
         if isinstance(self.num_speculative_tokens, bool) or not isinstance(self.num_speculative_tokens, int) \
                 or not 1 <= self.num_speculative_tokens <= MAX_NUM_SPECULATIVE_TOKENS:
-            raise InvalidParameterError("num_speculative_tokens", "{num_speculative_tokens} must be an integer in "
+            raise InvalidParameterError("num_speculative_tokens",
+                                        "{num_speculative_tokens} must be an integer in "
                                         f"[1, {MAX_NUM_SPECULATIVE_TOKENS}], got {{value!r}}",
                                         value=self.num_speculative_tokens)
 
@@ -141,7 +150,8 @@ class EngineConfig:
     @classmethod
     def from_kwargs(cls, model: str = DEFAULT_MODEL, *, dtype: str = DEFAULT_DTYPE, device: str | None = None,
                     attention_backend: str | None = None, linear_backend: str = DEFAULT_LINEAR_BACKEND,
-                    kv_cache_memory: int | str | None = None, kv_cache_fraction: float = DEFAULT_KV_CACHE_FRACTION,
+                    kv_cache_memory: int | str | None = None,
+                    kv_cache_fraction: float = DEFAULT_KV_CACHE_FRACTION,
                     tokens_per_block: int = DEFAULT_TOKENS_PER_BLOCK, max_seq_len: int | None = None,
                     max_beam_width: int = DEFAULT_MAX_BEAM_WIDTH,
                     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -162,7 +172,8 @@ class EngineConfig:
             raise InvalidParameterError("num_speculative_tokens", "{num_speculative_tokens} needs "
                                         "{speculative_model} or {speculative_method}")
         return cls(ModelConfig(model, dtype, device, attention_backend, linear_backend),
-                   CacheConfig(kv_cache_memory, kv_cache_fraction, tokens_per_block, bool(enable_prefix_caching),
+                   CacheConfig(kv_cache_memory, kv_cache_fraction, tokens_per_block,
+                               bool(enable_prefix_caching),
                                _pinned_prefixes(pinned_prefixes, enable_prefix_caching)),
                    SchedulerConfig(max_num_batched_tokens, max_beam_width, max_seq_len, scheduling_policy,
                                    max_preemptions), speculative)
@@ -180,7 +191,8 @@ def _pinned_prefixes(prefixes, enable_prefix_caching: bool) -> tuple[str | tuple
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prefix):
             out.append(tuple(prefix))
         else:
-            raise InvalidParameterError("pinned_prefixes", "{pinned_prefixes}[{index}] must be a non-empty string or "
+            raise InvalidParameterError("pinned_prefixes",
+                                        "{pinned_prefixes}[{index}] must be a non-empty string or "
                                         "list of token ids, got {value!r}", index=i, value=prefix)
     if out and not enable_prefix_caching:
         raise InvalidParameterError("pinned_prefixes", "{pinned_prefixes} need prefix caching: drop "

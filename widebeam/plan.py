@@ -98,7 +98,8 @@ class PlanInputs:
 
     @property
     def num_speculative_tokens(self) -> int:
-        """D, the tokens every per-sequence pool reserves per sequence beyond P + N (0 without speculation)."""
+        """D, the tokens every per-sequence pool reserves per sequence beyond P + N (0 without
+        speculation)."""
         return 0 if self.speculative is None else self.speculative.num_speculative_tokens
 
     def request(self, arch: ModelArch) -> KVRequest:
@@ -107,7 +108,8 @@ class PlanInputs:
         # D draft tokens written per step, and up to D accepted ones fed again the next round
         d = self.num_speculative_tokens
         if not arch.is_encoder_decoder:
-            return KVRequest(self.prompt_len, self.max_new_tokens, self.beam_width, extra_tokens=d, refeed_tokens=d)
+            return KVRequest(self.prompt_len, self.max_new_tokens, self.beam_width, extra_tokens=d,
+                             refeed_tokens=d)
         encoder_len = self.prompt_len if self.encoder_len is None else self.encoder_len
         return KVRequest(1, self.max_new_tokens, self.beam_width, extra_tokens=d, encoder_tokens=encoder_len,
                          refeed_tokens=d)
@@ -199,7 +201,8 @@ def plan(arch: ModelArch, inputs: PlanInputs, draft_arch: ModelArch | None = Non
 
     p = request.prompt_tokens
     naive_required = naive_full_attention_blocks(p, inputs.max_new_tokens, inputs.beam_width, t)
-    naive_seq_len = min(arch.max_position_embeddings, naive_max_seq_len(capacity_blocks, inputs.beam_width, t))
+    naive_seq_len = min(arch.max_position_embeddings,
+                        naive_max_seq_len(capacity_blocks, inputs.beam_width, t))
     naive_fits = naive_required <= capacity_blocks and p + inputs.max_new_tokens <= naive_seq_len
     naive_concurrent = capacity_blocks // naive_required if naive_fits else 0
     naive_cross = {}
@@ -231,7 +234,8 @@ def plan(arch: ModelArch, inputs: PlanInputs, draft_arch: ModelArch | None = Non
             "beam_width": inputs.beam_width,
             **({"encoder_len": request.encoder_tokens} if arch.is_encoder_decoder else {}),
         },
-        **({"speculative": _speculative_entry(spec_config, draft_arch, draft_weight_bytes, draft_reserve_bytes)}
+        **({"speculative": _speculative_entry(spec_config, draft_arch, draft_weight_bytes,
+                                              draft_reserve_bytes)}
            if spec_config is not None else {}),
         **({"pinned_prefixes": {"count": len(inputs.pinned_prefixes),
                                 "tokens": [len(ids) for ids in inputs.pinned_prefixes],
@@ -263,7 +267,8 @@ def _hold_pins(cache: KVCache, layout: StartupLayout) -> None:
 
 def _speculative_entry(config: SpeculativeConfig, draft_arch: ModelArch | None, draft_weight_bytes: int,
                        draft_reserve_bytes: int) -> dict:
-    entry = {"method": config.method, "model": config.model, "num_speculative_tokens": config.num_speculative_tokens}
+    entry = {"method": config.method, "model": config.model,
+             "num_speculative_tokens": config.num_speculative_tokens}
     if draft_arch is not None:
         entry.update(draft_model=draft_arch.name, draft_weight_bytes=draft_weight_bytes,
                      draft_activation_reserve_bytes=draft_reserve_bytes)

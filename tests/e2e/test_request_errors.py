@@ -165,16 +165,16 @@ def test_a_failed_shared_step_fails_every_call_in_flight(served):
 
 
 def test_a_bug_while_streaming_still_ends_with_an_error_event_and_done(served, monkeypatch):
-    from widebeam.server import protocol
+    from widebeam.server import schemas
 
-    real_chunk_choice = protocol.chunk_choice
+    real_chunk_choice = schemas.chunk_choice
 
     def breaks_on_the_second_piece(chat, index, text, *args, **kwargs):
         if text == "t2 ":
             raise KeyError("a bug")
         return real_chunk_choice(chat, index, text, *args, **kwargs)
 
-    monkeypatch.setattr(protocol, "chunk_choice", breaks_on_the_second_piece)
+    monkeypatch.setattr(schemas, "chunk_choice", breaks_on_the_second_piece)
     with served.client() as client:
         status, events, done_last = stream_post(client, "/v1/completions",
                                                 {"prompt": "x", "max_tokens": 1000})

@@ -24,7 +24,8 @@ from widebeam.params import BeamSearchParams, SamplingParams
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
           "properties": {"name": {"type": "string", "maxLength": 8},
                          "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                         "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3}}}
+                         "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
+                                  "maxItems": 3}}}
 PERSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
 # bounded: a name of at most 8 characters, 3 tags, an age of at most 3 digits: well under 96 tokens
 MAX_TOKENS = 96
@@ -43,9 +44,11 @@ def _valid(text: str, schema: dict) -> dict:
 
 
 def test_sampled_outputs_always_validate(llm):
-    params = [SamplingParams(max_new_tokens=MAX_TOKENS, temperature=1.2, seed=seed, response_format=PERSON_FORMAT)
+    params = [SamplingParams(max_new_tokens=MAX_TOKENS, temperature=1.2, seed=seed,
+                             response_format=PERSON_FORMAT)
               for seed in range(32)]
-    outputs = [llm.generate([PROMPTS[seed % len(PROMPTS)]], p, use_tqdm=False)[0] for seed, p in enumerate(params)]
+    outputs = [llm.generate([PROMPTS[seed % len(PROMPTS)]], p, use_tqdm=False)[0]
+               for seed, p in enumerate(params)]
     texts = {o.outputs[0].text for o in outputs}
     assert len(texts) > 16, "the seeds give different outputs"
     for output in outputs:
@@ -71,14 +74,17 @@ def test_every_beam_validates(llm, width):
 
 def test_json_object_mode(llm):
     fmt = {"type": "json_object"}
-    outputs = [llm.generate([PROMPTS[i % 4]], SamplingParams(max_new_tokens=MAX_TOKENS, temperature=1.0, seed=i,
+    outputs = [llm.generate([PROMPTS[i % 4]],
+                            SamplingParams(max_new_tokens=MAX_TOKENS, temperature=1.0, seed=i,
                                                              response_format=fmt), use_tqdm=False)[0]
                for i in range(8)]
-    outputs += llm.generate(PROMPTS, BeamSearchParams(beam_width=4, max_new_tokens=MAX_TOKENS, response_format=fmt),
+    outputs += llm.generate(PROMPTS,
+                            BeamSearchParams(beam_width=4, max_new_tokens=MAX_TOKENS, response_format=fmt),
                             use_tqdm=False)
     for output in outputs:
         for completion in output.outputs:
-            if completion.finish_reason == "stop":  # an object's strings are unbounded: it may run out of tokens
+            # an object's strings are unbounded: it may run out of tokens
+            if completion.finish_reason == "stop":
                 assert isinstance(json.loads(completion.text), dict)
 
 
@@ -88,7 +94,8 @@ class ReplayedGrammar(LogitsProcessor):
     def __init__(self, compiled_grammar, prompt_len: int, vocab_size: int, eos: int):
         import xgrammar
 
-        self.xgr, self.compiled, self.prompt_len, self.vocab_size = xgrammar, compiled_grammar, prompt_len, vocab_size
+        self.xgr, self.compiled, self.prompt_len, self.vocab_size = (xgrammar, compiled_grammar, prompt_len,
+                                                                     vocab_size)
         self.eos = eos
 
     def __call__(self, input_ids, scores):
@@ -149,7 +156,8 @@ class Person(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid")
     name: str = pydantic.Field(max_length=8)
     age: int = pydantic.Field(ge=0, le=120)
-    tags: list[typing.Literal["red", "green", "blue"]] = pydantic.Field(max_length=3)  # bounded: fits MAX_TOKENS
+    # bounded: fits MAX_TOKENS
+    tags: list[typing.Literal["red", "green", "blue"]] = pydantic.Field(max_length=3)
 
 
 def test_chat_json_schema_whole_streamed_and_parsed(client):

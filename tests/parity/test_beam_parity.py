@@ -40,17 +40,20 @@ def models(tiny_llama_dir):
 def get_llm(models, tokens_per_block):
     llms, _, path = models
     if tokens_per_block not in llms:
-        llms[tokens_per_block] = LLM(str(path), dtype="float32", device="cpu", tokens_per_block=tokens_per_block,
+        llms[tokens_per_block] = LLM(str(path), dtype="float32", device="cpu",
+                                     tokens_per_block=tokens_per_block,
                                      kv_cache_memory="16MiB", max_num_batched_tokens=64, max_beam_width=64)
     return llms[tokens_per_block]
 
 
-@pytest.mark.parametrize("beam_width, tokens_per_block, length_penalty, early_stopping, num_return, min_new", CASES)
-def test_beam_search_matches_transformers(models, beam_width, tokens_per_block, length_penalty, early_stopping,
-                                          num_return, min_new):
+@pytest.mark.parametrize("beam_width, tokens_per_block, length_penalty, early_stopping, num_return, min_new",
+                         CASES)
+def test_beam_search_matches_transformers(models, beam_width, tokens_per_block, length_penalty,
+                                          early_stopping, num_return, min_new):
     llm, hf = get_llm(models, tokens_per_block), models[1]
     max_new_tokens = 12
-    params = BeamSearchParams(beam_width=beam_width, max_new_tokens=max_new_tokens, length_penalty=length_penalty,
+    params = BeamSearchParams(beam_width=beam_width, max_new_tokens=max_new_tokens,
+                              length_penalty=length_penalty,
                               early_stopping=early_stopping, num_return_sequences=num_return,
                               min_new_tokens=min_new)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
@@ -58,7 +61,8 @@ def test_beam_search_matches_transformers(models, beam_width, tokens_per_block, 
     for prompt, output in zip(PROMPTS, outputs):
         expected = hf_beam_search(hf, prompt, params, EOS, PAD)
         assert len(output.outputs) == num_return
-        saw_eos |= assert_beams_match(output, expected, len(prompt), PAD, EOS, beam_width, f"prompt {prompt[:4]}")
+        saw_eos |= assert_beams_match(output, expected, len(prompt), PAD, EOS, beam_width,
+                                      f"prompt {prompt[:4]}")
         for rank, beam in enumerate(output.outputs):
             assert beam.index == rank
             assert beam.finish_reason == ("stop" if beam.token_ids[-1] == EOS else "length")

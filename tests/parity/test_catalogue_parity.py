@@ -24,7 +24,8 @@ OPTIONS = {"device": "cpu", "kv_cache_memory": "64MiB", "tokens_per_block": 4, "
 def random_catalogue(seed: int, num_items: int, min_len: int = 1, max_len: int = 4, tokens=range(3, 128)):
     rng = random.Random(seed)
     tokens = list(tokens)
-    items = {tuple(rng.choice(tokens) for _ in range(rng.randint(min_len, max_len))) for _ in range(num_items)}
+    items = {tuple(rng.choice(tokens) for _ in range(rng.randint(min_len, max_len)))
+             for _ in range(num_items)}
     # shared prefixes and prefix items: extend some items, keep their prefixes as items too
     for item in list(items)[: num_items // 5]:
         items.add(item + (rng.choice(tokens),))
@@ -65,8 +66,8 @@ def engine(tiny_llama_dir):
 def hf_beams(hf_model, prompt, items, width, max_new_tokens, **kwargs):
     with torch.no_grad():
         return hf_model.generate(torch.tensor([prompt]), num_beams=width, num_return_sequences=width,
-                                 do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=EOS, pad_token_id=PAD,
-                                 prefix_allowed_tokens_fn=allowed_fn(items)(len(prompt)),
+                                 do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=EOS,
+                                 pad_token_id=PAD, prefix_allowed_tokens_fn=allowed_fn(items)(len(prompt)),
                                  return_dict_in_generate=True, output_scores=True, **kwargs)
 
 
@@ -131,8 +132,9 @@ def test_every_returned_sequence_is_an_item(engine, seed):
     items = random_catalogue(100 + seed, num_items=rng.choice([3, 20, 200]), max_len=rng.choice([2, 5]),
                              tokens=range(3, rng.choice([6, 40, 128])))
     width = rng.choice([2, 8, 32])
-    [output] = run(engine, [(PROMPTS[seed % 2], BeamSearchParams(beam_width=width, allowed_sequences=items,
-                                                                  length_penalty=rng.choice([0.0, 1.0, 2.0])))])
+    [output] = run(engine, [(PROMPTS[seed % 2],
+                             BeamSearchParams(beam_width=width, allowed_sequences=items,
+                                              length_penalty=rng.choice([0.0, 1.0, 2.0])))])
     assert output.outputs
     for beam in output.outputs:
         assert beam.token_ids[-1] == EOS and tuple(beam.token_ids[:-1]) in set(items), beam.token_ids

@@ -42,7 +42,8 @@ def _check_entry(entry: dict[int, Logprob], token: int, ref_row: torch.Tensor, t
     alternatives = sorted(entry.items(), key=lambda item: item[1].rank)
     ranked = {t: lp for t, lp in alternatives if lp.rank <= top}
     assert len(ranked) == top, where
-    assert sorted(lp.logprob for lp in ranked.values()) == pytest.approx(sorted(ref_values.tolist()), abs=ATOL), where
+    assert sorted(lp.logprob for lp in ranked.values()) == pytest.approx(sorted(ref_values.tolist()),
+                                                                         abs=ATOL), where
     assert set(ranked) == set(ref_tokens.tolist()), where  # the tiny model has no near-ties in its top 5
     for t, lp in entry.items():
         assert lp.logprob == pytest.approx(float(ref_row[t]), abs=ATOL), where
@@ -93,7 +94,8 @@ def test_logprobs_off_by_default_and_zero_is_the_chosen_token_only(models):
     prompt = {"prompt_token_ids": PROMPTS[0]}
     plain = llm.generate([prompt], SamplingParams(max_new_tokens=4, temperature=0), use_tqdm=False)[0]
     assert plain.outputs[0].logprobs is None and plain.prompt_logprobs is None
-    zero = llm.generate([prompt], SamplingParams(max_new_tokens=4, temperature=0, logprobs=0), use_tqdm=False)[0]
+    zero = llm.generate([prompt], SamplingParams(max_new_tokens=4, temperature=0, logprobs=0),
+                        use_tqdm=False)[0]
     assert [list(entry) for entry in zero.outputs[0].logprobs] == [[t] for t in zero.outputs[0].token_ids]
     assert zero.outputs[0].token_ids == plain.outputs[0].token_ids
 

@@ -49,7 +49,8 @@ def test_greedy_repetition_penalty_matches_transformers(models, penalty):
     assert changed, "the penalty changed no output: the test would not see a wrong one"
 
 
-@pytest.mark.parametrize("beam_width, penalty, num_return", [(1, 1.5, 1), (4, 1.5, 4), (4, 3.0, 2), (4, 0.8, 4),
+@pytest.mark.parametrize("beam_width, penalty, num_return",
+                         [(1, 1.5, 1), (4, 1.5, 4), (4, 3.0, 2), (4, 0.8, 4),
                                                               (16, 2.0, 8)])
 def test_beam_search_repetition_penalty_matches_transformers(models, beam_width, penalty, num_return):
     llm, hf = models
@@ -58,10 +59,12 @@ def test_beam_search_repetition_penalty_matches_transformers(models, beam_width,
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     changed = False
     for prompt, output in zip(PROMPTS, outputs):
-        expected = _hf(hf, prompt, num_beams=beam_width, repetition_penalty=penalty, num_return_sequences=num_return)
+        expected = _hf(hf, prompt, num_beams=beam_width, repetition_penalty=penalty,
+                       num_return_sequences=num_return)
         plain = _hf(hf, prompt, num_beams=beam_width, num_return_sequences=num_return)
         assert len(output.outputs) == num_return
-        assert_beams_match(output, expected, len(prompt), PAD, EOS, beam_width, f"prompt {prompt[:4]} p={penalty}")
+        assert_beams_match(output, expected, len(prompt), PAD, EOS, beam_width,
+                           f"prompt {prompt[:4]} p={penalty}")
         changed |= expected.sequences.tolist() != plain.sequences.tolist()
     assert changed, "the penalty changed no beam: the test would not see a wrong one"
     pool = llm.stats()["pools"]["self"]
@@ -88,7 +91,8 @@ def _reference_greedy(hf, prompt, presence, frequency, repetition=1.0, max_new=M
     return out
 
 
-@pytest.mark.parametrize("presence, frequency, repetition", [(1.5, 0.0, 1.0), (0.0, 0.8, 1.0), (0.5, 0.5, 1.2),
+@pytest.mark.parametrize("presence, frequency, repetition",
+                         [(1.5, 0.0, 1.0), (0.0, 0.8, 1.0), (0.5, 0.5, 1.2),
                                                              (-1.0, 0.3, 1.0), (0.4, -0.6, 1.0)])
 def test_greedy_presence_frequency_match_a_reference(models, presence, frequency, repetition):
     llm, hf = models

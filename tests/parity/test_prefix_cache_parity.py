@@ -55,7 +55,8 @@ def assert_all_blocks_back(llm: LLM):
 
 
 def pair(model_dir, **options):
-    options = {"dtype": "float32", "device": "cpu", "tokens_per_block": T, "kv_cache_memory": "16MiB", **options}
+    options = {"dtype": "float32", "device": "cpu", "tokens_per_block": T, "kv_cache_memory": "16MiB",
+               **options}
     return LLM(str(model_dir), **options), LLM(str(model_dir), enable_prefix_caching=False, **options)
 
 
@@ -86,8 +87,10 @@ def test_encoder_decoder_reuses_the_encoder_output_whole(tiny_marian_dir):
     source = [random.Random(3).randrange(5, 50) for _ in range(13)] + [0]
     other = source[:-2] + [7, 0]
     params = BeamSearchParams(beam_width=3, max_new_tokens=6)
-    cached = [cached_llm.generate([{"prompt_token_ids": s}], params, use_tqdm=False)[0] for s in (source, source, other)]
-    plain = [plain_llm.generate([{"prompt_token_ids": s}], params, use_tqdm=False)[0] for s in (source, source, other)]
+    cached = [cached_llm.generate([{"prompt_token_ids": s}], params, use_tqdm=False)[0]
+              for s in (source, source, other)]
+    plain = [plain_llm.generate([{"prompt_token_ids": s}], params, use_tqdm=False)[0]
+             for s in (source, source, other)]
     assert_same_outputs(cached, plain)
     # the same source: its encoder output came from the cache; a different one is encoded again
     assert [out.num_cached_tokens for out in cached] == [0, len(source), 0]
@@ -108,8 +111,8 @@ def test_gemma3_sliding_pools_reuse_only_what_the_window_needs(tiny_gemma3_dir):
 
 
 def test_a_draft_models_pools_are_reused_too(tiny_llama_dir):
-    cached_llm, plain_llm = pair(tiny_llama_dir, speculative_model=str(tiny_llama_dir), num_speculative_tokens=3,
-                                 speculative_adaptive=False)
+    cached_llm, plain_llm = pair(tiny_llama_dir, speculative_model=str(tiny_llama_dir),
+                                 num_speculative_tokens=3, speculative_adaptive=False)
     for seed, params in enumerate((PARAMS["greedy"], PARAMS["beams"])):
         _, (first, *rest) = prompts(17, seed=seed)
         cached = run_waves(cached_llm, first, rest, params)
@@ -122,15 +125,16 @@ def test_a_draft_models_pools_are_reused_too(tiny_llama_dir):
 
 def test_pinned_prefix_is_computed_at_start_up_held_and_counted_in_admission(tiny_llama_dir):
     prefix, (first, second, _) = prompts(30, seed=5)
-    cached_llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", tokens_per_block=T, kv_cache_memory="256KiB",
-                     pinned_prefixes=[prefix])
+    cached_llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", tokens_per_block=T,
+                     kv_cache_memory="256KiB", pinned_prefixes=[prefix])
     _, plain_llm = pair(tiny_llama_dir, kv_cache_memory="256KiB")
     pool = cached_llm.stats()["pools"]["self"]
     total, pinned = pool["total_blocks"], pool["pinned_blocks"]
     assert pinned == 30 // T and cached_llm.engine.pinned_blocks == {"self": pinned}
     outs = cached_llm.generate([{"prompt_token_ids": first}], PARAMS["beams"], use_tqdm=False)
     assert outs[0].num_cached_tokens == 28  # the first request already hits: the pin was computed at start-up
-    assert_same_outputs(outs, plain_llm.generate([{"prompt_token_ids": first}], PARAMS["beams"], use_tqdm=False))
+    assert_same_outputs(outs,
+                        plain_llm.generate([{"prompt_token_ids": first}], PARAMS["beams"], use_tqdm=False))
     # The never-fit check: the pool less the pinned blocks, with the pinned blocks a prompt shares
     # counted as held. A prompt that starts with the pin may need every block; another may not.
     fits_all = BeamSearchParams(beam_width=1, max_new_tokens=total * T - len(second) - 1, ignore_eos=True)
@@ -164,11 +168,12 @@ def test_plan_shows_the_blocks_the_engine_pins(tiny_gemma3_dir):
 
     prefix = prompts(43, seed=9)[0]
     pins = [prefix, prefix[:30] + [7] * 20]  # the second shares the first's 7 leading blocks
-    llm = LLM(str(tiny_gemma3_dir), dtype="float32", device="cpu", tokens_per_block=T, kv_cache_memory="16MiB",
-              pinned_prefixes=pins)
+    llm = LLM(str(tiny_gemma3_dir), dtype="float32", device="cpu", tokens_per_block=T,
+              kv_cache_memory="16MiB", pinned_prefixes=pins)
     engine_pinned = {name: n for name, n in llm.engine.pinned_blocks.items() if n}
     result = plan(load_arch(str(tiny_gemma3_dir)), PlanInputs(memory_bytes=2**30, beam_width=4, prompt_len=64,
-                                                              max_new_tokens=8, tokens_per_block=T, dtype="float32",
+                                                              max_new_tokens=8, tokens_per_block=T,
+                                                              dtype="float32",
                                                               pinned_prefixes=tuple(map(tuple, pins))))
     assert result["pinned_prefixes"]["blocks"] == engine_pinned
     assert engine_pinned["self"] == 43 // T + 50 // T - 30 // T

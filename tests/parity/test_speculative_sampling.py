@@ -72,7 +72,8 @@ def test_speculative_sampling_matches_the_target(tiny_llama_dir, noisy_draft_dir
     free = engine.cache.num_free_blocks()
     for i in range(NUM_DRAWS):
         engine.add_request(f"r{i}", {"prompt_token_ids": PROMPT},
-                           SamplingParams(temperature=1.0, top_k=TOP_K, max_new_tokens=4, seed=i, ignore_eos=True))
+                           SamplingParams(temperature=1.0, top_k=TOP_K, max_new_tokens=4, seed=i,
+                                          ignore_eos=True))
     counts: dict[tuple[int, ...], int] = {}
     while engine.has_unfinished():
         for delta in engine.step():

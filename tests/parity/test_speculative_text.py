@@ -33,8 +33,8 @@ def text_model_dir(tmp_path_factory, smollm2):
 @pytest.fixture(scope="module")
 def engines(text_model_dir):
     return {"plain": LLMEngine(str(text_model_dir), **OPTIONS),
-            "draft": LLMEngine(str(text_model_dir), speculative_model=str(text_model_dir), num_speculative_tokens=5,
-                               **OPTIONS),
+            "draft": LLMEngine(str(text_model_dir), speculative_model=str(text_model_dir),
+                               num_speculative_tokens=5, **OPTIONS),
             "ngram": LLMEngine(str(text_model_dir), speculative_method="ngram", num_speculative_tokens=5,
                                **OPTIONS)}
 

@@ -39,11 +39,14 @@ REFUSED = [
     (0, 4, "prompt", "prompt is empty: give at least one token"),
     (MAX_SEQ_LEN, 1, "prompt", (f"prompt has {MAX_SEQ_LEN} tokens but max_seq_len is {MAX_SEQ_LEN}: "
                                f"shorten the prompt to at most {MAX_SEQ_LEN - 1} tokens")),
-    (MAX_SEQ_LEN + 5, None, "prompt", (f"prompt has {MAX_SEQ_LEN + 5} tokens but max_seq_len is {MAX_SEQ_LEN}: "
+    (MAX_SEQ_LEN + 5, None, "prompt",
+     (f"prompt has {MAX_SEQ_LEN + 5} tokens but max_seq_len is {MAX_SEQ_LEN}: "
                                       f"shorten the prompt to at most {MAX_SEQ_LEN - 1} tokens")),
-    (20, 5, "max_new_tokens", (f"prompt (20 tokens) + max_new_tokens (5) exceeds max_seq_len ({MAX_SEQ_LEN}); "
+    (20, 5, "max_new_tokens",
+     (f"prompt (20 tokens) + max_new_tokens (5) exceeds max_seq_len ({MAX_SEQ_LEN}); "
                               "use max_new_tokens <= 4")),
-    (1, MAX_SEQ_LEN, "max_new_tokens", (f"prompt (1 tokens) + max_new_tokens ({MAX_SEQ_LEN}) exceeds max_seq_len "
+    (1, MAX_SEQ_LEN, "max_new_tokens",
+     (f"prompt (1 tokens) + max_new_tokens ({MAX_SEQ_LEN}) exceeds max_seq_len "
                                        f"({MAX_SEQ_LEN}); use max_new_tokens <= {MAX_SEQ_LEN - 1}")),
 ]
 

@@ -39,7 +39,8 @@ def test_a_job_writes_every_row_once_with_the_engines_outputs(tiny_llama_dir, tm
     source = write_jsonl(tmp_path / "in.jsonl", rows)
     with open(source, "a") as f:
         f.write("{not json\n")  # a malformed line: written with its error
-    summary = run(source, tmp_path / "out.jsonl", str(tiny_llama_dir), defaults=DEFAULTS, progress=False, **ENGINE)
+    summary = run(source, tmp_path / "out.jsonl", str(tiny_llama_dir), defaults=DEFAULTS, progress=False,
+                  **ENGINE)
     records = by_id(read_output(tmp_path / "out.jsonl"))
     assert summary.num_written == len(records) == 41
     assert "not valid JSON" in records["row-40"]["error"]
@@ -56,7 +57,8 @@ def test_a_job_writes_every_row_once_with_the_engines_outputs(tiny_llama_dir, tm
         assert [o["token_ids"] for o in got] == [c.token_ids for c in expected.outputs]
         assert len(got) == (parsed.params.beam_width if isinstance(parsed.params, BeamSearchParams) else 1)
     # a rerun finds every row written and does nothing
-    again = run(source, tmp_path / "out.jsonl", str(tiny_llama_dir), defaults=DEFAULTS, progress=False, **ENGINE)
+    again = run(source, tmp_path / "out.jsonl", str(tiny_llama_dir), defaults=DEFAULTS, progress=False,
+                **ENGINE)
     assert again.num_written == 0 and again.num_skipped == 41
 
 
@@ -71,8 +73,8 @@ def test_csv_and_parquet_in_and_out(tiny_llama_dir, tmp_path, suffix):
     else:
         frame["prompt_token_ids"] = [row["prompt_token_ids"] for row in rows]
         frame.to_parquet(tmp_path / "in.parquet")
-    summary = run(tmp_path / f"in.{suffix}", tmp_path / f"out.{suffix}", str(tiny_llama_dir), defaults=DEFAULTS,
-                  progress=False, **ENGINE)
+    summary = run(tmp_path / f"in.{suffix}", tmp_path / f"out.{suffix}", str(tiny_llama_dir),
+                  defaults=DEFAULTS, progress=False, **ENGINE)
     expected = by_id(read_output(_jsonl_reference(tiny_llama_dir, tmp_path, rows)))
     assert summary.num_written == 12
     assert_same_results(by_id(read_output(tmp_path / f"out.{suffix}")), expected)
@@ -80,15 +82,16 @@ def test_csv_and_parquet_in_and_out(tiny_llama_dir, tmp_path, suffix):
 
 def _jsonl_reference(model_dir, tmp_path, rows) -> Path:
     out = tmp_path / "reference.jsonl"
-    run(write_jsonl(tmp_path / "reference-in.jsonl", rows), out, str(model_dir), defaults=DEFAULTS, progress=False,
-        **ENGINE)
+    run(write_jsonl(tmp_path / "reference-in.jsonl", rows), out, str(model_dir), defaults=DEFAULTS,
+        progress=False, **ENGINE)
     return out
 
 
 def test_parquet_parts_are_whole_or_absent(tmp_path):
     writer = OutputWriter(tmp_path / "out.parquet", flush_rows=2)
     for i in range(5):
-        writer.write({"id": f"r{i}", "error": None, "outputs": [], "num_prompt_tokens": 3, "num_cached_tokens": 0})
+        writer.write({"id": f"r{i}", "error": None, "outputs": [], "num_prompt_tokens": 3,
+                      "num_cached_tokens": 0})
     (tmp_path / "out.parquet" / "part-00009.parquet.tmp").write_bytes(b"half a part")  # a crash mid-write
     assert writer.done_ids() == {"r0", "r1", "r2", "r3"}  # the fifth is still buffered
     writer.close()
@@ -98,8 +101,8 @@ def test_parquet_parts_are_whole_or_absent(tmp_path):
 JOB = """
 import sys
 from widebeam.batch import run
-run(sys.argv[1], sys.argv[2], sys.argv[3], defaults={"max_new_tokens": 24, "temperature": 0.0}, progress=False,
-    max_in_flight=4, device="cpu", kv_cache_memory="1MiB", tokens_per_block=4)
+run(sys.argv[1], sys.argv[2], sys.argv[3], defaults={"max_new_tokens": 24, "temperature": 0.0},
+    progress=False, max_in_flight=4, device="cpu", kv_cache_memory="1MiB", tokens_per_block=4)
 """
 
 
@@ -125,8 +128,8 @@ def test_a_killed_job_resumes_without_losing_or_duplicating_a_row(tiny_llama_dir
     assert summary.num_skipped == written_before and summary.num_written == 60 - written_before
     resumed = by_id(read_output(out))
     fresh = tmp_path / "fresh.jsonl"
-    run(source, fresh, str(tiny_llama_dir), defaults={"max_new_tokens": 24, "temperature": 0.0}, progress=False,
-        **ENGINE)
+    run(source, fresh, str(tiny_llama_dir), defaults={"max_new_tokens": 24, "temperature": 0.0},
+        progress=False, **ENGINE)
     assert_same_results(resumed, by_id(read_output(fresh)))
 
 
@@ -136,14 +139,15 @@ def test_the_command_line_runs_a_job_with_flag_defaults(tiny_llama_dir, tmp_path
     source = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt_token_ids": [5, 6, 7]},
                                                  {"id": "b", "prompt_token_ids": [5, 6, 7], "beam_width": 1,
                                                   "ignore_eos": True}])  # sampled: EOS could come first
-    argv = ["batch", str(source), str(tmp_path / "out.jsonl"), "--model", str(tiny_llama_dir), "--beam-width", "3",
-            "--max-new-tokens", "4", "--device", "cpu", "--kv-cache-memory", "1MiB", "--no-progress"]
+    argv = ["batch", str(source), str(tmp_path / "out.jsonl"), "--model", str(tiny_llama_dir), "--beam-width",
+            "3", "--max-new-tokens", "4", "--device", "cpu", "--kv-cache-memory", "1MiB", "--no-progress"]
     assert main(argv) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["written"] == 2 and summary["errors"] == 0
     records = by_id(read_output(tmp_path / "out.jsonl"))
     assert len(records["a"]["outputs"]) == 3  # the flag's beam width
-    assert len(records["b"]["outputs"]) == 1 and len(records["b"]["outputs"][0]["token_ids"]) == 4  # the row's
+    # the row's
+    assert len(records["b"]["outputs"]) == 1 and len(records["b"]["outputs"][0]["token_ids"]) == 4
     assert main(argv) == 0 and json.loads(capsys.readouterr().out.strip().splitlines()[-1])["skipped"] == 2
 
 
@@ -157,8 +161,8 @@ def test_rows_name_a_catalogue_registered_for_the_job(tiny_llama_dir, tmp_path, 
         {"id": "default", "prompt_token_ids": [8, 9], "beam_width": 2},
         {"id": "unknown", "prompt_token_ids": [8, 9], "beam_width": 2, "catalogue": "nope"},
     ])
-    argv = ["batch", str(source), str(tmp_path / "out.jsonl"), "--model", str(tiny_llama_dir), "--device", "cpu",
-            "--kv-cache-memory", "1MiB", "--catalogue", f"items={tmp_path / 'items.jsonl'}",
+    argv = ["batch", str(source), str(tmp_path / "out.jsonl"), "--model", str(tiny_llama_dir), "--device",
+            "cpu", "--kv-cache-memory", "1MiB", "--catalogue", f"items={tmp_path / 'items.jsonl'}",
             "--default-catalogue", "items", "--no-progress"]
     assert main(argv) == 0
     records = by_id(read_output(tmp_path / "out.jsonl"))

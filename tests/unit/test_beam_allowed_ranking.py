@@ -15,7 +15,8 @@ from widebeam.params import BeamSearchParams
 EOS, VOCAB = 0, 12
 
 
-def random_allowed(generator: torch.Generator, num_rows: int, min_pairs: int) -> tuple[torch.Tensor, torch.Tensor]:
+def random_allowed(generator: torch.Generator, num_rows: int,
+                   min_pairs: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A random set of (row, token) pairs, EOS often among them, at least `min_pairs` of them."""
     while True:
         keep = torch.rand(num_rows, VOCAB, generator=generator) < 0.5
@@ -36,7 +37,8 @@ def test_ranking_the_allowed_pairs_equals_masking_the_rest(seed, width, length_p
         assert not reference.done and len(fast.live_token_ids) == len(reference.live_token_ids)
         logits = torch.randn(len(fast.live_token_ids), VOCAB, generator=generator) * 3
         logits[:, EOS] += 4.0 * (seed % 2)  # odd seeds: EOS near the top of every row, so up to W of the
-        logprobs = torch.log_softmax(logits, dim=-1)  # 2W candidates finish and the last one decides a live beam
+        # 2W candidates finish and the last one decides a live beam
+        logprobs = torch.log_softmax(logits, dim=-1)
         rows, tokens = random_allowed(generator, len(fast.live_token_ids), 2 * width)
         masked = torch.full_like(logprobs, float("-inf"))
         masked[rows, tokens] = logprobs[rows, tokens]

@@ -32,6 +32,7 @@ def test_strongly_negative_length_penalty_keeps_real_hypotheses_below_hfs_sentin
 
 
 def test_length_penalty_is_limited_to_a_range_with_finite_scores():
-    with pytest.raises(InvalidParameterError, match=r"length_penalty must be a finite number in \[-10.0, 10.0\]"):
+    with pytest.raises(InvalidParameterError,
+                       match=r"length_penalty must be a finite number in \[-10.0, 10.0\]"):
         BeamSearchParams(length_penalty=1000)
     BeamSearchParams(length_penalty=10)

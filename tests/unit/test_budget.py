@@ -73,13 +73,15 @@ def test_block_aligned_prompt_adds_no_partial_block_per_beam():
     assert unaligned == 4 + 2 * 8  # the 1-token partial block plus 16 written tokens need 2 blocks per beam
 
 
-@pytest.mark.parametrize("encoder_tokens, tokens_per_block, expected", [(1, 16, 1), (16, 16, 1), (17, 16, 2), (0, 4, 0)])
+@pytest.mark.parametrize("encoder_tokens, tokens_per_block, expected",
+                         [(1, 16, 1), (16, 16, 1), (17, 16, 2), (0, 4, 0)])
 def test_cross_attention_has_no_beam_factor(encoder_tokens, tokens_per_block, expected):
     assert cross_attention_blocks(encoder_tokens, tokens_per_block) == expected
 
 
 @pytest.mark.parametrize("capacity", [0, 5, 63, 64, 65, 300, 1280, 5000])
-@pytest.mark.parametrize("prompt_tokens, beam_width, t", [(1000, 8, 16), (4096, 256, 16), (3, 4, 1), (17, 3, 4)])
+@pytest.mark.parametrize("prompt_tokens, beam_width, t",
+                         [(1000, 8, 16), (4096, 256, 16), (3, 4, 1), (17, 3, 4)])
 def test_max_new_tokens_that_fit_is_the_largest(capacity, prompt_tokens, beam_width, t):
     n = max_new_tokens_that_fit(capacity, prompt_tokens, beam_width, t)
     if n >= 1:

@@ -39,7 +39,8 @@ def random_requests(seed, count):
         t = rng.choice([1, 2, 4, 16])
         window = rng.randint(1, 40)
         chunk = rng.choice([None, rng.randint(1, 48)])
-        cache = KVCache([(spec(kind, window), rng.randint(1, 120))], tokens_per_block=t, prefill_chunk_tokens=chunk)
+        cache = KVCache([(spec(kind, window), rng.randint(1, 120))], tokens_per_block=t,
+                        prefill_chunk_tokens=chunk)
         d = rng.choice([0, 0, 1, 3, 4])
         request = KVRequest(rng.randint(1, 90), rng.randint(1, 80), rng.randint(1, 64), extra_tokens=d,
                             refeed_tokens=d if kind == "sliding" else 0)

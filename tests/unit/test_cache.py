@@ -88,7 +88,8 @@ def test_cross_blocks_are_shared_by_beams_and_freed():
     holding = Holding()
     table = manager.allocate(holding, 9)
     assert holding.num_held_blocks == 3 and cache.num_free_blocks()["cross"] == 1
-    assert manager.slots(table)[:5] == [table.block_ids[0] * 4 + i for i in range(4)] + [table.block_ids[1] * 4]
+    assert manager.slots(table)[:5] == ([table.block_ids[0] * 4 + i for i in range(4)]
+                                        + [table.block_ids[1] * 4])
     manager.release(table)
     assert cache.num_free_blocks()["cross"] == 4
     with pytest.raises(BlockStateError):

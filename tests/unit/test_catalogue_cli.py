@@ -33,7 +33,8 @@ def catalogue_file(tmp_path):
 
 @pytest.fixture()
 def recorded(monkeypatch):
-    """Replace `LLM` (records its kwargs and the params it generates with) and `LLMEngine` (records, stops)."""
+    """Replace `LLM` (records its kwargs and the params it generates with) and `LLMEngine`
+    (records, stops)."""
     seen: dict = {}
 
     class FakeLLM:
@@ -112,7 +113,8 @@ def test_generate_file_errors_name_the_flag(recorded, tmp_path, capsys):
     recorded["error"] = CatalogueError("catalogue file 'x.jsonl', line 3: not valid JSON")
     with pytest.raises(SystemExit):
         main(["generate", "p", "--catalogue", "x.jsonl"])
-    assert "error: argument --catalogue: catalogue file 'x.jsonl', line 3: not valid JSON" in capsys.readouterr().err
+    assert ("error: argument --catalogue: catalogue file 'x.jsonl', line 3: not valid JSON"
+            in capsys.readouterr().err)
 
 
 # -- serve ------------------------------------------------------------------------------------------
@@ -151,7 +153,8 @@ def test_serve_duplicate_catalogue_name(recorded, catalogue_file, capsys):
 def test_serve_engine_catalogue_error_names_the_flag(recorded, catalogue_file, capsys):
     from widebeam.catalogue.trie import CatalogueError
 
-    recorded["error"] = CatalogueError("catalogue file 'c.npy': expected integer token ids, got dtype float64")
+    recorded["error"] = CatalogueError("catalogue file 'c.npy': expected integer token ids, "
+                                       "got dtype float64")
     rc = main(["serve", "--catalogue", f"a={catalogue_file}"])
     assert rc == 2
     assert "widebeam serve: error: argument --catalogue: catalogue file 'c.npy'" in capsys.readouterr().err
@@ -194,7 +197,8 @@ def test_plan_catalogue_file_is_counted_exactly(capsys, catalogue_file, tmp_path
     array = tmp_path / "more.npy"
     np.save(array, np.array([[5, 6, 7, 8, 9, 10]]))
     both = plan_json(capsys, "--catalogue", f"items={catalogue_file}", "--catalogue", str(array))
-    assert both["catalogue"]["bytes"] == expected.nbytes + Catalogue.from_sequences([[5, 6, 7, 8, 9, 10]], 11).nbytes
+    assert both["catalogue"]["bytes"] == (expected.nbytes
+                                          + Catalogue.from_sequences([[5, 6, 7, 8, 9, 10]], 11).nbytes)
     assert both["catalogue"]["num_items"] == 5 and both["request"]["max_new_tokens"] == 7
 
 
@@ -228,5 +232,6 @@ def test_plan_with_a_catalogue_file_stays_torch_free(catalogue_file):
             "with contextlib.redirect_stdout(io.StringIO()):\n"
             f"    main(['plan', '--catalogue', {str(catalogue_file)!r}, '--json'])\n"
             "print('torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True,
+                         timeout=120)
     assert out.stdout.strip() == "False", out.stderr

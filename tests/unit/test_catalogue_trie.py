@@ -18,7 +18,8 @@ from widebeam.decoding.context import TokenHistory
 
 VOCAB = 12
 EOS = 0
-items_strategy = st.lists(st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=5), min_size=1, max_size=40)
+items_strategy = st.lists(st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=5), min_size=1,
+                          max_size=40)
 
 
 def reference(items):
@@ -45,7 +46,8 @@ def test_every_prefix_has_the_reference_children_and_ends(items):
     catalogue = Catalogue.from_sequences(items, VOCAB)
     children, ends = reference(items)
     assert catalogue.num_items == len(ends)
-    assert catalogue.num_nodes == 1 + len({tuple(item[:i]) for item in items for i in range(1, len(item) + 1)})
+    assert catalogue.num_nodes == 1 + len({tuple(item[:i])
+                                           for item in items for i in range(1, len(item) + 1)})
     for prefix, allowed in children.items():
         node = walk(catalogue, prefix)
         assert node >= 0 and catalogue.children(node) == sorted(allowed)

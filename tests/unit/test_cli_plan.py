@@ -11,8 +11,8 @@ import pytest
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "widebeam", *args], capture_output=True, text=True, timeout=120,
-                          check=False)
+    return subprocess.run([sys.executable, "-m", "widebeam", *args], capture_output=True, text=True,
+                          timeout=120, check=False)
 
 
 def test_plan_json_matches_the_formula():

@@ -49,8 +49,8 @@ def recorded(monkeypatch):
             self.engine = types.SimpleNamespace(apply_chat_template=lambda text: text)
 
         def generate(self, prompts, params, use_tqdm=False):
-            choice = types.SimpleNamespace(index=0, text="x", token_ids=[5], score=-1.0, cumulative_logprob=-1.0,
-                                           finish_reason="length")
+            choice = types.SimpleNamespace(index=0, text="x", token_ids=[5], score=-1.0,
+                                           cumulative_logprob=-1.0, finish_reason="length")
             return [types.SimpleNamespace(outputs=[choice], peak_blocks={}, required_blocks={},
                                           num_cached_tokens=32)]
 
@@ -98,7 +98,8 @@ def test_pin_files_become_the_engines_keyword_arguments(pins):
                                          "pinned_prefixes": [SYSTEM_TEXT, list(range(3, 43))]}
     assert prefix_cache_kwargs(argparse.Namespace(no_prefix_caching=True, pin_prefix=[])) == \
         {"enable_prefix_caching": False}
-    assert prefix_cache_kwargs(argparse.Namespace()) == {"enable_prefix_caching": True}  # bench: no pins at all
+    # bench: no pins at all
+    assert prefix_cache_kwargs(argparse.Namespace()) == {"enable_prefix_caching": True}
 
 
 @pytest.mark.parametrize("name, content, fragment", [
@@ -182,8 +183,10 @@ def test_engine_errors_about_pins_name_the_flag():
 
 # -- plan -------------------------------------------------------------------------------------------
 def plan_of(pins_ids, model="smollm2-135m-instruct", t=T, **request) -> dict:
-    inputs = PlanInputs(memory_bytes=request.pop("memory_bytes", 1 << 30), beam_width=request.pop("beam_width", 4),
-                        prompt_len=request.pop("prompt_len", 512), max_new_tokens=request.pop("max_new_tokens", 64),
+    inputs = PlanInputs(memory_bytes=request.pop("memory_bytes", 1 << 30),
+                        beam_width=request.pop("beam_width", 4),
+                        prompt_len=request.pop("prompt_len", 512),
+                        max_new_tokens=request.pop("max_new_tokens", 64),
                         tokens_per_block=t, pinned_prefixes=tuple(tuple(ids) for ids in pins_ids))
     return plan(load_arch(str(model)), inputs)
 
@@ -192,7 +195,8 @@ def plan_of(pins_ids, model="smollm2-135m-instruct", t=T, **request) -> dict:
 def long_model(tmp_path):
     """SmolLM2-135M's shape with a position limit past its pool, so a request can fill the whole pool."""
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(dict(BUILTIN_CONFIGS["smollm2-135m-instruct"], max_position_embeddings=1 << 20)))
+    path.write_text(json.dumps(dict(BUILTIN_CONFIGS["smollm2-135m-instruct"],
+                                    max_position_embeddings=1 << 20)))
     return path
 
 
@@ -237,7 +241,8 @@ def test_requests_at_once_use_the_capacity_less_pinned():
 
 
 def test_a_sliding_pool_pins_only_the_window_a_hit_needs():
-    pools = {p["name"]: p for p in plan_of([range(1000, 2000)], model="gemma3-270m", memory_bytes=2 << 30)["pools"]}
+    pools = {p["name"]: p for p in plan_of([range(1000, 2000)], model="gemma3-270m",
+                                           memory_bytes=2 << 30)["pools"]}
     assert pools["self"]["pinned_blocks"] == 1000 // T
     assert pools["sliding_512"]["pinned_blocks"] == 512 // T  # the window reached from the pin's end
     for p in pools.values():
@@ -333,7 +338,8 @@ def test_bench_computes_every_prompt_whole(tiny_llama_dir):
     from widebeam.llm import LLM
     from widebeam.params import SamplingParams
 
-    llm = LLM(str(tiny_llama_dir), device="cpu", tokens_per_block=8, kv_cache_memory=1 << 20, max_beam_width=4)
+    llm = LLM(str(tiny_llama_dir), device="cpu", tokens_per_block=8, kv_cache_memory=1 << 20,
+              max_beam_width=4)
     prompt = list(range(3, 43))
     assert [bench.run_widebeam(llm, prompt, 2, 4)["num_cached_tokens"] for _ in range(2)] == [0, 0]
     # caching is on: without the bench's reset the same prompt is a hit

@@ -51,8 +51,8 @@ def test_grouped_cross_attention_matches_the_reference(num_heads, num_kv_heads):
     query_start_loc = [0]
     for _, num_queries in seqs:
         query_start_loc.append(query_start_loc[-1] + num_queries)
-    meta = CrossAttentionMetadata(query_start_loc, [tables[r][0] for r, _ in seqs], [tables[r][1] for r, _ in seqs],
-                                  tokens_per_block=t)
+    meta = CrossAttentionMetadata(query_start_loc, [tables[r][0] for r, _ in seqs],
+                                  [tables[r][1] for r, _ in seqs], tokens_per_block=t)
     q = torch.randn(query_start_loc[-1], num_heads, head_dim)
     expected = cross_attention_reference(q, k_cache, v_cache, meta, scale=head_dim**-0.5)
     torch.testing.assert_close(cross_attention(q, k_cache, v_cache, meta, scale=head_dim**-0.5), expected)
@@ -77,7 +77,8 @@ def test_plan_shows_both_pools_and_cross_blocks_do_not_grow_with_beams(tiny_mari
     for model in ("opus-mt-en-de", str(tiny_marian_dir / "config.json")):
         arch = load_arch(model)
         for width in (1, 8):
-            result = plan(arch, PlanInputs(memory_bytes=2**30, beam_width=width, prompt_len=50, max_new_tokens=40,
+            result = plan(arch,
+                          PlanInputs(memory_bytes=2**30, beam_width=width, prompt_len=50, max_new_tokens=40,
                                            encoder_len=100))
             pools = {p["name"]: p for p in result["pools"]}
             assert set(pools) == {"self", "cross"}
@@ -92,8 +93,8 @@ def test_plan_shows_both_pools_and_cross_blocks_do_not_grow_with_beams(tiny_mari
 
 
 def test_plan_cli_lists_the_cross_pool():
-    proc = subprocess.run([sys.executable, "-m", "widebeam", "plan", "--model", "opus-mt-en-de", "--memory", "1GiB",
-                           "--beam-width", "8", "--prompt-len", "200", "--json"],
+    proc = subprocess.run([sys.executable, "-m", "widebeam", "plan", "--model", "opus-mt-en-de", "--memory",
+                           "1GiB", "--beam-width", "8", "--prompt-len", "200", "--json"],
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
     pools = {p["name"]: p for p in json.loads(proc.stdout)["pools"]}
@@ -105,8 +106,8 @@ def small_llm(tiny_marian_dir):
     """8 blocks of 4 tokens in each pool (tiny Marian: 1 KiB per token per pool, memory split by need)."""
     from widebeam.llm import LLM
 
-    llm = LLM(str(tiny_marian_dir), dtype="float32", device="cpu", tokens_per_block=4, kv_cache_memory="64KiB",
-              max_num_batched_tokens=64, max_beam_width=8)
+    llm = LLM(str(tiny_marian_dir), dtype="float32", device="cpu", tokens_per_block=4,
+              kv_cache_memory="64KiB", max_num_batched_tokens=64, max_beam_width=8)
     pools = llm.stats()["pools"]
     assert pools["self"]["total_blocks"] == pools["cross"]["total_blocks"] == 8
     return llm
@@ -120,7 +121,8 @@ def test_a_source_larger_than_the_cross_pool_is_rejected_and_the_engine_keeps_se
     engine = small_llm.engine
     too_long = [5] * 39 + [2]  # 40 tokens = 10 blocks of 4 > 8
     with pytest.raises(RequestTooLargeError) as info:
-        engine.add_request("long", {"prompt_token_ids": too_long}, BeamSearchParams(beam_width=2, max_new_tokens=4))
+        engine.add_request("long", {"prompt_token_ids": too_long},
+                           BeamSearchParams(beam_width=2, max_new_tokens=4))
     error = info.value
     assert (error.pool, error.required_blocks, error.capacity_blocks) == ("cross", 10, 8)
     assert "pool 'cross'" in str(error) and "encoder output has 40 tokens and at most 32 fit" in str(error)

@@ -15,7 +15,8 @@ from widebeam.config import EngineConfig
 from widebeam.defaults import DTYPES, FLOAT_DTYPES
 from widebeam.engine_args import OPTIONS, engine_config, engine_kwargs
 
-COMMANDS = {"serve": [], "generate": ["a prompt"], "batch": ["in.jsonl", "out.jsonl"], "plan": [], "bench": []}
+COMMANDS = {"serve": [], "generate": ["a prompt"], "batch": ["in.jsonl", "out.jsonl"], "plan": [],
+            "bench": []}
 
 
 def test_every_option_is_a_keyword_of_the_engine_with_the_same_default():
@@ -36,7 +37,8 @@ def test_every_front_end_takes_its_engine_options_from_the_table(command):
     assert {"model", "dtype", "tokens_per_block"} <= taken, taken
     dtype = next(a for a in sub._actions if "--dtype" in a.option_strings)
     # bench runs transformers beside widebeam: no float16 there; every other front end takes them all
-    assert tuple(dtype.choices) == (tuple(d for d in DTYPES if d != "float16") if command == "bench" else DTYPES)
+    assert tuple(dtype.choices) == (tuple(d for d in DTYPES if d != "float16") if command == "bench"
+                                    else DTYPES)
 
 
 def test_parsed_options_become_the_engines_config():

@@ -85,7 +85,8 @@ def test_beam_deltas_report_progress_and_finish_with_the_beams(engine):
 
 def test_streaming_2000_tokens_costs_linear_detokenization_work(engine):
     engine.tokenizer.decoded_tokens = 0
-    deltas = run(engine, "long", [5, 6, 7], SamplingParams(max_new_tokens=2000, temperature=0, ignore_eos=True))
+    deltas = run(engine, "long", [5, 6, 7],
+                 SamplingParams(max_new_tokens=2000, temperature=0, ignore_eos=True))
     assert deltas[-1].num_generated_tokens == 2000
     # Re-decoding the whole output every step would pass about 2,000,000 tokens to the tokenizer.
     assert engine.tokenizer.decoded_tokens <= 5 * 2000, engine.tokenizer.decoded_tokens

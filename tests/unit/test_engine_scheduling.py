@@ -40,7 +40,8 @@ def run_all(engine, max_steps=10_000):
 def test_oversized_request_is_rejected_while_running_ones_finish(tiny_llama_dir):
     llm = make_llm(tiny_llama_dir, 60)
     engine = llm.engine
-    engine.add_request("small", ids([5] * 10), SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True))
+    engine.add_request("small", ids([5] * 10),
+                       SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True))
     engine.step()
     with pytest.raises(RequestTooLargeError) as info:
         engine.add_request("huge", ids([6] * 30), BeamSearchParams(beam_width=32, max_new_tokens=20))
@@ -83,7 +84,8 @@ def test_beam_and_greedy_requests_share_steps_and_match_running_alone(tiny_llama
         "greedy": (ids([9, 8, 7, 6, 5]), SamplingParams(max_new_tokens=10, temperature=0)),
         "beam4": (ids(list(range(10, 31))), BeamSearchParams(beam_width=4, max_new_tokens=10)),
         "sampled": (ids([3] * 9), SamplingParams(max_new_tokens=10, temperature=0.8, seed=5)),
-        "beam16": (ids([4, 40, 44] * 5), BeamSearchParams(beam_width=16, max_new_tokens=8, num_return_sequences=3)),
+        "beam16": (ids([4, 40, 44] * 5),
+                   BeamSearchParams(beam_width=16, max_new_tokens=8, num_return_sequences=3)),
     }
     for request_id, (prompt, params) in requests.items():
         engine.add_request(request_id, prompt, params)
@@ -118,7 +120,8 @@ def test_long_prompts_are_prefilled_in_chunks(tiny_llama_dir):
         chunks += [s.num_prompt_tokens for s in engine.last_schedule.scheduled if s.num_prompt_tokens]
     assert chunks == [16, 16, 16, 2]
     unchunked = make_llm(tiny_llama_dir, 100)
-    (reference,) = unchunked.generate([ids(prompt)], SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True),
+    (reference,) = unchunked.generate([ids(prompt)],
+                                      SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True),
                                       use_tqdm=False)
     assert outputs["long"].outputs[0].token_ids == reference.outputs[0].token_ids
 
@@ -161,8 +164,10 @@ def test_randomized_soak_returns_every_block(tiny_llama_dir):
         elif kind < 0.5:
             params = SamplingParams(max_new_tokens=max_new, temperature=1.0, top_p=0.9, seed=n)
         else:
-            params = BeamSearchParams(beam_width=rng.choice([1, 2, 3, 4, 8, 16, 32, 64]), max_new_tokens=max_new,
-                                      length_penalty=rng.choice([0.0, 1.0]), early_stopping=rng.choice([True, False]))
+            params = BeamSearchParams(beam_width=rng.choice([1, 2, 3, 4, 8, 16, 32, 64]),
+                                      max_new_tokens=max_new,
+                                      length_penalty=rng.choice([0.0, 1.0]),
+                                      early_stopping=rng.choice([True, False]))
         try:
             engine.add_request(request_id, ids(prompt), params)
         except (RequestTooLargeError, InvalidParameterError):
@@ -196,7 +201,8 @@ def test_randomized_soak_returns_every_block(tiny_llama_dir):
 def test_default_sizing_runs_the_warm_up_and_stays_modest_on_cpu(tiny_llama_dir):
     from widebeam.defaults import DEFAULT_CPU_KV_CACHE_BYTES
 
-    llm = LLM(str(tiny_llama_dir), device="cpu", tokens_per_block=4, max_num_batched_tokens=64, max_beam_width=8)
+    llm = LLM(str(tiny_llama_dir), device="cpu", tokens_per_block=4, max_num_batched_tokens=64,
+              max_beam_width=8)
     pool = llm.stats()["pools"]["self"]
     assert 0 < pool["total_blocks"] * BYTES_PER_BLOCK <= DEFAULT_CPU_KV_CACHE_BYTES
     assert llm.engine.activation_peak_bytes >= 0
@@ -207,7 +213,8 @@ def test_attention_backend_is_chosen_once_for_the_engine(tiny_llama_dir):
     """The plain-PyTorch reference and the fast default give the same beams through the engine; an
     unknown name is refused at start-up, naming the ones there are."""
     params = BeamSearchParams(beam_width=6, max_new_tokens=10, ignore_eos=True)
-    outs = {name: make_llm(tiny_llama_dir, 200, attention_backend=name).generate(ids(list(range(3, 40))), params)[0]
+    outs = {name: make_llm(tiny_llama_dir, 200, attention_backend=name).generate(ids(list(range(3, 40))),
+                                                                                 params)[0]
             for name in ("reference", "sdpa")}
     for ref, fast in zip(outs["reference"].outputs, outs["sdpa"].outputs, strict=True):
         assert ref.token_ids == fast.token_ids

@@ -85,10 +85,12 @@ ODD_NUMBERS = st.one_of(st.integers(-2**70, 2**70), st.floats(allow_nan=True, al
                         st.sampled_from([0, 1, -1, 2**63, 10**12, 1e-300, 1000.0, -20.0, 10.0, -10.0, True]),
                         st.none(), st.text(max_size=3))
 BOUNDARY_IDS = st.sampled_from([0, 1, 2, 49151, 49152, 10**12, 2**63, 2**64, 2**70])
-ODD_IDS = st.one_of(st.lists(BOUNDARY_IDS, min_size=1, max_size=3), st.lists(BOUNDARY_IDS, min_size=1, max_size=3),
+ODD_IDS = st.one_of(st.lists(BOUNDARY_IDS, min_size=1, max_size=3),
+                    st.lists(BOUNDARY_IDS, min_size=1, max_size=3),
                     st.lists(st.integers(-2**65, 2**65), max_size=3), st.integers(-5, 200), st.floats(),
                     st.text(max_size=2), st.none())
-ODD_TEXT = st.one_of(st.text(max_size=12), st.sampled_from(["", "abc\ud800def", "\x00", "\ud83d", " ", "é" * 5]))
+ODD_TEXT = st.one_of(st.text(max_size=12),
+                     st.sampled_from(["", "abc\ud800def", "\x00", "\ud83d", " ", "é" * 5]))
 ODD_STOPS = st.one_of(st.lists(ODD_TEXT, max_size=2), ODD_TEXT, st.none(), st.integers())
 
 
@@ -97,8 +99,8 @@ def requests(draw):
     """A valid request with up to two fields (or the prompt) replaced by odd values: each odd value
     meets an otherwise runnable request, so a step would see it if admission let it through."""
     prompt = draw(st.one_of(st.sampled_from(["Hello there", "a b c", "é世界🎉"]),
-                            st.fixed_dictionaries({"prompt_token_ids": st.lists(st.integers(0, 49151), min_size=1,
-                                                                                 max_size=8)})))
+                            st.fixed_dictionaries({"prompt_token_ids": st.lists(st.integers(0, 49151),
+                                                                                 min_size=1, max_size=8)})))
     if draw(st.booleans()):
         kind, fields = BeamSearchParams, {"beam_width": draw(st.integers(1, 6)), "max_new_tokens": 4}
         odd = {"beam_width": ODD_NUMBERS, "length_penalty": ODD_NUMBERS, "num_return_sequences": ODD_NUMBERS,
@@ -112,7 +114,8 @@ def requests(draw):
     for name in draw(st.lists(st.sampled_from(sorted(odd)), unique=True, max_size=2)):
         fields[name] = draw(odd[name])
     if draw(st.integers(0, 4)) == 0:
-        prompt = draw(st.one_of(ODD_TEXT, st.lists(st.one_of(st.integers(-3, 2**65), st.booleans()), max_size=5),
+        prompt = draw(st.one_of(ODD_TEXT,
+                                st.lists(st.one_of(st.integers(-3, 2**65), st.booleans()), max_size=5),
                                 st.just({"text": "x"}), st.none(), st.integers()))
     return prompt, kind, fields
 

@@ -19,8 +19,8 @@ GREEDY = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
-    return LLM(str(tiny_llama_dir), device="cpu", tokens_per_block=4, kv_cache_memory=40 * 4 * 2 * 2 * 2 * 16 * 4,
-               max_seq_len=64)
+    return LLM(str(tiny_llama_dir), device="cpu", tokens_per_block=4,
+               kv_cache_memory=40 * 4 * 2 * 2 * 2 * 16 * 4, max_seq_len=64)
 
 
 def free_blocks(llm) -> int:
@@ -68,16 +68,19 @@ def test_text_prompt_without_tokenizer_says_to_pass_ids(llm):
 
 
 def test_missing_max_new_tokens_defaults_to_the_rest_of_max_seq_len(llm):
-    (out,) = llm.generate([{"prompt_token_ids": [5] * 60}], GREEDY.replace(max_new_tokens=None), use_tqdm=False)
+    (out,) = llm.generate([{"prompt_token_ids": [5] * 60}], GREEDY.replace(max_new_tokens=None),
+                          use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].finish_reason == "length"
 
 
 def test_batch_with_one_impossible_prompt_runs_nothing_and_names_it(tiny_llama_dir):
-    small = LLM(str(tiny_llama_dir), device="cpu", tokens_per_block=4, kv_cache_memory=10 * 4 * 2 * 2 * 2 * 16 * 4)
+    small = LLM(str(tiny_llama_dir), device="cpu", tokens_per_block=4,
+                kv_cache_memory=10 * 4 * 2 * 2 * 2 * 16 * 4)
     assert small.stats()["pools"]["self"]["total_blocks"] == 10
     batch = [{"prompt_token_ids": [5] * 8}, {"prompt_token_ids": [6] * 39}]
     # one sequence can hold at most the pool's 40 tokens, so max_seq_len (40) rejects it first
-    with pytest.raises(InvalidParameterError, match=r"prompt 1 of the batch: .*39 tokens.*max_seq_len \(40\)"):
+    with pytest.raises(InvalidParameterError,
+                       match=r"prompt 1 of the batch: .*39 tokens.*max_seq_len \(40\)"):
         small.generate(batch, GREEDY.replace(max_new_tokens=4), use_tqdm=False)
     stats = small.stats()
     assert stats["waiting"] == 0 and stats["running"] == 0 and stats["rejected"] == 1
@@ -88,7 +91,8 @@ def test_batch_with_one_impossible_prompt_runs_nothing_and_names_it(tiny_llama_d
 
 
 def test_requests_that_do_not_fit_together_wait_and_all_finish(tiny_llama_dir):
-    small = LLM(str(tiny_llama_dir), device="cpu", tokens_per_block=4, kv_cache_memory=10 * 4 * 2 * 2 * 2 * 16 * 4)
+    small = LLM(str(tiny_llama_dir), device="cpu", tokens_per_block=4,
+                kv_cache_memory=10 * 4 * 2 * 2 * 2 * 16 * 4)
     # each needs ceil((12 + 8) / 4) = 5 blocks: two run at once, the rest wait their turn
     outputs = small.generate([{"prompt_token_ids": [5 + i] * 12} for i in range(5)],
                              GREEDY.replace(max_new_tokens=8), use_tqdm=False)

@@ -19,11 +19,13 @@ class SlidingTrace:
     """Drives the engine's own coordinator (`RequestKV`) on a pool sized to exactly the bound, and
     checks the bound after every single allocation the pool makes."""
 
-    def __init__(self, prompt_tokens, max_new_tokens, beam_width, tokens_per_block, window_tokens, chunk_tokens):
+    def __init__(self, prompt_tokens, max_new_tokens, beam_width, tokens_per_block, window_tokens,
+                 chunk_tokens):
         self.request = KVRequest(prompt_tokens, max_new_tokens, beam_width)
-        spec = SlidingWindowSpec(name="sliding", num_layers=1, num_kv_heads=1, head_dim=8, window_tokens=window_tokens)
-        self.required_blocks = sliding_window_blocks(prompt_tokens, max_new_tokens, beam_width, tokens_per_block,
-                                                     window_tokens, chunk_tokens)
+        spec = SlidingWindowSpec(name="sliding", num_layers=1, num_kv_heads=1, head_dim=8,
+                                 window_tokens=window_tokens)
+        self.required_blocks = sliding_window_blocks(prompt_tokens, max_new_tokens, beam_width,
+                                                     tokens_per_block, window_tokens, chunk_tokens)
         self.cache = KVCache([(spec, self.required_blocks)], tokens_per_block, chunk_tokens)
         self.pool = self.cache["sliding"].pool
         assert self.cache["sliding"].required_blocks(self.request) == self.required_blocks
@@ -93,22 +95,24 @@ SIZES = {
 @given(data=st.data(), **SIZES)
 def test_random_traces_never_exceed_required(prompt_tokens, max_new_tokens, beam_width, tokens_per_block,
                                              window_tokens, chunk_tokens, data):
-    trace = SlidingTrace(prompt_tokens, max_new_tokens, beam_width, tokens_per_block, window_tokens, chunk_tokens)
+    trace = SlidingTrace(prompt_tokens, max_new_tokens, beam_width, tokens_per_block, window_tokens,
+                         chunk_tokens)
     chunks, left = [], prompt_tokens
     while left:
         chunks.append(data.draw(st.integers(1, min(left, chunk_tokens))))
         left -= chunks[-1]
     beams = trace.prefill(chunks)
     for _ in range(data.draw(st.integers(0, max_new_tokens - 1))):
-        parents = data.draw(st.lists(st.integers(0, len(beams) - 1), min_size=len(beams), max_size=len(beams)))
+        parents = data.draw(st.lists(st.integers(0, len(beams) - 1), min_size=len(beams),
+                                     max_size=len(beams)))
         beams = trace.step(parents)
     trace.finish(beams)
 
 
 @settings(max_examples=200, deadline=None)
 @given(**SIZES)
-def test_adversarial_traces_reach_required_exactly(prompt_tokens, max_new_tokens, beam_width, tokens_per_block,
-                                                   window_tokens, chunk_tokens):
+def test_adversarial_traces_reach_required_exactly(prompt_tokens, max_new_tokens, beam_width,
+                                                   tokens_per_block, window_tokens, chunk_tokens):
     """Some chunking of the prompt, then every beam diverging, holds exactly the bound."""
     peak = 0
     for first in range(min(prompt_tokens, window_tokens + 2 * tokens_per_block + chunk_tokens) + 1):

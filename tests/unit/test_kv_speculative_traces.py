@@ -124,8 +124,8 @@ def draw_parents(data, live, beam_width):
 @settings(max_examples=1000, deadline=None)
 @given(data=st.data(), prompt_tokens=st.integers(1, 40), max_new_tokens=st.integers(1, 16),
        beam_width=st.integers(1, 5), tokens_per_block=st.sampled_from([1, 2, 3, 4, 8, 16]),
-       window_tokens=st.integers(3, 20), speculative_tokens=st.integers(0, 5), chunk_tokens=st.integers(1, 24),
-       encoder_tokens=st.integers(0, 20))
+       window_tokens=st.integers(3, 20), speculative_tokens=st.integers(0, 5),
+       chunk_tokens=st.integers(1, 24), encoder_tokens=st.integers(0, 20))
 def test_random_speculative_rounds_stay_within_every_pool(data, prompt_tokens, max_new_tokens, beam_width,
                                                           tokens_per_block, window_tokens, speculative_tokens,
                                                           chunk_tokens, encoder_tokens):

@@ -100,7 +100,8 @@ def gemma3_llms(gemma3_dir):
     def get(tokens_per_block):
         if tokens_per_block not in llms:
             llms[tokens_per_block] = LLM(str(gemma3_dir), device="cpu", tokens_per_block=tokens_per_block,
-                                         kv_cache_memory="4MiB", max_beam_width=16, enable_prefix_caching=False)
+                                         kv_cache_memory="4MiB", max_beam_width=16,
+                                         enable_prefix_caching=False)
         return llms[tokens_per_block]
     return get
 
@@ -110,7 +111,8 @@ def test_every_beam_diverging_reaches_the_bound_in_self_and_sliding_pools(
         gemma3_llms, prompt_tokens, max_new_tokens, beam_width, tokens_per_block):
     llm = gemma3_llms(tokens_per_block)
     p, n, w, t = prompt_tokens, max_new_tokens, beam_width, tokens_per_block
-    output = run(llm, list(range(3, 3 + p)), BeamSearchParams(beam_width=w, max_new_tokens=n, ignore_eos=True))
+    output = run(llm, list(range(3, 3 + p)),
+                 BeamSearchParams(beam_width=w, max_new_tokens=n, ignore_eos=True))
     sliding = f"sliding_{WINDOW}"
     chunk = llm.engine.scheduler.max_num_batched_tokens
     assert output.required_blocks["self"] == full_attention_blocks(p, n, w, t)
@@ -144,7 +146,8 @@ MARIAN_CASES = [(7, 8, 4), (13, 5, 6), (4, 12, 3), (1, 3, 2)]
 def test_encoder_decoder_reaches_the_bound_in_self_and_cross_pools(marian_llm, encoder_tokens, max_new_tokens,
                                                                    beam_width):
     e, n, w, t = encoder_tokens, max_new_tokens, beam_width, 4
-    output = run(marian_llm, list(range(3, 3 + e)), BeamSearchParams(beam_width=w, max_new_tokens=n, ignore_eos=True))
+    output = run(marian_llm, list(range(3, 3 + e)),
+                 BeamSearchParams(beam_width=w, max_new_tokens=n, ignore_eos=True))
     assert output.required_blocks["cross"] == output.peak_blocks["cross"] == cross_attention_blocks(e, t)
     assert output.required_blocks["self"] == full_attention_blocks(1, n, w, t)
     assert output.peak_blocks["self"] == written_blocks(1, n, w, t)

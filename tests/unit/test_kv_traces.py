@@ -30,7 +30,8 @@ class CheckedTrace:
 
     def __init__(self, prompt_tokens: int, max_new_tokens: int, beam_width: int, tokens_per_block: int):
         self.request = KVRequest(prompt_tokens, max_new_tokens, beam_width)
-        self.required_blocks = full_attention_blocks(prompt_tokens, max_new_tokens, beam_width, tokens_per_block)
+        self.required_blocks = full_attention_blocks(prompt_tokens, max_new_tokens, beam_width,
+                                                     tokens_per_block)
         self.pool = BlockPool(self.required_blocks, name="self")
         self.manager = FullAttentionManager(SPEC, self.pool, tokens_per_block)
         assert self.manager.required_blocks(self.request) == self.required_blocks
@@ -91,7 +92,8 @@ def _chunks(data, prompt_tokens: int) -> list[int]:
     tokens_per_block=TOKENS_PER_BLOCK,
     data=st.data(),
 )
-def test_random_traces_never_exceed_required(prompt_tokens, max_new_tokens, beam_width, tokens_per_block, data):
+def test_random_traces_never_exceed_required(prompt_tokens, max_new_tokens, beam_width, tokens_per_block,
+                                             data):
     trace = CheckedTrace(prompt_tokens, max_new_tokens, beam_width, tokens_per_block)
     beams = trace.prefill(_chunks(data, prompt_tokens))
     for _ in range(data.draw(st.integers(0, max_new_tokens - 1), label="steps")):
@@ -122,8 +124,8 @@ ADVERSARIAL_PATTERNS = {
     tokens_per_block=TOKENS_PER_BLOCK,
     pattern=st.sampled_from(sorted(ADVERSARIAL_PATTERNS)),
 )
-def test_adversarial_traces_reach_required_exactly(prompt_tokens, max_new_tokens, beam_width, tokens_per_block,
-                                                   pattern):
+def test_adversarial_traces_reach_required_exactly(prompt_tokens, max_new_tokens, beam_width,
+                                                   tokens_per_block, pattern):
     trace = CheckedTrace(prompt_tokens, max_new_tokens, beam_width, tokens_per_block)
     beams = trace.prefill([prompt_tokens])
     for step in range(max_new_tokens - 1):
@@ -148,7 +150,8 @@ def test_one_surviving_branch_holds_like_greedy(prompt_tokens, max_new_tokens, b
     survivor = beams[0]
     for beam in beams[1:]:
         trace.manager.release(beam)
-    assert trace.holding.num_held_blocks == full_attention_blocks(prompt_tokens, max_new_tokens, 1, tokens_per_block)
+    assert trace.holding.num_held_blocks == full_attention_blocks(prompt_tokens, max_new_tokens, 1,
+                                                                  tokens_per_block)
     trace.finish([survivor])
 
 

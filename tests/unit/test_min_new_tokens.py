@@ -46,6 +46,7 @@ def test_forced_eos_overrides_min_new_tokens_as_in_transformers(tmp_path):
                           (4, BeamSearchParams(beam_width=4, max_new_tokens=5, min_new_tokens=5))):
         (out,) = llm.generate([{"prompt_token_ids": source}], params, use_tqdm=False)
         with torch.no_grad():
-            expected = MarianMTModel.generate(hf, torch.tensor([source]), num_beams=width, **settings)[0, 1:].tolist()
+            expected = MarianMTModel.generate(hf, torch.tensor([source]), num_beams=width,
+                                              **settings)[0, 1:].tolist()
         assert out.outputs, "forced EOS and min_new_tokens left no token to choose"
         assert out.outputs[0].token_ids == expected and expected[-1] == TINY_MARIAN_EOS

@@ -35,8 +35,9 @@ def test_validation(cls):
     params = cls()
     assert (params.repetition_penalty, params.presence_penalty, params.frequency_penalty) == (1.0, 0.0, 0.0)
     cls(repetition_penalty=0.5, presence_penalty=-2, frequency_penalty=2.0)
-    for name, bad in [("repetition_penalty", 0), ("repetition_penalty", -1.0), ("repetition_penalty", math.inf),
-                      ("repetition_penalty", math.nan), ("repetition_penalty", True), ("repetition_penalty", "2"),
+    for name, bad in [("repetition_penalty", 0), ("repetition_penalty", -1.0),
+                      ("repetition_penalty", math.inf), ("repetition_penalty", math.nan),
+                      ("repetition_penalty", True), ("repetition_penalty", "2"),
                       ("presence_penalty", 2.5), ("presence_penalty", -2.01), ("presence_penalty", math.nan),
                       ("frequency_penalty", 3), ("frequency_penalty", None), ("frequency_penalty", False)]:
         with pytest.raises(InvalidParameterError) as error:
@@ -128,9 +129,11 @@ def test_engine_adds_penalties_first_and_nothing_when_off(llm):
     decoder = engine_decoder(engine, SamplingParams(temperature=0, presence_penalty=0.5, min_new_tokens=2), 8,
                               prompt_token_ids=[1, 2])
     assert isinstance(decoder, SamplingDecoder) and not decoder.batched_greedy
-    assert isinstance(decoder.processors[0], TokenPenalties) and isinstance(decoder.processors[1], BanUntilMinTokens)
+    assert (isinstance(decoder.processors[0], TokenPenalties)
+            and isinstance(decoder.processors[1], BanUntilMinTokens))
     assert decoder.history.ids(CPU).tolist() == [[1, 2]]  # the one history the processors read
-    decoder = engine_decoder(engine, BeamSearchParams(beam_width=4, repetition_penalty=1.2), 8, prompt_token_ids=[1, 2])
+    decoder = engine_decoder(engine, BeamSearchParams(beam_width=4, repetition_penalty=1.2), 8,
+                             prompt_token_ids=[1, 2])
     assert isinstance(decoder, BeamDecoder) and isinstance(decoder.processors[0], TokenPenalties)
     assert decoder.history.ids(CPU).tolist() == [[1, 2]]
 
@@ -138,7 +141,8 @@ def test_engine_adds_penalties_first_and_nothing_when_off(llm):
 def test_speculative_greedy_with_penalties_equals_plain_greedy(llm, tiny_llama_dir):
     """Prompt-lookup drafts verified one position at a time: the penalties see each verified token."""
     plain = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", kv_cache_memory="8MiB")
-    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 5, 6, 7, 9, 10, 5, 6]}, {"prompt_token_ids": [3, 4, 50, 60] * 3}]
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 5, 6, 7, 9, 10, 5, 6]},
+               {"prompt_token_ids": [3, 4, 50, 60] * 3}]
     for params in (SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True, repetition_penalty=1.4),
                    SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True, frequency_penalty=0.7,
                                   presence_penalty=0.3)):

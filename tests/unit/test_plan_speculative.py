@@ -59,8 +59,10 @@ def test_draft_row_follows_the_formula_with_d(d):
     assert draft_pool["required_blocks"] == required(P, N, W, T, d)
     assert pools["self"]["required_blocks"] == required(P, N, W, T, d)
     assert result["speculative"] == {"method": "draft", "model": SMOLLM2, "num_speculative_tokens": d,
-                                     "draft_model": SMOLLM2, "draft_weight_bytes": arch.weight_bytes("bfloat16"),
-                                     "draft_activation_reserve_bytes": result["activation_reserve_bytes"] // 2}
+                                     "draft_model": SMOLLM2,
+                                     "draft_weight_bytes": arch.weight_bytes("bfloat16"),
+                                     "draft_activation_reserve_bytes":
+                                         result["activation_reserve_bytes"] // 2}
 
 
 def test_d_increases_the_targets_required_blocks():
@@ -153,14 +155,14 @@ def test_memory_too_small_counts_the_draft():
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "widebeam", *args], check=False, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run([sys.executable, "-m", "widebeam", *args], check=False, capture_output=True,
+                          text=True, timeout=120)
 
 
 def test_plan_json_has_the_speculative_entry_and_the_draft_rows():
-    proc = run_cli("plan", "--model", SMOLLM2, "--speculative-model", SMOLLM2, "--num-speculative-tokens", "3",
-                   "--memory", "1GiB", "--beam-width", str(W), "--prompt-len", str(P), "--max-new-tokens", str(N),
-                   "--json")
+    proc = run_cli("plan", "--model", SMOLLM2, "--speculative-model", SMOLLM2, "--num-speculative-tokens",
+                   "3", "--memory", "1GiB", "--beam-width", str(W), "--prompt-len", str(P),
+                   "--max-new-tokens", str(N), "--json")
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert {k: result["speculative"][k] for k in ("method", "model", "num_speculative_tokens")} == \
@@ -170,15 +172,17 @@ def test_plan_json_has_the_speculative_entry_and_the_draft_rows():
 
 
 def test_plan_ngram_json_and_table():
-    proc = run_cli("plan", "--model", SMOLLM2, "--speculative-method", "ngram", "--num-speculative-tokens", "9",
-                   "--beam-width", str(W), "--prompt-len", str(P), "--max-new-tokens", str(N), "--json")
+    proc = run_cli("plan", "--model", SMOLLM2, "--speculative-method", "ngram", "--num-speculative-tokens",
+                   "9", "--beam-width", str(W), "--prompt-len", str(P), "--max-new-tokens", str(N), "--json")
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert result["speculative"] == {"method": "ngram", "model": None, "num_speculative_tokens": 9}
     assert [(p["name"], p["required_blocks"]) for p in result["pools"]] == [("self", required(P, N, W, T, 9))]
-    table = run_cli("plan", "--model", "gemma3-270m", "--speculative-model", "gemma3-270m", "--memory", "2GiB")
+    table = run_cli("plan", "--model", "gemma3-270m", "--speculative-model", "gemma3-270m", "--memory",
+                    "2GiB")
     assert table.returncode == 0, table.stderr
-    for fragment in ("draft/sliding_512", "incl. draft", "+4 speculative per sequence", "draft gemma3-270m, D=4"):
+    for fragment in ("draft/sliding_512", "incl. draft", "+4 speculative per sequence",
+                     "draft gemma3-270m, D=4"):
         assert fragment in table.stdout
 
 
@@ -188,5 +192,6 @@ def test_plan_with_a_draft_stays_torch_free():
             "    main(['plan', '--model', 'gemma3-270m', '--speculative-model', 'gemma3-270m',"
             " '--num-speculative-tokens', '4', '--json'])\n"
             "print('torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True,
+                         timeout=120)
     assert out.stdout.strip() == "False", out.stderr

@@ -25,7 +25,8 @@ def requests_for(width_cap: int = 32, prompt=PROMPT, eos_free: bool = True):
         "greedy": (prompt, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=eos_free)),
         "sampled": (prompt[:13], SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.95, seed=11)),
         "beam4": (prompt[2:], BeamSearchParams(beam_width=4, max_new_tokens=10, **beam)),
-        f"beam{width_cap}": ([t + 60 for t in prompt[:17]], BeamSearchParams(beam_width=width_cap, max_new_tokens=8,
+        f"beam{width_cap}": ([t + 60 for t in prompt[:17]],
+                             BeamSearchParams(beam_width=width_cap, max_new_tokens=8,
                                                           num_return_sequences=3, **beam)),
     }
 
@@ -83,7 +84,8 @@ def assert_same(got, expected):
         # recomputed K/V in other batch shapes: float rounding in the last bits, nothing more
         assert [c.cumulative_logprob for c in have.outputs] == pytest.approx(
             [c.cumulative_logprob for c in want.outputs], abs=1e-4), request_id
-        assert [c.score for c in have.outputs] == pytest.approx([c.score for c in want.outputs], abs=1e-4), request_id
+        assert [c.score for c in have.outputs] == pytest.approx(
+            [c.score for c in want.outputs], abs=1e-4), request_id
         assert all(have.peak_blocks[p] <= have.required_blocks[p] for p in have.required_blocks), request_id
 
 
@@ -101,8 +103,8 @@ FORCED = {
     "during prefill": {"greedy": ["prefill"], "beam4": ["prefill"], "beam32": ["prefill"]},
     "right after prefill": {request_id: ["first token"] for request_id in ALL},
     "mid-decode": {request_id: ["decode"] for request_id in ALL},
-    "twice": {"greedy": ["prefill", "decode"], "sampled": ["first token", "decode"], "beam4": ["decode", "decode"],
-              "beam32": ["first token", "first token"]},
+    "twice": {"greedy": ["prefill", "decode"], "sampled": ["first token", "decode"],
+              "beam4": ["decode", "decode"], "beam32": ["first token", "first token"]},
 }
 
 
@@ -136,8 +138,8 @@ def test_a_request_preempted_every_few_steps_still_matches(tiny_llama_dir, llama
 # Four W=8 beam searches and two greedy requests, N=24: their worst cases (50-58 blocks each) run one at
 # a time in a pool of 64 blocks under guaranteed_no_evict; max_utilization runs them together until the
 # pool runs short, then preempts.
-CROWD = {f"beam{i}": ([5 + 7 * i + j for j in range(8 + i)], BeamSearchParams(beam_width=8, max_new_tokens=24,
-                                                                                ignore_eos=True)) for i in range(4)}
+CROWD = {f"beam{i}": ([5 + 7 * i + j for j in range(8 + i)],
+                      BeamSearchParams(beam_width=8, max_new_tokens=24, ignore_eos=True)) for i in range(4)}
 CROWD.update({f"greedy{i}": ([90 + i] * 6, SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True))
               for i in range(2)})
 
@@ -226,7 +228,8 @@ def test_sliding_window_outputs_survive_preemption(gemma3_dir, policy):
 def test_logprobs_and_catalogue_beams_survive_preemption(tiny_llama_dir):
     """Per-token log-probs, prompt log-probs (recomputed with the prompt) and catalogue-constrained beams
     (per-beam trie state, untouched while tokens are re-fed) come out as without preemption."""
-    catalogue = [[5, 6, 7, 8], [5, 6, 9, 10], [5, 11, 12, 13], [14, 15, 16, 17], [14, 15, 18, 19], [20, 21, 22, 23]]
+    catalogue = [[5, 6, 7, 8], [5, 6, 9, 10], [5, 11, 12, 13], [14, 15, 16, 17], [14, 15, 18, 19],
+                 [20, 21, 22, 23]]
     requests = {
         "logprobs": (PROMPT, SamplingParams(max_new_tokens=8, temperature=0, logprobs=3, prompt_logprobs=2,
                                             ignore_eos=True)),
@@ -244,10 +247,12 @@ def test_logprobs_and_catalogue_beams_survive_preemption(tiny_llama_dir):
 
     def assert_same_entries(have, want):
         # the same tokens ranked; their log-probs within float rounding (recomputed in other batch shapes)
-        assert [None if e is None else list(e) for e in have] == [None if e is None else list(e) for e in want]
+        assert ([None if e is None else list(e) for e in have]
+                == [None if e is None else list(e) for e in want])
         for h, w in zip(have, want):
             if w is not None:
-                assert [lp.logprob for lp in h.values()] == pytest.approx([lp.logprob for lp in w.values()], abs=1e-4)
+                assert [lp.logprob for lp in h.values()] == pytest.approx([lp.logprob for lp in w.values()],
+                                                                          abs=1e-4)
 
     assert_same_entries(got["logprobs"].prompt_logprobs, reference["logprobs"].prompt_logprobs)
     assert_same_entries(got["logprobs"].outputs[0].logprobs, reference["logprobs"].outputs[0].logprobs)

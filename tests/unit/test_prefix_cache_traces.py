@@ -33,7 +33,8 @@ FULL = FullAttentionSpec(name="self", num_layers=1, num_kv_heads=1, head_dim=8)
 
 
 def sliding(window_tokens: int) -> SlidingWindowSpec:
-    return SlidingWindowSpec(name="sliding", num_layers=1, num_kv_heads=1, head_dim=8, window_tokens=window_tokens)
+    return SlidingWindowSpec(name="sliding", num_layers=1, num_kv_heads=1, head_dim=8,
+                             window_tokens=window_tokens)
 
 
 class SimRequest:
@@ -46,7 +47,8 @@ class SimRequest:
         self.prompt = prompt
         self.beam_width = beam_width
         self.key = cache.prefix_key(prompt)
-        self.admission = admit_check(cache, max_seq_len, len(prompt), max_new_tokens, beam_width, key=self.key)
+        self.admission = admit_check(cache, max_seq_len, len(prompt), max_new_tokens, beam_width,
+                                     key=self.key)
         self.max_new_tokens = max_new_tokens
         self.kv = cache.new_request(self.key)
         self.rng = rng
@@ -107,7 +109,8 @@ class Simulator:
             for i, block_id in enumerate(entries):
                 if block_id != DROPPED:
                     got = [self.written[name].get(block_id * self.t + o) for o in range(self.t)]
-                    assert got == request.prompt[i * self.t:(i + 1) * self.t], f"{name}: hit block {i} is stale"
+                    assert got == request.prompt[i * self.t:(i + 1) * self.t], \
+                        f"{name}: hit block {i} is stale"
 
     def sequence_tokens(self, request: SimRequest, seq: int) -> list[int]:
         return request.prompt + (request.beams[seq] if request.beams else [])
@@ -253,13 +256,15 @@ def make_cache(num_full_blocks, num_sliding_blocks, tokens_per_block, window_tok
        window_tokens=st.integers(2, 24), with_sliding=st.booleans(), num_full_blocks=st.integers(8, 80),
        num_sliding_blocks=st.integers(6, 40), chunk=st.integers(3, 48), num_pins=st.integers(0, 1),
        abort_probability=st.sampled_from([0.0, 0.05]))
-def test_random_workloads_with_shared_prefixes(seed, tokens_per_block, window_tokens, with_sliding, num_full_blocks,
+def test_random_workloads_with_shared_prefixes(seed, tokens_per_block, window_tokens, with_sliding,
+                                               num_full_blocks,
                                                num_sliding_blocks, chunk, num_pins, abort_probability):
-    run_random_workload(seed, tokens_per_block, window_tokens, with_sliding, num_full_blocks, num_sliding_blocks,
-                        chunk, num_pins, abort_probability)
+    run_random_workload(seed, tokens_per_block, window_tokens, with_sliding, num_full_blocks,
+                        num_sliding_blocks, chunk, num_pins, abort_probability)
 
 
-def run_random_workload(seed, tokens_per_block, window_tokens, with_sliding, num_full_blocks, num_sliding_blocks,
+def run_random_workload(seed, tokens_per_block, window_tokens, with_sliding, num_full_blocks,
+                        num_sliding_blocks,
                         chunk, num_pins, abort_probability, new_simulator=Simulator, new_request=SimRequest):
     """Random arrivals sharing prefixes (pinned or not), interleaved with steps and aborts, run to the
     end; asserts every admitted request finishes, no block leaks and no rejection is false. None when a
@@ -298,7 +303,8 @@ def run_random_workload(seed, tokens_per_block, window_tokens, with_sliding, num
         assert pool.num_free_blocks + pool.num_pinned_blocks == pool.num_blocks, f"{name} leaked blocks"
     # No false rejection: alone, on a cache holding only the pins, the worst case does not fit.
     for prompt, new_tokens, width in rejected[:2]:
-        alone = make_cache(num_full_blocks, num_sliding_blocks if with_sliding else 0, t, window_tokens, chunk)
+        alone = make_cache(num_full_blocks, num_sliding_blocks if with_sliding else 0, t, window_tokens,
+                           chunk)
         for prefix in prefixes[:num_pins]:
             if len(prefix) >= t:
                 pin(Simulator(alone, chunk, random.Random(0)), prefix)
@@ -421,8 +427,10 @@ def test_reset_forgets_evictable_blocks_but_keeps_pins_and_blocks_in_use():
     pool = cache["self"].pool
     assert pool.num_evictable_blocks == 3 and pool.num_pinned_blocks == 2
     assert cache.reset_prefix_cache() == 3
-    assert pool.num_evictable_blocks == 0 and pool.num_free_blocks == 32 - 2 - running.kv.holdings["self"].num_held_blocks
-    assert cache.find_hit(cache.prefix_key(list(range(10, 18)) + [1])).num_tokens == 8  # the pin is still found
+    assert (pool.num_evictable_blocks == 0
+            and pool.num_free_blocks == 32 - 2 - running.kv.holdings["self"].num_held_blocks)
+    # the pin is still found
+    assert cache.find_hit(cache.prefix_key(list(range(10, 18)) + [1])).num_tokens == 8
     assert cache.find_hit(cache.prefix_key(list(range(40, 53)))).num_tokens == 0
     sim.run()
     assert cache.find_hit(cache.prefix_key(list(range(60, 73)))).num_tokens == 12  # named while in use: kept

@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 README = Path(__file__).resolve().parents[2] / "README.md"
-COMMAND = ["plan", "--model", "llama-3-8b", "--memory", "141GiB", "--beam-width", "256", "--prompt-len", "4096",
-           "--max-new-tokens", "1024", "--json"]
+COMMAND = ["plan", "--model", "llama-3-8b", "--memory", "141GiB", "--beam-width", "256", "--prompt-len",
+           "4096", "--max-new-tokens", "1024", "--json"]
 
 
 def readme_rows() -> dict[str, tuple[int, int, bool, int]]:
@@ -22,8 +22,8 @@ def readme_rows() -> dict[str, tuple[int, int, bool, int]]:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 5 and cells[0] in ("widebeam (shared prompt)", "naive (prompt x beam)"):
             max_seq_len, required, fits, at_once = cells[1:]
-            rows[cells[0]] = (int(max_seq_len.replace(",", "")), int(required.replace(",", "")), fits == "yes",
-                              int(at_once))
+            rows[cells[0]] = (int(max_seq_len.replace(",", "")), int(required.replace(",", "")),
+                              fits == "yes", int(at_once))
     return rows
 
 
@@ -32,8 +32,8 @@ def test_readme_plan_table_is_what_plan_prints():
     assert set(rows) == {"widebeam (shared prompt)", "naive (prompt x beam)"}
     assert re.search(r"widebeam plan --model llama-3-8b --memory 141GiB --beam-width 256 \\\s+"
                      r"--prompt-len 4096 --max-new-tokens 1024", README.read_text())
-    proc = subprocess.run([sys.executable, "-m", "widebeam", *COMMAND], capture_output=True, text=True, timeout=120,
-                          check=True)
+    proc = subprocess.run([sys.executable, "-m", "widebeam", *COMMAND], capture_output=True, text=True,
+                          timeout=120, check=True)
     plan = json.loads(proc.stdout)
     (pool,) = plan["pools"]
     assert rows["widebeam (shared prompt)"] == (plan["max_seq_len"], pool["required_blocks"], plan["fits"],

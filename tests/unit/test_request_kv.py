@@ -40,8 +40,10 @@ def check(cache: KVCache, kv) -> None:
        beam_width=st.integers(1, 5), tokens_per_block=st.sampled_from([1, 2, 4, 16]),
        window_tokens=st.integers(1, 20), chunk_tokens=st.integers(1, 24), encoder_tokens=st.integers(1, 30),
        speculative_tokens=st.integers(0, 3))
-def test_random_traces_stay_within_every_pool(data, prompt_tokens, max_new_tokens, beam_width, tokens_per_block,
-                                              window_tokens, chunk_tokens, encoder_tokens, speculative_tokens):
+def test_random_traces_stay_within_every_pool(data, prompt_tokens, max_new_tokens, beam_width,
+                                              tokens_per_block,
+                                              window_tokens, chunk_tokens, encoder_tokens,
+                                              speculative_tokens):
     request = KVRequest(prompt_tokens, max_new_tokens, beam_width, extra_tokens=speculative_tokens,
                         encoder_tokens=encoder_tokens)
     cache = exact_cache(request, tokens_per_block, window_tokens, chunk_tokens)

@@ -76,7 +76,8 @@ def test_the_flags_reach_the_engine(command, recorded, tmp_path, capsys):
     recorded.clear()
     with pytest.raises(SystemExit) if command == "generate" else contextlib.nullcontext():
         main(argv)
-    assert (recorded["scheduling_policy"], recorded["max_preemptions"]) == ("guaranteed_no_evict", 3), recorded
+    assert (recorded["scheduling_policy"], recorded["max_preemptions"]) == ("guaranteed_no_evict", 3), \
+        recorded
 
 
 def test_engine_settings_check_the_policy():
@@ -102,7 +103,8 @@ def test_llm_takes_the_policy(tiny_llama_dir):
               max_preemptions=2)
     scheduler = llm.engine.scheduler
     assert (scheduler.policy, scheduler.max_preemptions) == ("max_utilization", 2)
-    assert llm.stats()["scheduling"] == {"policy": "max_utilization", "preemptions": 0, "recomputed_tokens": 0,
+    assert llm.stats()["scheduling"] == {"policy": "max_utilization", "preemptions": 0,
+                                         "recomputed_tokens": 0,
                                          "max_preemptions": 2, "guaranteed_admissions": 0}
     (out,) = llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True),
                           use_tqdm=False)

@@ -66,7 +66,8 @@ class PolicySimulator(Simulator):
         self.scheduler = make_scheduler(policy, cache, max_num_batched_tokens, max_preemptions)
         self.max_preemptions = max_preemptions
         self.preempted: list[str] = []
-        self.victims_were_newest: list[bool] = []  # each preemption: was it the newest non-guaranteed request?
+        # each preemption: was it the newest non-guaranteed request?
+        self.victims_were_newest: list[bool] = []
         preempt = self.scheduler._preempt
 
         def watched(request):
@@ -131,8 +132,8 @@ class PolicySimulator(Simulator):
             assert max(counts.values(), default=0) <= self.max_preemptions, counts
 
 
-def run_workload(policy, seed, tokens_per_block, window_tokens, with_sliding, num_full_blocks, num_sliding_blocks,
-                 chunk, num_pins, abort_probability, max_preemptions):
+def run_workload(policy, seed, tokens_per_block, window_tokens, with_sliding, num_full_blocks,
+                 num_sliding_blocks, chunk, num_pins, abort_probability, max_preemptions):
     """test_prefix_cache_traces.py's random workload (its checks included) under `policy`, with
     preemptible requests; None if the pin does not fit, else (simulator, admitted, rejected)."""
     def new_simulator(cache, chunk, rng):
@@ -148,11 +149,12 @@ def run_workload(policy, seed, tokens_per_block, window_tokens, with_sliding, nu
        window_tokens=st.integers(2, 24), with_sliding=st.booleans(), num_full_blocks=st.integers(8, 80),
        num_sliding_blocks=st.integers(6, 40), chunk=st.integers(3, 48), num_pins=st.integers(0, 1),
        abort_probability=st.sampled_from([0.0, 0.05]), max_preemptions=st.integers(0, 3))
-def test_random_workloads_under_both_policies(seed, tokens_per_block, window_tokens, with_sliding, num_full_blocks,
+def test_random_workloads_under_both_policies(seed, tokens_per_block, window_tokens, with_sliding,
+                                              num_full_blocks,
                                               num_sliding_blocks, chunk, num_pins, abort_probability,
                                               max_preemptions):
-    args = (seed, tokens_per_block, window_tokens, with_sliding, num_full_blocks, num_sliding_blocks, chunk, num_pins,
-            abort_probability, max_preemptions)
+    args = (seed, tokens_per_block, window_tokens, with_sliding, num_full_blocks, num_sliding_blocks, chunk,
+            num_pins, abort_probability, max_preemptions)
     results = {policy: run_workload(policy, *args) for policy in POLICIES}
     if results["guaranteed_no_evict"] is None:
         return  # the pin itself does not fit this tiny cache: nothing to test

@@ -1,7 +1,7 @@
 """Scheduling promises a user sees, through the engine (found by the mutation check, `make mutation`):
 a request is admitted as soon as it fits beside what running requests may still take; no step feeds
-more than `max_num_batched_tokens` (under both capacity policies); the prefix cache's counters in `stats()` count what was asked
-and what was found."""
+more than `max_num_batched_tokens` (under both capacity policies); the prefix cache's counters in
+`stats()` count what was asked and what was found."""
 
 from __future__ import annotations
 

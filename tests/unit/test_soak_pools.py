@@ -82,7 +82,8 @@ def soak(llm, seed, num_requests, expected_pools):
     assert set(outputs) | aborted == admitted and not set(outputs) & aborted
     for output in outputs.values():
         assert output.outputs
-        assert all(output.peak_blocks[p] <= output.required_blocks[p] for p in output.peak_blocks), output.request_id
+        assert all(output.peak_blocks[p] <= output.required_blocks[p] for p in output.peak_blocks), \
+            output.request_id
     stats = llm.stats()
     assert stats["running"] == stats["waiting"] == 0
     assert {name: pool["free_blocks"] for name, pool in stats["pools"].items()} == totals

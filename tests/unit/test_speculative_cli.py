@@ -39,8 +39,8 @@ def engine_kwargs(monkeypatch):
             self.engine = types.SimpleNamespace(apply_chat_template=lambda text: text)
 
         def generate(self, prompts, params, use_tqdm=False):
-            choice = types.SimpleNamespace(index=0, text="ok", token_ids=[1], score=0.0, cumulative_logprob=0.0,
-                                           finish_reason="length")
+            choice = types.SimpleNamespace(index=0, text="ok", token_ids=[1], score=0.0,
+                                           cumulative_logprob=0.0, finish_reason="length")
             return [types.SimpleNamespace(outputs=[choice], peak_blocks={}, required_blocks={})]
 
     def fake_engine(model="m", **kwargs):
@@ -65,11 +65,13 @@ def test_every_command_takes_the_three_flags(command):
                               "--speculative-method", "draft"])
     assert (args.speculative_model, args.num_speculative_tokens, args.speculative_method) == ("d", 7, "draft")
     args = parser.parse_args(command)
-    assert (args.speculative_model, args.num_speculative_tokens, args.speculative_method) == (None, None, None)
+    assert (args.speculative_model, args.num_speculative_tokens,
+            args.speculative_method) == (None, None, None)
 
 
 @pytest.mark.parametrize("command", [["generate", "hi"], ["bench"], ["serve"], ["plan"]])
-@pytest.mark.parametrize("value, fragment", [("0", "must be in [1, 64], got 0"), ("65", "must be in [1, 64], got 65"),
+@pytest.mark.parametrize("value, fragment",
+                         [("0", "must be in [1, 64], got 0"), ("65", "must be in [1, 64], got 65"),
                                              ("-3", "must be in [1, 64], got -3"),
                                              ("four", "expected an integer in [1, 64], got 'four'")])
 def test_num_speculative_tokens_outside_1_to_64_is_one_line_exit_2(command, value, fragment, capsys):
@@ -116,7 +118,8 @@ def test_generate_ngram(engine_kwargs):
     (["--num-speculative-tokens", "4"], "--num-speculative-tokens",
      "needs --speculative-model or --speculative-method"),
     (["--speculative-method", "draft"], "--speculative-model", "--speculative-model is required"),
-    (["--speculative-method", "ngram", "--speculative-model", "m"], "--speculative-model", "takes no draft model"),
+    (["--speculative-method", "ngram", "--speculative-model", "m"], "--speculative-model",
+     "takes no draft model"),
 ])
 def test_generate_bad_combination_is_one_line_exit_2(engine_kwargs, capsys, args, flag, fragment):
     with pytest.raises(SystemExit) as exc:
@@ -170,15 +173,15 @@ def test_bench_passes_the_flags_to_llm(engine_kwargs, no_transformers, monkeypat
 def test_bench_bad_combination_names_the_flag(engine_kwargs, no_transformers, capsys):
     assert main(["bench", "--no-wide", "--num-speculative-tokens", "6"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [("widebeam bench: error: argument --num-speculative-tokens: --num-speculative-tokens needs "
-                    "--speculative-model or --speculative-method")]
+    assert err == [("widebeam bench: error: argument --num-speculative-tokens: --num-speculative-tokens "
+                    "needs --speculative-model or --speculative-method")]
 
 
 # -- plan -----------------------------------------------------------------------------------------
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "widebeam", *args], check=False, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run([sys.executable, "-m", "widebeam", *args], check=False, capture_output=True,
+                          text=True, timeout=120)
 
 
 @pytest.mark.parametrize("args, flag, fragment", [
@@ -187,8 +190,8 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     (["--speculative-method", "ngram", "--speculative-model", "smollm2-135m-instruct"], "--speculative-model",
      "takes no draft model"),
     (["--speculative-model", "no-such-model"], "--speculative-model", "unknown model"),
-    (["--speculative-model", "smollm2-135m-instruct", "--num-speculative-tokens", "0"], "--num-speculative-tokens",
-     "must be in [1, 64]"),
+    (["--speculative-model", "smollm2-135m-instruct", "--num-speculative-tokens", "0"],
+     "--num-speculative-tokens", "must be in [1, 64]"),
 ])
 def test_plan_bad_speculative_input_is_one_line_exit_2(args, flag, fragment):
     proc = run_cli("plan", *args)
@@ -216,8 +219,8 @@ def test_metrics_export_the_speculative_counters_and_every_pool():
                        "sliding_512": {"total_blocks": 8, "free_blocks": 8},
                        "draft": {"total_blocks": 6, "free_blocks": 2},
                        "draft/sliding_512": {"total_blocks": 5, "free_blocks": 1}},
-             "speculative": {"method": "draft", "num_speculative_tokens": 4, "rounds": 3, "drafted_tokens": 12,
-                             "accepted_tokens": 7}}
+             "speculative": {"method": "draft", "num_speculative_tokens": 4, "rounds": 3,
+                             "drafted_tokens": 12, "accepted_tokens": 7}}
     families = _families(stats)
     free = {s.labels["pool"]: s.value for s in families["widebeam_kv_blocks_free"].samples}
     assert free == {"self": 4, "sliding_512": 8, "draft": 2, "draft/sliding_512": 1}

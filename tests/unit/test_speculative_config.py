@@ -21,7 +21,8 @@ def other_vocab_dir(tmp_path_factory):
 
 
 def test_a_draft_with_another_vocabulary_is_refused(tiny_llama_dir, other_vocab_dir):
-    with pytest.raises(InvalidParameterError, match="speculative_model .* must share the target's tokenizer") as info:
+    with pytest.raises(InvalidParameterError,
+                       match="speculative_model .* must share the target's tokenizer") as info:
         LLMEngine(str(tiny_llama_dir), speculative_model=str(other_vocab_dir), **OPTIONS)
     assert info.value.param == "speculative_model"
 
@@ -52,7 +53,8 @@ def test_the_draft_pools_are_sized_and_reported(tiny_llama_dir):
     stats = engine.stats()
     assert set(stats["pools"]) == {"self", "draft"}
     assert stats["pools"]["draft"]["total_blocks"] > 0
-    assert stats["speculative"] == {"method": "draft", "model": str(tiny_llama_dir), "num_speculative_tokens": 3,
+    assert stats["speculative"] == {"method": "draft", "model": str(tiny_llama_dir),
+                                    "num_speculative_tokens": 3,
                                     "rounds": 0, "steps": 0, "drafted_tokens": 0, "accepted_tokens": 0}
     # Memory is split by need (bytes per token x tokens held): the bfloat16 draft's pool costs half
     # per token and holds as many tokens as the target's, so it gets as many blocks for half the bytes.

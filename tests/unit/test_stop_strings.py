@@ -64,7 +64,8 @@ def streamed_pieces(text: str, stops: list[str]) -> tuple[str, str]:
 
 
 @settings(max_examples=300, deadline=None)
-@given(text=st.text(alphabet="ab c", max_size=16), stops=st.lists(st.text(alphabet="ab c", min_size=1, max_size=4),
+@given(text=st.text(alphabet="ab c", max_size=16),
+       stops=st.lists(st.text(alphabet="ab c", min_size=1, max_size=4),
                                                                     max_size=3))
 def test_streamed_text_is_always_a_prefix_of_the_final_text(text, stops):
     sent, final = streamed_pieces(text, stops)

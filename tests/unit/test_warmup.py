@@ -24,8 +24,8 @@ print(json.dumps({"measured": engine.activation_peak_bytes,
 
 
 def test_warm_up_measures_a_real_activation_peak(tiny_llama_dir):
-    result = subprocess.run([sys.executable, "-c", SCRIPT, str(tiny_llama_dir)], capture_output=True, text=True,
-                            timeout=120, check=True)
+    result = subprocess.run([sys.executable, "-c", SCRIPT, str(tiny_llama_dir)], capture_output=True,
+                            text=True, timeout=120, check=True)
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     # measured ~0.5x the shape-based bound here (the bound counts every large tensor at once); zero
     # would leave the pools no room for the activations

@@ -31,13 +31,15 @@ def add_batch_parser(sub, help_text: str) -> argparse.ArgumentParser:
     """Add `batch` to `sub` with `help_text` as its line in `widebeam --help`."""
     p = sub.add_parser("batch", help=help_text,
                        description="Run every row of INPUT (one request per row: prompt, messages or "
-                                   "prompt_token_ids, plus any parameter by name) and write each row's beams to "
-                                   "OUTPUT (.jsonl, .csv or .parquet). Rerunning skips rows already written.")
+                                   "prompt_token_ids, plus any parameter by name) and write each row's beams "
+                                   "to OUTPUT (.jsonl, .csv or .parquet). Rerunning skips rows already "
+                                   "written.")
     p.add_argument("input", help="a .jsonl, .csv or .parquet file, one request per row")
     p.add_argument("output", help="where results go (.jsonl, .csv, or .parquet: a directory of parts)")
     add_engine_arguments(p, ["model"])
     d = p.add_argument_group("defaults for rows that do not set them")
-    d.add_argument("--beam-width", type=_int_at_least(1), default=None, help="beam search over this many beams")
+    d.add_argument("--beam-width", type=_int_at_least(1), default=None,
+                   help="beam search over this many beams")
     d.add_argument("--max-new-tokens", type=_int_at_least(1), default=None)
     d.add_argument("--temperature", type=float, default=None, help="sampling rows only; 0 is greedy")
     d.add_argument("--top-p", type=float, default=None)
@@ -50,15 +52,17 @@ def add_batch_parser(sub, help_text: str) -> argparse.ArgumentParser:
     e = p.add_argument_group("engine (one per replica)")
     add_engine_arguments(e, BATCH_ENGINE_OPTIONS)
     e.add_argument("--catalogue", type=catalogue_spec, action="append", default=[], metavar="NAME=PATH",
-                   help="register a catalogue (generative retrieval) rows name in their `catalogue` field: a .jsonl "
-                        "(token-id lists or strings), .npy or .parquet file (repeatable)")
+                   help="register a catalogue (generative retrieval) rows name in their `catalogue` field: a "
+                        ".jsonl (token-id lists or strings), .npy or .parquet file (repeatable)")
     e.add_argument("--max-in-flight", type=_int_at_least(1), default=DEFAULT_MAX_IN_FLIGHT,
                    help=f"requests each engine holds queued or running (default {DEFAULT_MAX_IN_FLIGHT})")
     r = p.add_argument_group("scale-out on Ray Data (pip install 'widebeam[ray]')")
     r.add_argument("--replicas", type=_int_at_least(1), default=None,
                    help="engine replicas on Ray (one GPU each where there are GPUs)")
-    r.add_argument("--ray-address", default=None, help="join this Ray cluster (default: a local Ray instance)")
-    r.add_argument("--cpus-per-replica", type=_int_at_least(1), default=1, help="CPU slots per replica without GPUs")
+    r.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (default: a local Ray instance)")
+    r.add_argument("--cpus-per-replica", type=_int_at_least(1), default=1,
+                   help="CPU slots per replica without GPUs")
     add_engine_arguments(p, [*PREFIX_CACHE, *SCHEDULING])
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_batch)
@@ -90,17 +94,20 @@ def _cmd_batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     except argparse.ArgumentTypeError as exc:
         parser.error(f"argument --catalogue: {exc}")
     try:
-        summary = run(args.input, args.output, args.model, defaults=defaults_from(args), replicas=args.replicas or 0,
+        summary = run(args.input, args.output, args.model, defaults=defaults_from(args),
+                      replicas=args.replicas or 0,
                       ray_address=args.ray_address, max_in_flight=args.max_in_flight,
                       cpus_per_replica=args.cpus_per_replica, progress=not args.no_progress, **kwargs)
     except (WidebeamError, ValueError, OSError) as exc:
         print(f"widebeam batch: error: {error_message(exc)}", file=sys.stderr)
         return 1
     except ImportError as exc:
-        print(f"widebeam batch: error: --replicas needs Ray ({exc.name} is missing): pip install 'widebeam[ray]'",
+        print(f"widebeam batch: error: --replicas needs Ray ({exc.name} is missing): pip install "
+              "'widebeam[ray]'",
               file=sys.stderr)
         return 1
-    print(json.dumps({"written": summary.num_written, "errors": summary.num_errors, "skipped": summary.num_skipped,
-                      "generated_tokens": summary.num_generated_tokens, "seconds": round(summary.elapsed_s, 3),
-                      "first_errors": summary.errors}))
+    print(json.dumps({"written": summary.num_written, "errors": summary.num_errors,
+                      "skipped": summary.num_skipped,
+                      "generated_tokens": summary.num_generated_tokens,
+                      "seconds": round(summary.elapsed_s, 3), "first_errors": summary.errors}))
     return 0

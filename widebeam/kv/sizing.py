@@ -56,8 +56,8 @@ def resolve_max_seq_len(
             raise CacheTooSmallError(f"max_seq_len must be >= 1, got {requested_max_seq_len}")
         if requested_max_seq_len > model_max_seq_len:
             raise CacheTooSmallError(
-                f"max_seq_len={requested_max_seq_len} exceeds the model's limit of {model_max_seq_len} tokens; "
-                f"lower max_seq_len"
+                f"max_seq_len={requested_max_seq_len} exceeds the model's limit of {model_max_seq_len} "
+                "tokens; lower max_seq_len"
             )
         if requested_max_seq_len > capacity_tokens:
             raise CacheTooSmallError(
@@ -73,7 +73,8 @@ def resolve_max_seq_len(
     return bound
 
 
-def capacity_tokens(specs: Sequence[PoolSpec], blocks_per_pool: Sequence[int], tokens_per_block: int) -> int | None:
+def capacity_tokens(specs: Sequence[PoolSpec], blocks_per_pool: Sequence[int],
+                    tokens_per_block: int) -> int | None:
     """Token capacity that bounds one sequence's length: the smallest length-bounding pool's
     `blocks x T`. Sliding-window pools release what falls behind the window, so their need
     saturates and they do not bound the length (admission still checks their saturated need);
@@ -103,5 +104,5 @@ def size_pools(specs: Sequence[PoolSpec], kv_cache_bytes: int, tokens_per_block:
     needs = [PoolNeed(s, tokens_per_sequence(s, model_max_seq_len, max_encoder_tokens, prefill_chunk_tokens))
              for s in specs]
     blocks = split_by_need(kv_cache_bytes, needs, tokens_per_block)
-    return PoolSizing({s.name: n for s, n in zip(specs, blocks)}, capacity_tokens(specs, blocks, tokens_per_block),
-                      model_max_seq_len)
+    return PoolSizing({s.name: n for s, n in zip(specs, blocks)},
+                      capacity_tokens(specs, blocks, tokens_per_block), model_max_seq_len)

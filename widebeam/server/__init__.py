@@ -1,6 +1,7 @@
-"""The OpenAI-compatible HTTP server (`widebeam serve`): `protocol` (wire format), `api` (FastAPI app),
-`engine_loop` (the one task that owns the engine; drain and close), `shutdown` (uvicorn with a drain on
-SIGTERM/SIGINT), `metrics` (Prometheus), `serve_cli` (the command line).
+"""The OpenAI-compatible HTTP server (`widebeam serve`): `schemas` (wire format), `protocol` (a request
+as engine parameters), `api` (FastAPI app), `engine_loop` (the one task that owns the engine; drain and
+close), `shutdown` (uvicorn with a drain on SIGTERM/SIGINT), `metrics` (Prometheus), `serve_cli` (the
+command line).
 
 Nothing heavy is imported here: `widebeam serve --help` should not pay for torch or FastAPI.
 """

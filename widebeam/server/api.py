@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from widebeam.logprobs import TokenText
 from widebeam.outputs import RequestOutput
 from widebeam.server import protocol as p
+from widebeam.server import schemas as s
 from widebeam.server.engine_loop import EngineLoop, Group
 from widebeam.server.metrics import CONTENT_TYPE, ServerMetrics
 from widebeam.server.render import ChoiceRenderer
@@ -83,14 +84,14 @@ class GuardMiddleware:
 
 async def _send_error(send, status: int, message: str, code: str | None = None, extra_headers=()):
     error_type = "invalid_request_error" if status < 500 else "server_error"
-    body = json.dumps(p.error_body(message, error_type, None, code)).encode()
+    body = json.dumps(s.error_body(message, error_type, None, code)).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(body)).encode()), *extra_headers]})
     await send({"type": "http.response.body", "body": body})
 
 
-def _error_response(error: p.ApiError) -> JSONResponse:
+def _error_response(error: s.ApiError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status_code)
 
 
@@ -109,7 +110,7 @@ def _validation_message(errors) -> tuple[str, str | None]:
 
 
 # -- the app ---------------------------------------------------------------------------------------
-_ERROR_RESPONSES = {status: {"model": p.ErrorResponse, "description": text} for status, text in (
+_ERROR_RESPONSES = {status: {"model": s.ErrorResponse, "description": text} for status, text in (
     (400, "invalid request, or one that can never fit the KV cache (code kv_cache_capacity_exceeded)"),
     (401, "missing or wrong API key"), (404, "unknown model"), (413, "request body too large"))}
 
@@ -123,7 +124,7 @@ def create_app(engine, *, model_name: str, api_key: str | None = None,
 
     metrics = ServerMetrics(lambda: loop.snapshot)
     loop = EngineLoop(engine, metrics)
-    created = p.now()
+    created = s.now()
     token_text = TokenText(getattr(engine, "tokenizer", None))
 
     @asynccontextmanager
@@ -139,25 +140,25 @@ def create_app(engine, *, model_name: str, api_key: str | None = None,
     app.state.engine_loop = loop
     app.add_middleware(GuardMiddleware, api_key=api_key, max_request_bytes=max_request_bytes)
 
-    @app.exception_handler(p.ApiError)
-    async def _api_error(request, exc: p.ApiError):
+    @app.exception_handler(s.ApiError)
+    async def _api_error(request, exc: s.ApiError):
         return _error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc: RequestValidationError):
         message, param = _validation_message(exc.errors())
-        return _error_response(p.ApiError(400, message, param=param))
+        return _error_response(s.ApiError(400, message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, exc: StarletteHTTPException):
         error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return JSONResponse(p.error_body(str(exc.detail), error_type), status_code=exc.status_code,
+        return JSONResponse(s.error_body(str(exc.detail), error_type), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _internal(request, exc: Exception):
         log.exception("unhandled error")
-        return JSONResponse(p.error_body("internal server error", "server_error"), status_code=500)
+        return JSONResponse(s.error_body("internal server error", "server_error"), status_code=500)
 
     @app.get("/health")
     async def health():
@@ -175,27 +176,27 @@ def create_app(engine, *, model_name: str, api_key: str | None = None,
     async def prometheus_metrics():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models", response_model=p.ModelList, responses=_ERROR_RESPONSES)
+    @app.get("/v1/models", response_model=s.ModelList, responses=_ERROR_RESPONSES)
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "widebeam", "max_model_len": engine.max_seq_len}]}
 
-    @app.post("/v1/completions", response_model=p.CompletionResponse, responses=_ERROR_RESPONSES)
-    async def completions(body: p.CompletionRequest, request: Request):
+    @app.post("/v1/completions", response_model=s.CompletionResponse, responses=_ERROR_RESPONSES)
+    async def completions(body: s.CompletionRequest, request: Request):
         return await _generate(request, body, chat=False)
 
-    @app.post("/v1/chat/completions", response_model=p.ChatCompletionResponse, responses=_ERROR_RESPONSES)
-    async def chat_completions(body: p.ChatCompletionRequest, request: Request):
+    @app.post("/v1/chat/completions", response_model=s.ChatCompletionResponse, responses=_ERROR_RESPONSES)
+    async def chat_completions(body: s.ChatCompletionRequest, request: Request):
         return await _generate(request, body, chat=True)
 
     async def _generate(request: Request, req, chat: bool):
         if req.model is not None and req.model != model_name and req.model not in model_aliases:
-            raise p.ApiError(404,
+            raise s.ApiError(404,
                              f"model {req.model!r} is not served here; this server serves {model_name!r}",
                              param="model", code="model_not_found")
         plan = p.plan_request(req)
         if req.stream and plan.echo and plan.num_top_logprobs is not None and not plan.beam:
-            raise p.invalid("echo", "echo with logprobs cannot be streamed for sampled choices (the prompt's "
+            raise s.invalid("echo", "echo with logprobs cannot be streamed for sampled choices (the prompt's "
                                     "log-probs come with the final output): drop stream or logprobs")
         prompts = p.chat_prompts(engine.tokenizer, req) if chat else p.completion_prompts(req)
         render = ChoiceRenderer(plan, chat, engine.tokenizer, token_text)
@@ -203,10 +204,10 @@ def create_app(engine, *, model_name: str, api_key: str | None = None,
                         else [""] * len(prompts))
         prompt_field = "messages" if chat else "prompt"
         if len(prompts) * plan.requests_per_prompt > p.MAX_ENGINE_REQUESTS_PER_CALL:
-            raise p.invalid(prompt_field, f"too many prompts x choices in one call: at most "
+            raise s.invalid(prompt_field, f"too many prompts x choices in one call: at most "
                                           f"{p.MAX_ENGINE_REQUESTS_PER_CALL} engine requests")
         entries = [(prompt, params) for prompt in prompts for params in plan.params]
-        call_id = p.new_id("chatcmpl" if chat else "cmpl")
+        call_id = s.new_id("chatcmpl" if chat else "cmpl")
         request_ids = [f"{call_id}-{k}" for k in range(len(entries))]
         try:
             group = await loop.submit(request_ids, entries, stream=req.stream)
@@ -231,9 +232,9 @@ def create_app(engine, *, model_name: str, api_key: str | None = None,
                 completion_tokens += len(completion.token_ids)
                 choices.append(render.whole(prompt_index * plan.n + j, outs[0], completion,
                                             prompt_texts[prompt_index]))
-        body = {"id": call_id, "object": "chat.completion" if chat else "text_completion", "created": p.now(),
+        body = {"id": call_id, "object": "chat.completion" if chat else "text_completion", "created": s.now(),
                 "model": model_name, "choices": choices,
-                "usage": p.usage(prompt_tokens, completion_tokens, cached_tokens)}
+                "usage": s.usage(prompt_tokens, completion_tokens, cached_tokens)}
         prompt_logprobs = render.chat_prompt_logprobs(outputs)
         if prompt_logprobs is not None:
             body["prompt_logprobs"] = prompt_logprobs
@@ -245,7 +246,7 @@ def create_app(engine, *, model_name: str, api_key: str | None = None,
         already held back against stop strings), then a closing chunk per request with its finish reason;
         beam choices arrive whole in their closing chunks (their beams are reordered until the end)."""
         object_name = "chat.completion.chunk" if chat else "text_completion"
-        created = p.now()
+        created = s.now()
 
         def event(choices, **extra) -> str:
             payload = {"id": call_id, "object": object_name, "created": created, "model": model_name,
@@ -263,7 +264,7 @@ def create_app(engine, *, model_name: str, api_key: str | None = None,
             try:
                 num_choices = len(prompt_texts) * plan.n
                 if chat:
-                    yield event([p.chunk_choice(True, i, "", None, first=True) for i in range(num_choices)])
+                    yield event([s.chunk_choice(True, i, "", None, first=True) for i in range(num_choices)])
                 elif plan.echo and not plan.beam:  # a beam's prompt comes with its whole text
                     yield event([render.echo_chunk(i, prompt_texts[i // plan.n]) for i in range(num_choices)])
                 while remaining:
@@ -293,11 +294,11 @@ def create_app(engine, *, model_name: str, api_key: str | None = None,
                 else:
                     complete = True
                     if include_usage:
-                        yield event([], usage=p.usage(prompt_tokens, completion_tokens, cached_tokens))
+                        yield event([], usage=s.usage(prompt_tokens, completion_tokens, cached_tokens))
                 yield "data: [DONE]\n\n"
             except Exception:  # a bug while building a chunk: still a well-formed end (error event, [DONE])
                 log.exception("stream %s failed", call_id)
-                error = p.ApiError(500, "internal server error while streaming this response",
+                error = s.ApiError(500, "internal server error while streaming this response",
                                    type="server_error")
                 yield f"data: {json.dumps(error.body())}\n\n"
                 yield "data: [DONE]\n\n"

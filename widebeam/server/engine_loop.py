@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 from widebeam.outputs import RequestDelta
-from widebeam.server import protocol as p
+from widebeam.server import schemas as s
 from widebeam.server.metrics import ServerMetrics
 
 log = logging.getLogger("widebeam.server")
@@ -34,8 +34,8 @@ SHUTTING_DOWN_CODE = "server_shutting_down"
 DRAIN_POLL_S = 0.05
 
 
-def shutting_down(message: str) -> p.ApiError:
-    return p.ApiError(503, message, type="server_error", code=SHUTTING_DOWN_CODE)
+def shutting_down(message: str) -> s.ApiError:
+    return s.ApiError(503, message, type="server_error", code=SHUTTING_DOWN_CODE)
 
 
 class Group:
@@ -77,7 +77,7 @@ class EngineLoop:
         self._applying: list = []  # the commands the worker thread is applying now
         self._wake = asyncio.Event()
         self._tracked: dict[str, _Tracked] = {}
-        self._abort_all: p.ApiError | None = None  # set by drain(): the owner task fails everything in flight
+        self._abort_all: s.ApiError | None = None  # set by drain(): the owner task fails everything in flight
         self._abort_now = False  # a second signal: stop waiting for the calls in flight
         self._closing = False
         self._task: asyncio.Task | None = None
@@ -143,7 +143,7 @@ class EngineLoop:
     async def submit(self, request_ids: list[str], entries: list, stream: bool) -> Group:
         """Admit all of `entries` or none; raises the engine's ValueError (or ApiError) if one is refused."""
         if self.failure is not None:
-            raise p.ApiError(503, f"the engine loop has stopped: {self.failure}", type="server_error")
+            raise s.ApiError(503, f"the engine loop has stopped: {self.failure}", type="server_error")
         if self.draining:
             raise shutting_down("the server is shutting down and admits no new requests")
         group = Group(request_ids, stream)
@@ -183,7 +183,7 @@ class EngineLoop:
                         deltas = await asyncio.to_thread(self.engine.step)
                     except Exception as exc:  # a bug: fail the requests in flight, keep serving
                         log.exception("engine step failed")
-                        self._fail_all(p.ApiError(500, f"the engine failed while running this request: {exc}",
+                        self._fail_all(s.ApiError(500, f"the engine failed while running this request: {exc}",
                                                   type="server_error"))
                     else:
                         self._after_step(deltas, time.monotonic())
@@ -193,11 +193,11 @@ class EngineLoop:
         except BaseException as exc:
             log.exception("engine loop stopped")
             self.failure = exc
-            self._fail_all(p.ApiError(500, f"the engine failed while running this request: {exc}",
+            self._fail_all(s.ApiError(500, f"the engine failed while running this request: {exc}",
                                       type="server_error"))
             for command in self._commands:
                 if isinstance(command, _Add) and not command.future.done():
-                    command.future.set_exception(p.ApiError(503, "the engine loop has stopped",
+                    command.future.set_exception(s.ApiError(503, "the engine loop has stopped",
                                                             type="server_error"))
             raise
 
@@ -226,7 +226,7 @@ class EngineLoop:
             if isinstance(exc, ValueError):
                 return exc
             log.exception("add_request failed")
-            return p.ApiError(500, f"internal error while admitting the request: {exc}", type="server_error")
+            return s.ApiError(500, f"internal error while admitting the request: {exc}", type="server_error")
         return num_prompt_tokens
 
     def _settle(self, commands: list, results: list) -> None:
@@ -262,7 +262,7 @@ class EngineLoop:
                 log.error("request %s failed in the engine: %s", delta.request_id, delta.error)
                 if self.metrics:
                     self.metrics.failed.inc()
-                tracked.group.queue.put_nowait((tracked.index, "error", p.ApiError(
+                tracked.group.queue.put_nowait((tracked.index, "error", s.ApiError(
                     500, f"the engine failed while running this request: {delta.error}", type="server_error",
                     code="engine_error")))
                 continue
@@ -286,7 +286,7 @@ class EngineLoop:
                         (now - tracked.first_token_at) / (num_tokens - 1))
             tracked.group.queue.put_nowait((tracked.index, "final", output))
 
-    def _fail_all(self, error: p.ApiError, failed: bool = True) -> None:
+    def _fail_all(self, error: s.ApiError, failed: bool = True) -> None:
         """Answer every tracked request with `error` and abort it in the engine (called between steps).
         `failed`: count them as failed (an engine error), else as aborted (shutdown)."""
         for request_id, tracked in self._tracked.items():

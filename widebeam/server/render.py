@@ -7,6 +7,7 @@ from __future__ import annotations
 from widebeam.logprobs import TokenText
 from widebeam.outputs import CompletionOutput, RequestOutput
 from widebeam.server import protocol as p
+from widebeam.server import schemas as s
 from widebeam.server.logprobs_format import LogprobsWriter
 
 
@@ -41,7 +42,7 @@ class ChoiceRenderer:
         reason (its text and log-probs went out as they came)."""
         if whole_text:
             return self._render(index, output, completion, prompt_text, chunk=True)
-        return p.chunk_choice(self.chat, index, "", completion.finish_reason)
+        return s.chunk_choice(self.chat, index, "", completion.finish_reason)
 
     def _render(self, index: int, output: RequestOutput, completion: CompletionOutput, prompt_text: str,
                 chunk: bool) -> dict:
@@ -49,9 +50,9 @@ class ChoiceRenderer:
         text = (prompt_text if plan.echo else "") + completion.text
         score = completion.score if plan.beam else None
         if chunk:
-            out = p.chunk_choice(self.chat, index, text, completion.finish_reason, score)
+            out = s.chunk_choice(self.chat, index, text, completion.finish_reason, score)
         else:
-            out = p.choice(self.chat, index, text, completion.finish_reason, score)
+            out = s.choice(self.chat, index, text, completion.finish_reason, score)
         if self.logprobs:
             token_ids, entries = list(completion.token_ids), list(completion.logprobs or ())
             if plan.echo:
@@ -69,7 +70,7 @@ class ChoiceRenderer:
 
     def text_chunk(self, index: int, text: str, token_ids: list[int], entries: list) -> dict:
         """A sample's streamed step: its new text and, with logprobs, its new tokens' log-probs."""
-        out = p.chunk_choice(self.chat, index, text, None)
+        out = s.chunk_choice(self.chat, index, text, None)
         if self.logprobs:
             offset = self._offsets.get(index, 0)
             out["logprobs"] = self._logprobs(token_ids, entries, offset)
@@ -79,7 +80,7 @@ class ChoiceRenderer:
     def echo_chunk(self, index: int, prompt_text: str) -> dict:
         """A streamed sample's first chunk with `echo`: the prompt."""
         self._offsets[index] = len(prompt_text)
-        return p.chunk_choice(self.chat, index, prompt_text, None)
+        return s.chunk_choice(self.chat, index, prompt_text, None)
 
     def chat_prompt_logprobs(self, outputs: list[RequestOutput]) -> list | None:
         """vLLM's top-level `prompt_logprobs` of a chat response (one prompt)."""

@@ -72,8 +72,8 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
     """The start-up warning for a server reachable from other machines without an API key, else None."""
     if api_key or is_loopback(host):
         return None
-    return (f"--host {host} makes this server reachable from other machines, and it has no API key: anyone who "
-            f"can reach the port can use it. Set one with --api-key KEY or ${API_KEY_ENV} (clients send "
+    return (f"--host {host} makes this server reachable from other machines, and it has no API key: anyone "
+            f"who can reach the port can use it. Set one with --api-key KEY or ${API_KEY_ENV} (clients send "
             "'Authorization: Bearer KEY'), or bind 127.0.0.1")
 
 
@@ -97,22 +97,26 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--max-request-bytes", type=_byte_size, default=2**20,
                    help="largest request body; larger ones get 413 (default 1MiB)")
     p.add_argument("--shutdown-timeout", type=_seconds, default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="SECONDS",
-                   help="on SIGTERM or SIGINT, new requests get 503 and those in flight get this long to finish "
-                        "before they are aborted with an error; then the server exits 0 "
+                   help="on SIGTERM or SIGINT, new requests get 503 and those in flight get this long to "
+                        "finish before they are aborted with an error; then the server exits 0 "
                         f"(default {DEFAULT_SHUTDOWN_TIMEOUT_S:g})")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     p.add_argument("--catalogue", type=catalogue_spec, action="append", default=[], metavar="NAME=PATH",
                    help="register a catalogue for generative retrieval under NAME (requests send "
-                        "\"catalogue\": NAME with use_beam_search): a .jsonl (token-id lists or strings), .npy "
-                        "or .parquet file; its bytes come off the KV budget (repeatable)")
+                        "\"catalogue\": NAME with use_beam_search): a .jsonl (token-id lists or strings), "
+                        ".npy or .parquet file; its bytes come off the KV budget (repeatable)")
     add_engine_arguments(p, [*SPECULATIVE, *PREFIX_CACHE, *SCHEDULING])
     r = p.add_argument_group("replicas on Ray Serve (pip install 'widebeam[ray]')")
     r.add_argument("--replicas", type=_int_at_least(1), default=None,
                    help="serve N engine replicas behind Ray Serve (one GPU each where there are GPUs)")
-    r.add_argument("--min-replicas", type=_int_at_least(0), default=None, help="autoscale from this many replicas")
-    r.add_argument("--max-replicas", type=_int_at_least(1), default=None, help="autoscale up to this many replicas")
-    r.add_argument("--ray-address", default=None, help="join this Ray cluster (default: a local Ray instance)")
-    r.add_argument("--cpus-per-replica", type=_int_at_least(1), default=1, help="CPU slots per replica without GPUs")
+    r.add_argument("--min-replicas", type=_int_at_least(0), default=None,
+                   help="autoscale from this many replicas")
+    r.add_argument("--max-replicas", type=_int_at_least(1), default=None,
+                   help="autoscale up to this many replicas")
+    r.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (default: a local Ray instance)")
+    r.add_argument("--cpus-per-replica", type=_int_at_least(1), default=1,
+                   help="CPU slots per replica without GPUs")
     return p
 
 
@@ -123,8 +127,8 @@ def add_serve_parser(subparsers, help_text: str):
     The subcommand's defaults set `func(args, parser)` to run the server, like the other subcommands.
     """
     p = subparsers.add_parser("serve", help=help_text,
-                              description="OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, "
-                                          "/v1/models, /health, /metrics.")
+                              description="OpenAI-compatible HTTP server: /v1/completions, "
+                                          "/v1/chat/completions, /v1/models, /health, /metrics.")
     add_serve_arguments(p)
     p.set_defaults(func=lambda args, parser=None: run_serve(args))
     return p
@@ -138,7 +142,8 @@ def _fail(message: str) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     """Build the engine (load, warm-up, KV sizing), then serve until SIGTERM or SIGINT, then drain
     (widebeam/server/shutdown.py) and exit 0."""
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         import uvicorn
 
@@ -183,10 +188,13 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0 if server.started else 1
 
 
-def _serve_on_ray(args: argparse.Namespace, engine_kwargs: dict, app_kwargs: dict, warning: str | None) -> int:
+def _serve_on_ray(args: argparse.Namespace, engine_kwargs: dict, app_kwargs: dict,
+                  warning: str | None) -> int:
     """`--replicas N` (or autoscaling bounds): the same app on Ray Serve (server/ray_serve.py)."""
-    if args.min_replicas is not None and args.max_replicas is not None and args.min_replicas > args.max_replicas:
-        return _fail(f"argument --min-replicas: {args.min_replicas} is more than --max-replicas {args.max_replicas}")
+    if args.min_replicas is not None and args.max_replicas is not None \
+            and args.min_replicas > args.max_replicas:
+        return _fail(f"argument --min-replicas: {args.min_replicas} is more than --max-replicas "
+                     f"{args.max_replicas}")
     try:
         from widebeam.server import ray_serve
     except ImportError as exc:
@@ -200,7 +208,8 @@ def _serve_on_ray(args: argparse.Namespace, engine_kwargs: dict, app_kwargs: dic
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = add_serve_arguments(OneLineParser(prog="widebeam serve", description="OpenAI-compatible HTTP server"))
+    parser = add_serve_arguments(OneLineParser(prog="widebeam serve",
+                                               description="OpenAI-compatible HTTP server"))
     return run_serve(parser.parse_args(argv))
 
 
