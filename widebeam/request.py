@@ -14,8 +14,6 @@ beam reads, and the decoder prompt is the decoder start token.
 
 from __future__ import annotations
 
-import time
-
 from widebeam.decoding.decoders import BeamDecoder, SamplingDecoder, StepScores
 from widebeam.decoding.stream import BeamStream, SampledStream
 from widebeam.kv.request_kv import RequestKV
@@ -44,7 +42,6 @@ class Request:
         self.params = decoder.params
         self.encoder_token_ids = encoder_token_ids
         self.draft_length = draft_length  # how many nodes to draft next round (None: no drafter)
-        self.arrival_time = time.monotonic()
         self.num_prefilled_tokens = 0
         # What each live sequence feeds next: its last chosen token, after a round that accepted
         # drafted nodes also those before it (their drafted K/V were discarded, so they are fed again).
@@ -67,10 +64,6 @@ class Request:
     @property
     def num_prompt_tokens_left(self) -> int:
         return len(self.prompt_token_ids) - self.num_prefilled_tokens
-
-    @property
-    def num_live_sequences(self) -> int:
-        return len(self.pending_token_ids)
 
     @property
     def num_feed_tokens(self) -> int:

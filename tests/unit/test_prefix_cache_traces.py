@@ -67,10 +67,6 @@ class SimRequest:
         return len(self.prompt) - self.num_prefilled_tokens
 
     @property
-    def num_live_sequences(self):
-        return len(self.beams)
-
-    @property
     def num_feed_tokens(self):
         return 1 if self.beams else 0  # one token per live beam a decode step
 

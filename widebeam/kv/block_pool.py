@@ -52,11 +52,6 @@ class BlockPool:
         return len(self._pinned)
 
     @property
-    def num_cached_blocks(self) -> int:
-        """Blocks whose content is registered (in use or evictable)."""
-        return len(self._block_to_hash)
-
-    @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
 

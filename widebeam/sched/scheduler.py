@@ -46,9 +46,6 @@ class SchedulableRequest(Protocol):
     def num_prompt_tokens_left(self) -> int: ...
 
     @property
-    def num_live_sequences(self) -> int: ...
-
-    @property
     def num_feed_tokens(self) -> int:
         """Tokens each live sequence feeds in its next decode step."""
         ...
