@@ -61,14 +61,23 @@ def _as_float(params, name: str) -> None:
 
 
 MAX_ABS_PRESENCE_FREQUENCY_PENALTY = 2.0  # OpenAI's range
+# A seen token's score is divided or multiplied by repetition_penalty in float32, and sampling then
+# divides by a temperature down to GREEDY_TEMPERATURE (1e-5): within [1/100, 100] a logit as large as
+# 1e20 stays finite through both (1e20 * 100 / 1e-5 = 1e27 < float32's 3.4e38), where 1e-300 rounds
+# to 0 in float32 and made every score inf (nan probabilities). Past 100 a seen token is banned in
+# effect already, so the range takes nothing useful away.
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 100.0
 
 
 def _check_penalties(params) -> None:
-    """repetition_penalty > 0 (1 = off); presence_penalty and frequency_penalty in [-2, 2] (0 = off)."""
-    _require(_is_number(params.repetition_penalty) and 0 < params.repetition_penalty < math.inf,
+    """repetition_penalty in [MIN, MAX]_REPETITION_PENALTY (1 = off); presence_penalty and
+    frequency_penalty in [-2, 2] (0 = off): both keep the float32 arithmetic finite."""
+    _require(_is_number(params.repetition_penalty)
+             and MIN_REPETITION_PENALTY <= params.repetition_penalty <= MAX_REPETITION_PENALTY,
              "repetition_penalty",
-             "must be a finite number > 0 (1 = off, > 1 discourages repeats), got {value!r}",
-             value=params.repetition_penalty)
+             "must be a number in [{low}, {high}] (1 = off, > 1 discourages repeats), got {value!r}",
+             low=MIN_REPETITION_PENALTY, high=MAX_REPETITION_PENALTY, value=params.repetition_penalty)
     _as_float(params, "repetition_penalty")
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(params, name)
@@ -261,6 +270,15 @@ class BeamSearchParams:
         _check_logprobs(self)
         _require(not (self.constrained and schema_of(self.response_format) is not None), "response_format",
                  "and {catalogue} exclude each other: a catalogue already fixes every beam's tokens")
+        if self.constrained:
+            # A stop string or stop token can end a beam inside an item ("yoga" of "yoga mat"), and a
+            # catalogue promises whole items only: refused rather than filtered, so nothing is lost silently.
+            constraint = "catalogue" if self.catalogue is not None else "allowed_sequences"
+            for name in ("stop", "stop_token_ids"):
+                _require(not getattr(self, name), name,
+                         "and {" + constraint + "} exclude each other: a stop could end a beam inside an "
+                         "item, and every returned sequence must be a whole item (the end-of-sequence "
+                         "token ends each); drop {" + name + "}")
 
     def replace(self, **changes) -> BeamSearchParams:
         """A copy with `changes` applied. A `num_return_sequences` equal to `beam_width` (the default, all

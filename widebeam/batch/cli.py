@@ -106,8 +106,12 @@ def _cmd_batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
               "'widebeam[ray]'",
               file=sys.stderr)
         return 1
+    if summary.num_duplicates:
+        print(f"widebeam batch: warning: {summary.num_duplicates} rows skipped, their id repeats an earlier "
+              f"row's: {', '.join(summary.duplicates)}", file=sys.stderr)
     print(json.dumps({"written": summary.num_written, "errors": summary.num_errors,
-                      "skipped": summary.num_skipped,
+                      "skipped": summary.num_skipped, "duplicates": summary.num_duplicates,
+                      "first_duplicates": summary.duplicates,
                       "generated_tokens": summary.num_generated_tokens,
                       "seconds": round(summary.elapsed_s, 3), "first_errors": summary.errors}))
     return 0

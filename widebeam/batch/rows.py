@@ -5,7 +5,8 @@ A row holds `prompt` (text), `messages` (a chat, rendered with the model's templ
 reruns), and any parameter of `SamplingParams` / `BeamSearchParams` by its field name (a
 `beam_width` above 1, or `use_beam_search`, makes it a beam-search row). The job's defaults fill the
 rest. A malformed row becomes a `BatchRow` with `error` set: it is written out with that error, it
-never stops the job.
+never stops the job. The error names the row (its position in the input, from 0) and, when one cell is
+at fault, its column: `row 3, column beam_width: ...`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from widebeam.errors import InvalidParameterError
 from widebeam.params import BeamSearchParams, SamplingParams
 
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
@@ -57,15 +59,18 @@ def parse_row(raw: Any, index: int, defaults: Mapping[str, Any]) -> BatchRow:
         prompt = values.pop(given[0])
         if given[0] == "messages":
             if not isinstance(prompt, list) or not all(isinstance(m, Mapping) for m in prompt):
-                raise ValueError("messages must be a list of {role, content} objects")
+                raise InvalidParameterError("messages",
+                                            "messages must be a list of {{role, content}} objects")
             prompt = {"messages": prompt}
         elif given[0] == "prompt_token_ids":
             prompt = {"prompt_token_ids": prompt}
         elif not isinstance(prompt, str):
-            raise ValueError(f"prompt must be text, got {type(prompt).__name__}")
+            raise InvalidParameterError("prompt", f"prompt must be text, got {type(prompt).__name__}")
         return BatchRow(rid, prompt, make_params(values, defaults))
+    except InvalidParameterError as exc:  # one cell is at fault: its column is the parameter's name
+        return BatchRow(rid, error=f"row {index}, column {exc.param}: {type(exc).__name__}: {exc}")
     except (ValueError, TypeError) as exc:
-        return BatchRow(rid, error=f"{type(exc).__name__}: {exc}")
+        return BatchRow(rid, error=f"row {index}: {type(exc).__name__}: {exc}")
 
 
 def make_params(values: Mapping[str, Any], defaults: Mapping[str, Any] | None = None
@@ -77,8 +82,16 @@ def make_params(values: Mapping[str, Any], defaults: Mapping[str, Any] | None = 
     defaults = dict(defaults or {})
     values = dict(values)
     use_beams = values.pop("use_beam_search", defaults.pop("use_beam_search", None))
+    if use_beams is not None and not isinstance(use_beams, bool):
+        raise InvalidParameterError("use_beam_search", "use_beam_search must be true or false, got {value!r}",
+                                    value=use_beams)
     width = values.get("beam_width", defaults.get("beam_width", 1))
-    beams = bool(use_beams) if use_beams is not None else int(width or 1) > 1
+    if isinstance(width, float) and width.is_integer():
+        width = int(width)
+    if width is not None and (isinstance(width, bool) or not isinstance(width, int)):
+        raise InvalidParameterError("beam_width", "beam_width must be an integer >= 1, got {value!r}",
+                                    value=width)
+    beams = use_beams if use_beams is not None else (width or 1) > 1
     known = BEAM_FIELDS if beams else SAMPLING_FIELDS
     values = {**{k: v for k, v in defaults.items() if k in known}, **values}
     unknown = sorted(set(values) - known)
@@ -118,6 +131,7 @@ def _cell(name: str, value: Any) -> Any:
         parsed = json.loads(text)
     except ValueError:
         if name in JSON_FIELDS and text[:1] in ("[", "{"):
-            raise ValueError(f"{name} is not valid JSON: {text[:80]!r}") from None
+            raise InvalidParameterError(name, name + " is not valid JSON: {value!r}",
+                                        value=text[:80]) from None
         return value
     return parsed if not isinstance(parsed, str) else value

@@ -8,6 +8,7 @@ and the job is resumable: rows already in the output are skipped (`batch/files.p
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,15 +18,20 @@ from widebeam.batch.local import DEFAULT_MAX_IN_FLIGHT, BatchEngine
 from widebeam.batch.rows import BatchRow, parse_row, row_id
 from widebeam.defaults import DEFAULT_MODEL
 
+log = logging.getLogger("widebeam")
+
 
 @dataclass
 class BatchSummary:
     """What a job did: rows written this run, how many with an error, rows skipped as already
-    written, generated tokens (every returned sequence), seconds."""
+    written, rows skipped because their id repeats an earlier row's (never run: an output holds one
+    record per id), generated tokens (every returned sequence), seconds."""
 
     num_written: int = 0
     num_errors: int = 0
     num_skipped: int = 0
+    num_duplicates: int = 0
+    duplicates: list[str] = field(default_factory=list)  # the first few, "id (row N)", for the console
     num_generated_tokens: int = 0
     elapsed_s: float = 0.0
     errors: list[str] = field(default_factory=list)  # the first few, for the console
@@ -45,16 +51,25 @@ def run(input_path: str | Path, output_path: str | Path, model: str = DEFAULT_MO
     done = writer.done_ids()
     summary = BatchSummary()
     pending: list[tuple[int, object, str | None]] = []
+    seen: set[str] = set()  # ids of this input so far: a repeat is a duplicate on every run, resumed or not
     for index, raw in read_rows(input_path):
         if isinstance(raw, MalformedRow):
             rid, error = f"row-{index}", raw.error
         else:
             rid, error = row_id(raw, index), None
+        if rid in seen:
+            summary.num_duplicates += 1
+            if len(summary.duplicates) < 5:
+                summary.duplicates.append(f"{rid} (row {index})")
+            continue
+        seen.add(rid)
         if rid in done:
             summary.num_skipped += 1
             continue
-        done.add(rid)  # an id repeated in the input runs once
         pending.append((index, raw, error))
+    if summary.num_duplicates:
+        log.warning("%d input rows skipped: their id repeats an earlier row's (an output holds one record "
+                    "per id): %s", summary.num_duplicates, ", ".join(summary.duplicates))
     bar = _progress(len(pending)) if progress else None
     start = time.monotonic()
 

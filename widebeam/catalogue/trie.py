@@ -28,13 +28,17 @@ class CatalogueError(ValueError):
 
 class Catalogue:
     def __init__(self, node_token: torch.Tensor, node_parent: torch.Tensor, child_start: torch.Tensor,
-                 is_end: torch.Tensor, num_items: int, max_item_tokens: int, vocab_size: int):
+                 is_end: torch.Tensor, num_items: int, max_item_tokens: int, vocab_size: int,
+                 min_item_tokens: int | None = None):
         self.node_token = node_token  # [num_nodes] the token that leads into each node (root: 0)
         self.node_parent = node_parent  # [num_nodes] (root: 0)
         self.child_start = child_start  # [num_nodes + 1]
         self.is_end = is_end  # [num_nodes] an item ends here
         self.num_items = num_items
         self.max_item_tokens = max_item_tokens
+        # the shortest item: a request needs max_new_tokens >= it + 1 (its EOS) to return any item
+        self.min_item_tokens = (_shallowest_end(node_parent, is_end) if min_item_tokens is None
+                                else min_item_tokens)
         self.vocab_size = vocab_size
         # [num_nodes - 1] parent * vocab + token of nodes 1.., strictly increasing
         self.child_keys = node_parent[1:] * vocab_size + node_token[1:]
@@ -57,7 +61,8 @@ class Catalogue:
         if torch.device(device) == self.device:
             return self
         return Catalogue(self.node_token.to(device), self.node_parent.to(device), self.child_start.to(device),
-                         self.is_end.to(device), self.num_items, self.max_item_tokens, self.vocab_size)
+                         self.is_end.to(device), self.num_items, self.max_item_tokens, self.vocab_size,
+                         self.min_item_tokens)
 
     # -- building -------------------------------------------------------------------------------------
     @classmethod
@@ -115,7 +120,7 @@ class Catalogue:
         num_items = int(np.concatenate(is_end).sum())
         return cls(node_token_t.to(device), node_parent_t.to(device), child_start.to(device),
                    torch.from_numpy(np.concatenate(is_end)).to(device), num_items, int(lengths.max()),
-                   vocab_size)
+                   vocab_size, int(lengths.min()))
 
     # -- reading ----------------------------------------------------------------------------------------
     def children(self, node: int) -> list[int]:
@@ -140,6 +145,19 @@ class Catalogue:
                 return False
             node = nxt
         return bool(self.is_end[node])
+
+
+def _shallowest_end(node_parent: torch.Tensor, is_end: torch.Tensor) -> int:
+    """The depth of the shallowest node that ends an item (a trie built without its lengths): nodes are
+    breadth-first, so the first ending node is the shallowest; its depth is its chain of parents."""
+    ends = torch.nonzero(is_end.cpu()).flatten()
+    if ends.numel() == 0:
+        return 0
+    node, depth = int(ends[0]), 0
+    parents = node_parent.cpu()
+    while node != 0:
+        node, depth = int(parents[node]), depth + 1
+    return depth
 
 
 def _padded(items: Iterable[Sequence[int]]) -> np.ndarray:

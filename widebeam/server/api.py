@@ -42,7 +42,14 @@ class GuardMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
+        headers = dict(scope["headers"])  # a repeated header keeps its last value here
+        num_authorization = sum(1 for name, _ in scope["headers"] if name == b"authorization")
+        if num_authorization > 1:
+            # A proxy checking the first and this server the last would disagree on who is calling:
+            # ambiguous credentials are refused on every path, with or without an API key.
+            return await _send_error(send, 400, f"{num_authorization} Authorization headers: send exactly "
+                                     "one ('Authorization: Bearer <key>')",
+                                     code="duplicate_authorization_header")
         if self.api_key and scope["path"] != "/health":
             scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
