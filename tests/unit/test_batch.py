@@ -170,3 +170,53 @@ def test_rows_name_a_catalogue_registered_for_the_job(tiny_llama_dir, tmp_path, 
         beams = [o["token_ids"] for o in records[row_id]["outputs"]]
         assert len(beams) == width and all(beam[:-1] in items for beam in beams), beams  # an item, then EOS
     assert "nope" in records["unknown"]["error"]
+
+
+def test_a_repeated_id_is_a_counted_named_skip_on_every_run(tiny_llama_dir, tmp_path, caplog):
+    """The second row with an id never runs (an output holds one record per id), and the job says so:
+    counted, named with its row, logged; a rerun reports it again rather than calling it written."""
+    rows = [{"id": "a", "prompt_token_ids": [5, 6, 7]}, {"id": "b", "prompt_token_ids": [8, 9]},
+            {"id": "a", "prompt_token_ids": [10, 11]}, {"prompt_token_ids": [12]}]  # the last: row-3
+    source = write_jsonl(tmp_path / "in.jsonl", rows)
+    with caplog.at_level("WARNING", logger="widebeam"):
+        summary = run(source, tmp_path / "out.jsonl", str(tiny_llama_dir), defaults=DEFAULTS, progress=False,
+                      **ENGINE)
+    records = by_id(read_output(tmp_path / "out.jsonl"))
+    assert set(records) == {"a", "b", "row-3"} and summary.num_written == 3
+    assert records["a"]["num_prompt_tokens"] == 3  # the first row with that id
+    assert (summary.num_duplicates, summary.duplicates, summary.num_skipped) == (1, ["a (row 2)"], 0)
+    assert "1 input rows skipped: their id repeats an earlier row's" in caplog.text
+    assert "a (row 2)" in caplog.text
+    again = run(source, tmp_path / "out.jsonl", str(tiny_llama_dir), defaults=DEFAULTS, progress=False,
+                **ENGINE)
+    assert (again.num_written, again.num_skipped, again.num_duplicates) == (0, 3, 1)
+
+
+def test_the_command_line_warns_of_repeated_ids(tiny_llama_dir, tmp_path, capsys):
+    from widebeam.cli import main
+
+    source = write_jsonl(tmp_path / "in.jsonl", [{"id": "x", "prompt_token_ids": [5, 6]},
+                                                 {"id": "x", "prompt_token_ids": [7, 8]}])
+    argv = ["batch", str(source), str(tmp_path / "out.jsonl"), "--model", str(tiny_llama_dir),
+            "--max-new-tokens", "2", "--device", "cpu", "--kv-cache-memory", "1MiB", "--no-progress"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert (summary["written"], summary["duplicates"], summary["first_duplicates"]) == (1, 1, ["x (row 1)"])
+    assert "warning: 1 rows skipped, their id repeats an earlier row's: x (row 1)" in err
+
+
+def test_a_bad_csv_cell_names_its_row_and_column(tiny_llama_dir, tmp_path):
+    source = tmp_path / "in.csv"
+    source.write_text("id,prompt_token_ids,beam_width,temperature,stop_token_ids,use_beam_search\n"
+                      "ok,\"[5, 6]\",2,,,\n"
+                      "w,\"[5, 6]\",abc,,,\n"
+                      "t,\"[5, 6]\",,hot,,\n"
+                      "s,\"[5, 6]\",,,\"[1,\",\n"
+                      "u,\"[5, 6]\",,,,maybe\n")
+    run(source, tmp_path / "out.csv", str(tiny_llama_dir), defaults=DEFAULTS, progress=False, **ENGINE)
+    records = by_id(read_output(tmp_path / "out.csv"))
+    assert records["ok"]["error"] is None and len(records["ok"]["outputs"]) == 2
+    for rid, row, column in (("w", 1, "beam_width"), ("t", 2, "temperature"), ("s", 3, "stop_token_ids"),
+                             ("u", 4, "use_beam_search")):
+        assert records[rid]["error"].startswith(f"row {row}, column {column}: "), records[rid]["error"]

@@ -12,7 +12,7 @@ from widebeam.errors import InvalidParameterError
 from widebeam.llm import LLM
 from widebeam.model.arch import UnsupportedModelError
 from widebeam.model.loader import ModelNotFoundError
-from widebeam.params import SamplingParams
+from widebeam.params import BeamSearchParams, SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
 
@@ -122,3 +122,51 @@ def test_extreme_sampling_values_degrade_to_greedy(llm, changes):
     (out,) = llm.generate([{"prompt_token_ids": [5, 6, 7]}], sampled, use_tqdm=False)
     (greedy,) = llm.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY, use_tqdm=False)
     assert out.outputs[0].token_ids == greedy.outputs[0].token_ids
+
+
+# -- a catalogue whose items cannot come back: refused at admission, not an empty answer ------------
+ITEMS = [[11, 12, 13], [11, 14], [20, 21, 22, 23]]  # shortest 2 tokens, longest 4
+
+
+def _refused(llm, params) -> InvalidParameterError:
+    free = free_blocks(llm)
+    with pytest.raises(InvalidParameterError) as info:
+        llm.engine.add_request("refused", {"prompt_token_ids": [5, 6, 7]}, params)
+    assert not llm.engine.has_unfinished() and free_blocks(llm) == free  # nothing queued, nothing held
+    return info.value
+
+
+@pytest.mark.parametrize("source", ["named", "inline"])
+def test_a_catalogue_with_max_new_tokens_below_its_shortest_item_is_refused_naming_the_least(llm, source):
+    llm.register_catalogue("short", ITEMS)
+    where = {"catalogue": "short"} if source == "named" else {"allowed_sequences": ITEMS}
+    for too_few in (1, 2):  # the shortest item needs 2 tokens and its EOS
+        error = _refused(llm, BeamSearchParams(beam_width=3, max_new_tokens=too_few, **where))
+        assert error.param == "max_new_tokens"
+        assert "must be >= 3 with this catalogue" in str(error) and f"got {too_few}" in str(error)
+        assert "max_tokens must be >= 3" in error.render({"max_new_tokens": "max_tokens"})
+    # the least that fits returns the shortest item (and only it: no other fits), then EOS
+    (out,) = llm.generate([{"prompt_token_ids": [5, 6, 7]}],
+                          BeamSearchParams(beam_width=3, max_new_tokens=3, **where), use_tqdm=False)
+    assert [beam.token_ids[:-1] for beam in out.outputs] == [[11, 14]]
+
+
+def test_a_catalogue_with_min_new_tokens_past_its_longest_item_is_refused(llm):
+    llm.register_catalogue("short", ITEMS)
+    params = BeamSearchParams(beam_width=3, max_new_tokens=8, min_new_tokens=5, catalogue="short")
+    error = _refused(llm, params)
+    assert error.param == "min_new_tokens" and "must be <= 4 with this catalogue" in str(error)
+    (out,) = llm.generate([{"prompt_token_ids": [5, 6, 7]}],
+                          params.replace(min_new_tokens=4), use_tqdm=False)
+    assert [beam.token_ids[:-1] for beam in out.outputs] == [[20, 21, 22, 23]]
+
+
+@pytest.mark.parametrize("source", ["named", "inline"])
+@pytest.mark.parametrize(("field", "value"), [("stop", ("x",)), ("stop_token_ids", (12,))])
+def test_a_catalogue_with_stop_or_stop_token_ids_is_refused_naming_both(source, field, value):
+    where = {"catalogue": "short"} if source == "named" else {"allowed_sequences": ITEMS}
+    with pytest.raises(InvalidParameterError) as info:
+        BeamSearchParams(beam_width=3, **where, **{field: value})
+    constraint = "catalogue" if source == "named" else "allowed_sequences"
+    assert info.value.param == field
+    assert str(info.value).startswith(f"{field} and {constraint} exclude each other"), info.value
