@@ -137,6 +137,15 @@ BEAM = {"use_beam_search": True, "beam_width": 8}
     ({"allowed_sequences": [[1, 2]]}, "allowed_sequences", ["add use_beam_search: true"]),
     ({"catalogue": "items"}, "catalogue", ["add use_beam_search: true"]),
     ({**BEAM, "catalogue": "items", "ignore_eos": True}, "ignore_eos", ["must be false with a catalogue"]),
+    # the shortest item of "ids" has 2 tokens: 3 with its EOS (once a 200 with "choices": [])
+    ({**BEAM, "catalogue": "ids", "max_tokens": 2}, "max_tokens",
+     ["max_tokens must be >= 3 with this catalogue", "got 2"]),
+    ({**BEAM, "catalogue": "ids", "min_tokens": 4}, "min_tokens",
+     ["min_tokens must be <= 3 with this catalogue"]),
+    # a stop could end a beam inside an item (once "yoga", "running shoes,")
+    ({**BEAM, "catalogue": "items", "stop": [","]}, "stop", ["stop and catalogue exclude each other"]),
+    ({**BEAM, "catalogue": "items", "stop_token_ids": [2]}, "stop_token_ids",
+     ["stop_token_ids and catalogue exclude each other"]),
 ])
 def test_bad_catalogue_requests_are_400_naming_the_field(server, body, param, fragments):
     error = bad_request(server, extra_body=body)

@@ -36,6 +36,17 @@ def test_missing_or_wrong_api_key_is_401(server, method, path, headers):
     assert "API key" in error["message"]
 
 
+@pytest.mark.parametrize("path", ["/v1/models", "/v1/completions", "/health"])
+def test_two_authorization_headers_are_a_400_even_if_both_hold_the_key(server, path):
+    """A proxy that checks the first and a server that reads the last would disagree on the caller."""
+    key = f"Bearer {server.api_key}"
+    body = {"prompt": "hi", "max_tokens": 1} if path == "/v1/completions" else None
+    response = httpx.request("POST" if body else "GET", server.url + path, json=body, timeout=10,
+                             headers=[("Authorization", key), ("authorization", key)])
+    error = assert_error(response, 400, code="duplicate_authorization_header")
+    assert "2 Authorization headers" in error["message"]
+
+
 def test_health_needs_no_key_and_the_right_key_works(server):
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
     assert httpx.get(f"{server.url}/v1/models", headers=server.headers, timeout=10).status_code == 200
@@ -89,6 +100,8 @@ def test_malformed_bodies_are_400(server, path, content):
     ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
     ({"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
     ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "x", "repetition_penalty": 1e-300, "temperature": 0.8}, "repetition_penalty"),
+    ({"prompt": "x", "repetition_penalty": 1e300}, "repetition_penalty"),
 ])
 def test_invalid_completion_fields_are_400_naming_the_field(server, body, param):
     response = httpx.post(f"{server.url}/v1/completions", json=body, headers=server.headers, timeout=30)
