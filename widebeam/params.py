@@ -195,6 +195,9 @@ class BeamSearchParams:
     built `widebeam.catalogue.trie.Catalogue`). Every beam stays inside it; a beam finishes with an
     end-of-sequence token right after a complete item (the returned token ids are the item + EOS), and
     fewer than `num_return_sequences` come back when fewer items are reachable, never an invalid one.
+    `stop` and `stop_token_ids` are refused with a catalogue (a stop could end a beam inside an item);
+    the engine refuses, at admission, a `max_new_tokens` below the shortest item + EOS and a
+    `min_new_tokens` past the longest item (either could only return nothing).
     """
 
     beam_width: int = 4

@@ -10,7 +10,8 @@ Generative retrieval (catalogue-constrained beams) adds `catalogue` (the name of
 registered, `widebeam serve --catalogue NAME=PATH`) or an inline `allowed_sequences` (token-id lists,
 at most `MAX_INLINE_ITEMS` items of at most `MAX_INLINE_ITEM_TOKENS` tokens), both only with
 `use_beam_search`: every returned choice is then one item (its text), and `max_tokens` defaults to
-the longest item plus its end-of-sequence token.
+the longest item plus its end-of-sequence token. A `max_tokens` below the shortest item plus its EOS,
+a `min_tokens` past the longest item, or any `stop` / `stop_token_ids` is a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ class _GenerationFields(BaseModel):
         None,
         description=f"beam search only: an inline catalogue, token-id lists (at most {MAX_INLINE_ITEMS} "
                     f"items of at most {MAX_INLINE_ITEM_TOKENS} tokens); excludes `catalogue`")
-    # Penalties (OpenAI's presence/frequency in [-2, 2]; transformers/vLLM's repetition_penalty > 0).
+    # Penalties (OpenAI's presence/frequency in [-2, 2]; transformers/vLLM's repetition_penalty, here
+    # in [0.01, 100] where float32 stays finite: params.py checks both and names the field).
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
