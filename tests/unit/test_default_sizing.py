@@ -38,7 +38,8 @@ def test_default_sizing_subtracts_the_measured_activation_peak(monkeypatch, tiny
     assert calls == [(T, 64, 8)]  # measured once, for the largest chunk and the widest decode step
     expected = int((available - activation) * fraction)
     layout = engine.layout
-    assert layout.activation_measured and layout.activation_bytes == engine.activation_peak_bytes == activation
+    assert layout.activation_measured
+    assert layout.activation_bytes == engine.activation_peak_bytes == activation
     assert layout.free_bytes == available - activation
     assert layout.kv_cache_bytes == expected
     # the pools fill that budget to within one block, from the model's shapes alone
