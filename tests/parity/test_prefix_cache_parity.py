@@ -199,7 +199,8 @@ def test_requests_submitted_together_compute_their_shared_prefix_once(llama_pair
 def test_a_block_recurring_at_another_position_is_not_a_hit(llama_pair, kind):
     """A block's name covers its parent: block A at position 0 and the same tokens at position 2 are
     different blocks (their K/V differ by position). The first prompt is A B A + tail; the later ones
-    repeat A or B at other positions (A A, B A, B B A) and may reuse only true prefixes: the same tokens and scores as without the cache, and only that block counted as cached."""
+    repeat A or B at other positions (A A, B A, B B A) and may reuse only true prefixes: the same
+    tokens and scores as without the cache, and only those blocks counted as cached."""
     cached_llm, plain_llm = llama_pair
     rng = random.Random(40 + len(kind))
     a, b = ([rng.randrange(5, 120) for _ in range(T)] for _ in range(2))
