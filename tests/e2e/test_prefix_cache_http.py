@@ -125,3 +125,85 @@ def test_a_pinned_prefix_is_there_before_the_first_request(tiny_chat_model_dir, 
         assert metrics["widebeam_prefix_cache_queried_tokens_total"] == len(system_ids) + len(text_ids) + 4
     finally:
         server.stop()
+
+
+def choices_of(response) -> list[dict]:
+    """Every choice's text and finish reason, and its beam score where the server reports one."""
+    out = []
+    for choice in response.choices:
+        fields = choice.model_dump()
+        text = fields["text"] if "text" in fields else fields["message"]["content"]
+        out.append({"text": text, "finish_reason": fields["finish_reason"],
+                    "score": fields.get("beam_score")})
+    return out
+
+
+def same_choices(cached: list[dict], plain: list[dict]) -> bool:
+    """The same texts and finish reasons, and beam scores equal but for float rounding (the hit's K/V
+    came from another chunk shape)."""
+    return len(cached) == len(plain) > 0 and all(
+        (a["text"], a["finish_reason"]) == (b["text"], b["finish_reason"])
+        and (b["score"] is None or a["score"] == pytest.approx(b["score"], abs=1e-4))
+        for a, b in zip(cached, plain, strict=True))
+
+
+def test_beam_and_pinned_hits_answer_as_an_uncached_server(tiny_chat_model_dir, tmp_path):
+    """Beam search on a prompt whose prefix another request computed, and greedy and beam search on a
+    pinned prefix: the same choices (text, finish reason, beam score) as a server without prefix
+    caching, on responses that really hit (`cached_tokens`).
+
+    The prompts repeat their first block at position 1 (a pin or a prefix that recurs, as few-shot
+    examples do): a cache that named blocks by their content alone would hand over block 0's K/V
+    for position 1 and still report the same `cached_tokens`; only the text tells."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_chat_model_dir))
+    system_ids = tokenizer.encode(SYSTEM)
+    pinned_ids = system_ids[:16] * 2 + system_ids
+    other_ids = tokenizer.encode("Q: Name a colour and a shape. A:" * 4)
+    other_ids = other_ids[:16] * 2 + other_ids
+    pin = tmp_path / "system.json"
+    pin.write_text(json.dumps(pinned_ids))
+    cached_server = start(tiny_chat_model_dir, tmp_path, "hits", "--pin-prefix", str(pin))
+    plain_server = start(tiny_chat_model_dir, tmp_path, "uncached", "--no-prefix-caching")
+    try:
+        model = str(tiny_chat_model_dir)
+        beam = {"max_tokens": 6, "n": 3, "extra_body": {"use_beam_search": True, "beam_width": 3}}
+        greedy = {"max_tokens": 8, "temperature": 0}
+        pinned_blocks = len(pinned_ids) // 16
+        calls = [  # (name, kind, arguments, the blocks it must hit on the cached server; None: some)
+            ("warm", "completions", {"prompt": other_ids + [42, 43], **greedy}, 0),
+            ("beam hit", "completions", {"prompt": other_ids + [44, 45, 46], **beam}, None),
+            ("pinned greedy", "completions", {"prompt": pinned_ids + [42, 43, 44], **greedy}, pinned_blocks),
+            ("pinned beam", "completions", {"prompt": pinned_ids + [45, 46], **beam}, pinned_blocks),
+            ("chat warm", "chat", {"messages": [{"role": "system", "content": SYSTEM},
+                                                {"role": "user", "content": "Name a colour."}], **greedy},
+             0),
+            ("chat beam", "chat", {"messages": [{"role": "system", "content": SYSTEM},
+                                                {"role": "user", "content": "Name a shape."}], **beam},
+             None),
+        ]
+        differ = {}  # every call whose answers differ, named
+        for name, kind, arguments, hit_blocks in calls:
+            answers = []
+            for server in (cached_server, plain_server):
+                c = client(server)
+                create = c.completions.create if kind == "completions" else c.chat.completions.create
+                answers.append(create(model=model, **arguments))
+            cached, plain = answers
+            hit = cached.usage.prompt_tokens_details.cached_tokens
+            if hit_blocks is None:
+                assert hit > 0, name  # a real hit: the comparison below is of reused K/V
+            else:
+                assert hit == hit_blocks * 16, name
+            assert plain.usage.prompt_tokens_details.cached_tokens == 0
+            if not same_choices(choices_of(cached), choices_of(plain)):
+                differ[name] = (choices_of(cached), choices_of(plain))
+            if kind == "completions" and arguments.get("n") == 3:
+                assert len(cached.choices) == 3 and len({c["text"] for c in choices_of(cached)}) == 3, name
+            if "n" in arguments:
+                assert all(c["score"] is not None for c in choices_of(plain)), name
+        assert not differ, f"cached and uncached answers differ for {sorted(differ)}: {differ}"
+    finally:
+        cached_server.stop()
+        plain_server.stop()

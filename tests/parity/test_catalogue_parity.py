@@ -158,3 +158,43 @@ def test_the_masked_path_equals_the_allowed_set_path(engine):
     assert [t for t, _ in sparse] == [t for t, _ in dense] and len(sparse) == 16
     for (_, a), (_, b) in zip(sparse, dense):
         assert a == pytest.approx(b, rel=1e-6)
+
+
+def brute_force_ranking(hf_model, prompt, items, max_new_tokens, length_penalty):
+    """Every item that fits (its tokens and EOS within `max_new_tokens`) scored from the definition:
+    the summed log-probs of item + EOS after the prompt over `(len(item) + 1) ** length_penalty`,
+    best first. Exhaustive, so it is the answer of a beam search whose width never prunes."""
+    ranked = []
+    with torch.no_grad():
+        for item in items:
+            if len(item) + 1 > max_new_tokens:
+                continue
+            generated = list(item) + [EOS]
+            logits = hf_model(torch.tensor([list(prompt) + generated])).logits[0].float()
+            logprobs = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
+            total = float(logprobs[torch.arange(len(generated)), torch.tensor(generated)].sum())
+            ranked.append((total / len(generated) ** length_penalty, tuple(generated)))
+    ranked.sort(reverse=True)
+    return ranked
+
+
+@pytest.mark.parametrize("max_new_tokens", [2, 3, 4])
+def test_max_new_tokens_below_the_longest_item_returns_whole_items_only(engine, hf_model, max_new_tokens):
+    """`max_new_tokens` shorter than the longest item (and >= the shortest + EOS): every returned
+    sequence is a whole item + EOS, never a cut one, and the ranking equals a brute force over the
+    items that fit. The width (16) exceeds the trie's nodes at any depth, so nothing is pruned."""
+    items = [(40,), (41, 42), (41, 43), (44, 45, 46), (44, 45), (47, 48, 49, 50), (41, 42, 51, 52, 53),
+             (54, 55, 56, 57, 58, 59)]
+    assert min(map(len, items)) + 1 <= max_new_tokens < max(map(len, items))
+    for prompt in PROMPTS:
+        for length_penalty in (1.0, 0.0):
+            params = BeamSearchParams(beam_width=16, allowed_sequences=items, max_new_tokens=max_new_tokens,
+                                      length_penalty=length_penalty)
+            [output] = run(engine, [(prompt, params)])
+            expected = brute_force_ranking(hf_model, prompt, items, max_new_tokens, length_penalty)
+            got = [(beam.score, tuple(beam.token_ids)) for beam in output.outputs]
+            for _, tokens in got:
+                assert tokens[-1] == EOS and tokens[:-1] in set(items), (max_new_tokens, tokens)
+            assert [t for _, t in got] == [t for _, t in expected], (max_new_tokens, length_penalty)
+            for (score, _), (reference, _) in zip(got, expected, strict=True):
+                assert score == pytest.approx(reference, rel=1e-4, abs=1e-5)

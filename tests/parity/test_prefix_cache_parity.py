@@ -193,3 +193,23 @@ def test_requests_submitted_together_compute_their_shared_prefix_once(llama_pair
     assert_same_outputs(cached, plain)
     assert [out.num_cached_tokens for out in cached] == [0, 24, 24, 24]
     assert_all_blocks_back(cached_llm)
+
+
+@pytest.mark.parametrize("kind", ["greedy", "beams"])
+def test_a_block_recurring_at_another_position_is_not_a_hit(llama_pair, kind):
+    """A block's name covers its parent: block A at position 0 and the same tokens at position 2 are
+    different blocks (their K/V differ by position). The first prompt is A B A + tail; the later ones
+    repeat A or B at other positions (A A, B A, B B A) and may reuse only true prefixes: the same
+    tokens and scores as without the cache, and only those blocks counted as cached."""
+    cached_llm, plain_llm = llama_pair
+    rng = random.Random(40 + len(kind))
+    a, b = ([rng.randrange(5, 120) for _ in range(T)] for _ in range(2))
+    tail = [[rng.randrange(5, 120) for _ in range(2 + i)] for i in range(4)]
+    first = a + b + a + tail[0]
+    rest = [a + a + b + tail[1], b + a + tail[2], b + b + a + tail[3], a + b + a + a + tail[1]]
+    cached = run_waves(cached_llm, first, rest, PARAMS[kind])
+    plain = run_waves(plain_llm, first, rest, PARAMS[kind])
+    assert_same_outputs(cached, plain)
+    # A at 0 from the first; B at 0 of B B A from B A, submitted with it (a true prefix); A B A whole
+    assert [out.num_cached_tokens for out in cached] == [0, T, 0, T, 3 * T]
+    assert_all_blocks_back(cached_llm)

@@ -91,6 +91,8 @@ def test_greedy_tokens_equal_the_f_linear_engines(engines):
     params = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
     inputs = [{"prompt_token_ids": p} for p in PROMPTS]
     plain, split = (llm.generate(inputs, params, use_tqdm=False) for llm in engines)
+    assert len(plain) == len(split) == len(PROMPTS)
+    assert all(len(o.outputs) == 1 and len(o.outputs[0].token_ids) == 16 for o in plain + split)
     assert [o.outputs[0].token_ids for o in split] == [o.outputs[0].token_ids for o in plain]
 
 
@@ -101,7 +103,9 @@ def test_beam_sequences_equal_the_f_linear_engines(engines, width):
     params = BeamSearchParams(beam_width=width, max_new_tokens=12, length_penalty=1.0)
     inputs = [{"prompt_token_ids": p} for p in PROMPTS]
     plain, split = (llm.generate(inputs, params, use_tqdm=False) for llm in engines)
-    for a, b in zip(plain, split):
+    assert len(plain) == len(split) == len(PROMPTS)
+    for a, b in zip(plain, split, strict=True):
+        assert len(a.outputs) == len(b.outputs) == width  # every beam returned, none dropped
         assert [s.token_ids for s in b.outputs] == [s.token_ids for s in a.outputs]
-        for x, y in zip(a.outputs, b.outputs):
+        for x, y in zip(a.outputs, b.outputs, strict=True):
             assert y.score == pytest.approx(x.score, rel=1e-4, abs=1e-4)

@@ -7,6 +7,8 @@ pieces join to it; and nothing is held back that could not start a stop string.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -46,31 +48,84 @@ def test_held_back_chars(text, stops, held):
     assert held_back_chars(text, stops) == held
 
 
-def streamed_pieces(text: str, stops: list[str]) -> tuple[str, str]:
-    """(what a stream sends, the final text) when `text` arrives one character at a time."""
-    sent, final = "", text
+ALPHABET = "ab c"
+FIRST_ID = 3  # token FIRST_ID + i decodes to ALPHABET[i]; ids below are the model's special ones
+
+
+class CharTokenizer:
+    """One character per token over ALPHABET, so a forced token sequence streams a chosen text."""
+
+    all_special_ids: ClassVar[list[int]] = []
+
+    def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
+        return "".join(ALPHABET[t - FIRST_ID] for t in token_ids)
+
+    def encode(self, text: str) -> list[int]:
+        return [FIRST_ID + ALPHABET.index(ch) for ch in text]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir):
+    from widebeam.engine import LLMEngine
+
+    engine = LLMEngine(str(tiny_llama_dir), device="cpu", kv_cache_memory="4MiB", tokens_per_block=4,
+                       enable_prefix_caching=False)
+    engine.tokenizer = CharTokenizer()
+    return engine
+
+
+def stream_through_the_engine(engine, text: str, stops: list[str]):
+    """The engine's public streaming path (`add_request`, then `step()` deltas): a greedy request
+    forced to generate `text`'s tokens, with stop strings `stops`. Returns its deltas."""
+    from widebeam.params import SamplingParams
+
+    token_ids = engine.tokenizer.encode(text)
+
+    def force(scores, num_generated_tokens):
+        target = scores[:, token_ids[num_generated_tokens]].clone()
+        scores.fill_(float("-inf"))
+        scores[:, token_ids[num_generated_tokens]] = target
+
+    params = SamplingParams(max_new_tokens=len(text), temperature=0, ignore_eos=True, stop=stops)
+    engine.add_request("s", [5, 6, 7], params, logits_processors=[force])
+    deltas = []
+    while engine.has_unfinished():
+        deltas += [d for d in engine.step() if d.request_id == "s"]
+    return deltas
+
+
+def expected_stream(text: str, stops: list[str]) -> tuple[str, list[int]]:
+    """From the definition, with str.find only: (the final text: cut before the stop string found
+    first as the text arrives, the earliest-starting one among those completed at that character;
+    per character, how many trailing characters could still start a stop string)."""
+    held = []
     for k in range(1, len(text) + 1):
         seen = text[:k]
-        cut = stop_string_cut(seen, stops, k - 1)
-        if cut is not None:
-            final = seen[:cut]
-            break
-        safe = seen[:k - held_back_chars(seen, stops)]
-        assert safe.startswith(sent), "the sent text never shrinks"
-        sent = safe
-    else:
-        final = text
-    return sent, final
+        starts = [seen.find(stop) for stop in stops if stop in seen]
+        if starts:
+            return seen[:min(starts)], held
+        held.append(max([n for stop in stops for n in range(1, len(stop)) if seen.endswith(stop[:n])],
+                        default=0))
+    return text, held
 
 
-@settings(max_examples=300, deadline=None)
-@given(text=st.text(alphabet="ab c", max_size=16),
-       stops=st.lists(st.text(alphabet="ab c", min_size=1, max_size=4),
-                                                                    max_size=3))
-def test_streamed_text_is_always_a_prefix_of_the_final_text(text, stops):
-    sent, final = streamed_pieces(text, stops)
-    assert final.startswith(sent)
-    # nothing is held back at the end that is not the start of a stop string
-    held = len(final) - len(sent) if stop_string_cut(text, stops) is None else None
-    if held is not None:
-        assert held == max([k for s in stops for k in range(1, len(s)) if final.endswith(s[:k])], default=0)
+@settings(max_examples=120, deadline=None)
+@given(text=st.text(alphabet=ALPHABET, min_size=1, max_size=16),
+       stops=st.lists(st.text(alphabet=ALPHABET, min_size=1, max_size=4), max_size=3))
+def test_streamed_text_is_always_a_prefix_of_the_final_text(engine, text, stops):
+    """Streamed one character per step through the engine: what is sent never shrinks and is always
+    a prefix of the final text, the pieces join to it, the final text is cut before the first stop
+    string, and each step holds back exactly the characters that could still start one."""
+    final, held = expected_stream(text, stops)
+    deltas = stream_through_the_engine(engine, text, stops)
+    assert deltas and deltas[-1].finished and all(not d.finished for d in deltas[:-1])
+    [output] = deltas[-1].output.outputs
+    assert output.text == final
+    assert output.finish_reason == ("stop" if any(stop in text for stop in stops) else "length")
+    sent = ""
+    for k, delta in enumerate(deltas, start=1):
+        sent += delta.new_text
+        assert final.startswith(sent), (k, sent, final)
+        if not delta.finished:  # the k-th character arrived: all of it out but what could start a stop
+            assert len(sent) == k - held[k - 1], (k, sent, held)
+    assert sent == final
