@@ -14,6 +14,19 @@ GREEDY_TEMPERATURE = 1e-5  # below this, sampling is argmax
 MAX_ABS_LENGTH_PENALTY = 10.0
 
 
+def _check_response_format(params) -> None:
+    """The format's shape and caps (structured/formats.py), and the options a grammar cannot honour:
+    the grammar allows the end-of-sequence token only once the JSON value is complete and nothing after
+    it, so generating past it (`ignore_eos`) or withholding it for a minimum count (`min_new_tokens`,
+    which may exceed the value's length) has no valid continuation."""
+    if schema_of(params.response_format) is None:
+        return
+    _require(not params.ignore_eos, "ignore_eos", "and {response_format} exclude each other: the output "
+             "ends where the JSON value does")
+    _require(not params.min_new_tokens, "min_new_tokens", "and {response_format} exclude each other: the "
+             "output ends where the JSON value does, which may come before {min_new_tokens} tokens")
+
+
 def _require(condition: bool, param: str, message: str, **values) -> None:
     """Raise `InvalidParameterError` for `param` unless `condition`. `message` follows the parameter's
     name and is a template (see `widebeam.errors`): other parameters in braces, the offending value as
@@ -159,7 +172,7 @@ class SamplingParams:
         _check_stop_token_ids(self.stop_token_ids)
         _check_penalties(self)
         _check_logprobs(self)
-        schema_of(self.response_format)
+        _check_response_format(self)
 
     @property
     def greedy(self) -> bool:
@@ -271,6 +284,7 @@ class BeamSearchParams:
                  value=self.ignore_eos)
         _check_penalties(self)
         _check_logprobs(self)
+        _check_response_format(self)
         _require(not (self.constrained and schema_of(self.response_format) is not None), "response_format",
                  "and {catalogue} exclude each other: a catalogue already fixes every beam's tokens")
         if self.constrained:

@@ -22,11 +22,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from widebeam.errors import InvalidParameterError
 from widebeam.outputs import RequestDelta
 from widebeam.server import schemas as s
 from widebeam.server.metrics import ServerMetrics
+from widebeam.structured.formats import GRAMMAR_COMPILE_TIMEOUT_S
 
 log = logging.getLogger("widebeam.server")
 
@@ -74,6 +77,8 @@ class EngineLoop:
         self.failure: BaseException | None = None
         self.draining = False  # set by drain() and close(): new calls are refused with 503
         self._commands: list = []
+        # grammars compile here, one at a time, off the engine's thread (see _compile_grammars)
+        self._compile_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="widebeam-grammar")
         self._applying: list = []  # the commands the worker thread is applying now
         self._wake = asyncio.Event()
         self._tracked: dict[str, _Tracked] = {}
@@ -132,6 +137,7 @@ class EngineLoop:
             if isinstance(command, _Add) and not command.future.done():
                 command.future.set_exception(shutting_down("the server is shutting down"))
         self._commands = []
+        self._compile_executor.shutdown(wait=False, cancel_futures=True)
         if self.failure is None:
             self.snapshot = self.engine.stats()
 
@@ -146,12 +152,33 @@ class EngineLoop:
             raise s.ApiError(503, f"the engine loop has stopped: {self.failure}", type="server_error")
         if self.draining:
             raise shutting_down("the server is shutting down and admits no new requests")
+        await self._compile_grammars(entries)
         group = Group(request_ids, stream)
         future = asyncio.get_running_loop().create_future()
         self._commands.append(_Add(group, entries, future))
         self._wake.set()
         await future
         return group
+
+    async def _compile_grammars(self, entries: list) -> None:
+        """Compile each `response_format` in a thread of its own before the request reaches the
+        engine (whose `add_request` then finds it compiled): a slow compile holds up this call alone,
+        never the engine's steps, and past GRAMMAR_COMPILE_TIMEOUT_S it is refused. A compile that
+        times out finishes in its thread; the caps in structured/formats.py bound its cost."""
+        formats = {}
+        for _, params in entries:
+            response_format = getattr(params, "response_format", None)
+            if response_format is not None:
+                formats[repr(response_format)] = response_format
+        for response_format in formats.values():
+            try:
+                compiling = asyncio.get_running_loop().run_in_executor(
+                    self._compile_executor, self.engine.grammars.compile, response_format)
+                await asyncio.wait_for(compiling, GRAMMAR_COMPILE_TIMEOUT_S)
+            except TimeoutError:
+                raise InvalidParameterError(
+                    "response_format", "{response_format} took longer than {limit_s} s to compile: simplify "
+                    "the schema", limit_s=GRAMMAR_COMPILE_TIMEOUT_S) from None
 
     def abort(self, request_ids: list[str]) -> None:
         self._commands.append(("abort", list(request_ids)))

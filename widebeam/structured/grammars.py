@@ -14,6 +14,8 @@ cached by xgrammar's compiler, so a schema repeated across requests compiles onc
 from __future__ import annotations
 
 import re
+import threading
+from collections import OrderedDict
 
 from widebeam.structured.constraint import GrammarConstraint
 from widebeam.structured.formats import bad_format, schema_of
@@ -25,6 +27,9 @@ _LENGTH_LIMITED_CHAR = r'[^\"\\\r\n]'
 _JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
 
 
+_MAX_CACHED_GRAMMARS = 64
+
+
 class Grammars:
     """One engine's grammar compiler (its tokenizer's vocabulary, its end-of-sequence ids), made on
     first use."""
@@ -34,6 +39,10 @@ class Grammars:
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
         self._compiler = None
+        # schema text -> compiled grammar, most recent last: the server compiles in a thread of its
+        # own before a request reaches the engine, whose `constraint` then finds it here
+        self._compiled: OrderedDict[str, object] = OrderedDict()
+        self._lock = threading.Lock()
 
     def _get_compiler(self):
         if self._compiler is None:
@@ -45,21 +54,42 @@ class Grammars:
                 raise bad_format("needs the model's tokenizer, and this model directory has none")
             info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                            stop_token_ids=self.eos_token_ids or None)
-            self._compiler = xgrammar.GrammarCompiler(info)
+            # one thread: a compile runs beside the engine's steps (the server's compile thread), and
+            # xgrammar's default of 8 threads would take the cores the steps need
+            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
         return self._compiler
 
-    def constraint(self, response_format) -> GrammarConstraint | None:
-        """The request's constraint (a fresh matcher), or None for plain text."""
+    def compile(self, response_format):
+        """The compiled grammar of a `response_format` (cached), or None for plain text. Thread-safe:
+        the server calls it off the engine's thread, with a time bound
+        (formats.GRAMMAR_COMPILE_TIMEOUT_S)."""
         schema = schema_of(response_format)
         if schema is None:
             return None
-        compiler = self._get_compiler()
+        with self._lock:
+            compiled = self._compiled.get(schema)
+            if compiled is not None:
+                self._compiled.move_to_end(schema)
+                return compiled
+            compiler = self._get_compiler()
         import xgrammar
 
         try:
             grammar = str(xgrammar.Grammar.from_json_schema(schema, any_whitespace=False))
             compiled = compiler.compile_grammar(grammar.replace(_LENGTH_LIMITED_CHAR, _JSON_STRING_CHAR))
         except (RuntimeError, ValueError, TypeError) as exc:
-            reason = re.sub(r"^\[[^\]]*\] [^:]*:\d+: ", "", str(exc).strip())  # xgrammar's source location
+            # one line, without xgrammar's source location
+            reason = re.sub(r"^\[[^\]]*\] [^:]*:\d+: ", "", str(exc).strip())
+            reason = re.sub(r"\S+\.(?:cc|cpp|h|hpp|py):\d+:?\s*", "", reason)
+            reason = (reason.splitlines() or ["xgrammar refused it"])[0]
             raise bad_format("has a schema that cannot be used: {reason}", reason=reason) from None
-        return GrammarConstraint(compiled, self.vocab_size)
+        with self._lock:
+            self._compiled[schema] = compiled
+            while len(self._compiled) > _MAX_CACHED_GRAMMARS:
+                self._compiled.popitem(last=False)
+        return compiled
+
+    def constraint(self, response_format) -> GrammarConstraint | None:
+        """The request's constraint (a fresh matcher), or None for plain text."""
+        compiled = self.compile(response_format)
+        return None if compiled is None else GrammarConstraint(compiled, self.vocab_size)
