@@ -201,13 +201,84 @@ def sliding_window_blocks(
     chunk = prefill_chunk_tokens
     starts = _prefill_chunk_starts(prompt_tokens, window_tokens, t, chunk, cached_prompt_tokens)
     prefill_blocks = max(_prefill_span_blocks(s, prompt_tokens, window_tokens, t, chunk) for s in starts)
+    last_fed = prompt_tokens + max_new_tokens - 2  # the position of the last token ever fed
+    decode_blocks = max(
+        (_decode_step_blocks(x, prompt_tokens, last_fed, beam_width, t, window_tokens, extra_tokens,
+                             refeed_tokens)
+         for x in _decode_candidate_positions(prompt_tokens, last_fed, t, window_tokens, refeed_tokens)),
+        default=0,
+    )
+    return min(full, max(prefill_blocks, decode_blocks))
+
+
+def _decode_step_blocks(x: int, prompt_tokens: int, last_fed: int, beam_width: int, tokens_per_block: int,
+                        window_tokens: int, extra_tokens: int, refeed_tokens: int) -> int:
+    """Blocks held by a decode step with x tokens committed (see sliding_window_blocks): the shared
+    full prompt blocks still in the window plus each beam's own blocks."""
+    t = tokens_per_block
+    shared_end = (prompt_tokens // t) * t  # positions below this live in shared full prompt blocks
+    # A step writes positions x .. x + r + D at once (r pending tokens fed again, D speculative
+    # ones rolled back after), having trimmed by the committed length x: keys from the first
+    # query's window start stay.
+    refeed = 0 if x == prompt_tokens else min(refeed_tokens, last_fed - x)
+    window_start = max(0, x - window_tokens + 1)
+    shared = _blocks_spanned(window_start, shared_end - 1, t)
+    own = _blocks_spanned(max(window_start, shared_end), x + refeed + extra_tokens, t)
+    return shared + own * beam_width
+
+
+def _decode_candidate_positions(prompt_tokens: int, last_fed: int, tokens_per_block: int,
+                                window_tokens: int, refeed_tokens: int) -> set[int]:
+    """The positions x at which `_decode_step_blocks` can reach its maximum over P .. last_fed.
+
+    Away from x = P (r = 0) and the last R positions (r shrinking), r = R and the term depends on
+    x through the window start s = max(0, x - w + 1) against the shared end E = floor(P/T)*T:
+    while s <= E (x <= c = E + w - 1) a beam's own span [E, x + R + D] grows by one block every T
+    positions while the shared part loses at most one, so f(x + T) >= f(x) and the maximum of that
+    stretch lies in its last T positions; once s > E nothing is shared and the own span
+    [x - w + 1, x + R + D] has a fixed length, so f is periodic with period T and one period from
+    the stretch's start holds its maximum. The set takes a period (and one more) on both sides of
+    each boundary: P, c and last_fed - R, clipped to P .. last_fed. (Near c the first stretch stays
+    at or below the second's periodic values, so the last R + T + 2 positions with x = P already
+    reach the maximum; dropping that tail's period makes tests/unit/test_sliding_bound_fast.py fail,
+    dropping the windows at P or c does not. They are kept as cheap margin.)"""
+    t = tokens_per_block
+    if last_fed < prompt_tokens:
+        return set()
+    shared_end = (prompt_tokens // t) * t
+    crossing = shared_end + window_tokens - 1  # the last x whose window start is <= the shared end
+    candidates = set(range(prompt_tokens, prompt_tokens + t + 2))
+    candidates.update(range(crossing - t - 1, crossing + t + 2))
+    candidates.update(range(last_fed - refeed_tokens - t - 1, last_fed + 1))
+    return {x for x in candidates if prompt_tokens <= x <= last_fed}
+
+
+def _sliding_window_blocks_reference(
+    prompt_tokens: int,
+    max_new_tokens: int,
+    beam_width: int,
+    tokens_per_block: int,
+    window_tokens: int,
+    prefill_chunk_tokens: int | None = None,
+    extra_tokens: int = 0,
+    refeed_tokens: int = 0,
+    cached_prompt_tokens: int = 0,
+) -> int:
+    """The definition of `sliding_window_blocks`: the same bound with the decode term taken over
+    every position x = P .. P + N - 2 (O(N) per call). `sliding_window_blocks` evaluates only
+    `_decode_candidate_positions`; tests/unit/test_sliding_bound_fast.py checks they agree."""
+    if window_tokens < 1:
+        raise ValueError(f"window_tokens must be >= 1, got {window_tokens}")
+    t = tokens_per_block
+    full = full_attention_blocks(prompt_tokens, max_new_tokens, beam_width, t, extra_tokens)
+    _check(refeed_tokens=refeed_tokens)
+    chunk = prefill_chunk_tokens
+    starts = _prefill_chunk_starts(prompt_tokens, window_tokens, t, chunk, cached_prompt_tokens)
+    prefill_blocks = max(_prefill_span_blocks(s, prompt_tokens, window_tokens, t, chunk) for s in starts)
     shared_end = (prompt_tokens // t) * t  # positions below this live in shared full prompt blocks
     decode_blocks = 0
     last_fed = prompt_tokens + max_new_tokens - 2  # the position of the last token ever fed
     for x in range(prompt_tokens, last_fed + 1):
-        # A step writes positions x .. x + r + D at once (r pending tokens fed again, D speculative
-        # ones rolled back after), having trimmed by the committed length x: keys from the first
-        # query's window start stay.
         refeed = 0 if x == prompt_tokens else min(refeed_tokens, last_fed - x)
         window_start = max(0, x - window_tokens + 1)
         shared = _blocks_spanned(window_start, shared_end - 1, t)

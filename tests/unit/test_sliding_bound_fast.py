@@ -1,0 +1,73 @@
+"""`sliding_window_blocks` evaluates its decode term only at `_decode_candidate_positions`
+(O(T + R) positions); `_sliding_window_blocks_reference` loops over every position and is the
+definition. They must agree everywhere."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from widebeam.kv.budget import _sliding_window_blocks_reference, sliding_window_blocks
+
+
+@st.composite
+def _bound_args(draw):
+    prompt = draw(st.integers(1, 300))
+    extra = draw(st.integers(0, 4))
+    return {
+        "prompt_tokens": prompt,
+        "max_new_tokens": draw(st.integers(1, 400)),
+        "beam_width": draw(st.integers(1, 8)),
+        "tokens_per_block": draw(st.integers(1, 16)),
+        "window_tokens": draw(st.integers(1, 64)),
+        "prefill_chunk_tokens": draw(st.none() | st.integers(1, 64)),
+        "extra_tokens": extra,
+        "refeed_tokens": draw(st.integers(0, extra)),
+        "cached_prompt_tokens": draw(st.integers(0, prompt - 1)),
+    }
+
+
+@settings(max_examples=2000, deadline=None)
+@given(_bound_args())
+def test_fast_bound_equals_reference(args):
+    assert sliding_window_blocks(**args) == _sliding_window_blocks_reference(**args)
+
+
+def _args(p, n, beams, t, w, chunk=None, extra=0, refeed=0, cached=0):
+    return {"prompt_tokens": p, "max_new_tokens": n, "beam_width": beams, "tokens_per_block": t,
+            "window_tokens": w, "prefill_chunk_tokens": chunk, "extra_tokens": extra,
+            "refeed_tokens": refeed, "cached_prompt_tokens": cached}
+
+
+_EDGES = [
+    # N = 1 (no decode step), N = 2 (one step, at x = P)
+    *[_args(p, n, 4, t, w) for p in (1, 7, 16, 33) for n in (1, 2) for t in (1, 4, 16) for w in (1, 5, 64)],
+    # w < T, w = 1
+    *[_args(p, 200, beams, 16, w, extra=4, refeed=r)
+      for p in (1, 15, 16, 17, 100) for w in (1, 2, 7, 15) for beams in (1, 3) for r in (0, 2, 4)],
+    # P < w
+    *[_args(p, 300, 8, t, 64, chunk=c, extra=3, refeed=3)
+      for p in (1, 5, 31, 63) for t in (1, 8, 16) for c in (None, 1, 9)],
+    # P a multiple of T (no partial prompt block), with and without a cached prefix
+    *[_args(k * t, n, 5, t, w, extra=2, refeed=1, cached=cached)
+      for t in (1, 4, 16) for k in (1, 3, 8) for n in (2, 3, 50, 400) for w in (1, t, 2 * t + 1, 64)
+      for cached in (0, k * t - 1)],
+]
+
+
+@pytest.mark.parametrize("args", _EDGES)
+def test_fast_bound_edge_cases(args):
+    assert sliding_window_blocks(**args) == _sliding_window_blocks_reference(**args)
+
+
+def test_fast_bound_independent_of_max_new_tokens():
+    # a million new tokens must cost about what a hundred do (the reference would loop a million times)
+    start = time.perf_counter()
+    for _ in range(100):
+        sliding_window_blocks(2048, 1_000_000, 8, 16, 512, 512, extra_tokens=4, refeed_tokens=4)
+    assert time.perf_counter() - start < 2.0
+    args = _args(2048, 5000, 8, 16, 512, chunk=512, extra=4, refeed=4)
+    assert sliding_window_blocks(**args) == _sliding_window_blocks_reference(**args)
