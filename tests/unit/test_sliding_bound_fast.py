@@ -78,3 +78,17 @@ def test_fast_bound_independent_of_max_new_tokens(monkeypatch):
     assert positions(1_000_000) == positions(10_000) <= 5 * 16 + 2 * 4
     args = _args(2048, 5000, 8, 16, 512, chunk=512, extra=4, refeed=4)
     assert sliding_window_blocks(**args) == _sliding_window_blocks_reference(**args)
+
+
+def test_plan_at_64gib_on_a_sliding_config_evaluates_few_positions(monkeypatch, capsys):
+    """`widebeam plan` on Gemma 3 (sliding layers) at 64 GiB: the fit hints binary-search max_new_tokens
+    up to the pool's capacity in tokens (millions), each probe one bound. With the O(T) bound the whole
+    plan evaluates a few thousand decode positions; the per-position loop would evaluate billions."""
+    from widebeam.cli import main
+
+    calls = []
+    step = budget._decode_step_blocks
+    monkeypatch.setattr(budget, "_decode_step_blocks", lambda *a, **kw: calls.append(1) or step(*a, **kw))
+    assert main(["plan", "--model", "gemma3-270m", "--memory", "64GiB", "--json"]) == 0
+    assert '"bytes_per_token"' in capsys.readouterr().out
+    assert 0 < len(calls) < 200_000
