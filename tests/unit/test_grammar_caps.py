@@ -68,3 +68,23 @@ def test_a_grammar_refuses_ignore_eos_and_min_new_tokens(make):
         make(response_format=grammar, max_new_tokens=8, min_new_tokens=3)
     assert info.value.param == "min_new_tokens" and "response_format" in str(info.value)
     make(max_new_tokens=8, ignore_eos=True, min_new_tokens=3)  # without a grammar both are fine
+
+
+def test_xgrammar_errors_are_one_line_without_a_source_path():
+    """A compile error reaches the client as one line naming `response_format`, without xgrammar's
+    C++ source location (the QA pass saw `.../grammar_compiler.cc:123:` in a 500)."""
+    pytest.importorskip("xgrammar")
+    from widebeam.structured.grammars import Grammars
+
+    class Refusing:
+        def compile_grammar(self, grammar):
+            raise RuntimeError("[12:00:00] /workspace/cpp/grammar_compiler.cc:123: Check failed: bad rule\n"
+                               "Stack trace:\n  [bt] (0) /usr/lib/libxgrammar.so(+0x1234)")
+
+    grammars = Grammars(tokenizer=None, vocab_size=8, eos_token_ids=[0])
+    grammars._compiler = Refusing()
+    with pytest.raises(InvalidParameterError) as info:
+        grammars.compile(fmt({"type": "integer"}))
+    message = str(info.value)
+    assert info.value.param == "response_format" and "bad rule" in message, message
+    assert "\n" not in message and ".cc" not in message and "Stack trace" not in message, message
