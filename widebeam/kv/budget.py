@@ -192,6 +192,16 @@ def sliding_window_blocks(
     step. Beams that all diverge at once reach it, a speculative round at x with k = r + 1 pending
     tokens (the last round accepted k) included.
     """
+    return _sliding_blocks(prompt_tokens, max_new_tokens, beam_width, tokens_per_block, window_tokens,
+                           prefill_chunk_tokens, extra_tokens, refeed_tokens, cached_prompt_tokens,
+                           _decode_candidate_positions)
+
+
+def _sliding_blocks(prompt_tokens: int, max_new_tokens: int, beam_width: int, tokens_per_block: int,
+                    window_tokens: int, prefill_chunk_tokens: int | None, extra_tokens: int,
+                    refeed_tokens: int, cached_prompt_tokens: int, decode_positions) -> int:
+    """`sliding_window_blocks` with the decode term's maximum taken over
+    `decode_positions(P, last_fed, T, w, R)`: the candidates, or (the reference) every position."""
     if window_tokens < 1:
         raise ValueError(f"window_tokens must be >= 1, got {window_tokens}")
     t = tokens_per_block
@@ -205,7 +215,7 @@ def sliding_window_blocks(
     decode_blocks = max(
         (_decode_step_blocks(x, prompt_tokens, last_fed, beam_width, t, window_tokens, extra_tokens,
                              refeed_tokens)
-         for x in _decode_candidate_positions(prompt_tokens, last_fed, t, window_tokens, refeed_tokens)),
+         for x in decode_positions(prompt_tokens, last_fed, t, window_tokens, refeed_tokens)),
         default=0,
     )
     return min(full, max(prefill_blocks, decode_blocks))
@@ -266,22 +276,8 @@ def _sliding_window_blocks_reference(
 ) -> int:
     """The definition of `sliding_window_blocks`: the same bound with the decode term taken over
     every position x = P .. P + N - 2 (O(N) per call). `sliding_window_blocks` evaluates only
-    `_decode_candidate_positions`; tests/unit/test_sliding_bound_fast.py checks they agree."""
-    if window_tokens < 1:
-        raise ValueError(f"window_tokens must be >= 1, got {window_tokens}")
-    t = tokens_per_block
-    full = full_attention_blocks(prompt_tokens, max_new_tokens, beam_width, t, extra_tokens)
-    _check(refeed_tokens=refeed_tokens)
-    chunk = prefill_chunk_tokens
-    starts = _prefill_chunk_starts(prompt_tokens, window_tokens, t, chunk, cached_prompt_tokens)
-    prefill_blocks = max(_prefill_span_blocks(s, prompt_tokens, window_tokens, t, chunk) for s in starts)
-    shared_end = (prompt_tokens // t) * t  # positions below this live in shared full prompt blocks
-    decode_blocks = 0
-    last_fed = prompt_tokens + max_new_tokens - 2  # the position of the last token ever fed
-    for x in range(prompt_tokens, last_fed + 1):
-        refeed = 0 if x == prompt_tokens else min(refeed_tokens, last_fed - x)
-        window_start = max(0, x - window_tokens + 1)
-        shared = _blocks_spanned(window_start, shared_end - 1, t)
-        own = _blocks_spanned(max(window_start, shared_end), x + refeed + extra_tokens, t)
-        decode_blocks = max(decode_blocks, shared + own * beam_width)
-    return min(full, max(prefill_blocks, decode_blocks))
+    `_decode_candidate_positions`; tests/unit/test_sliding_bound_fast.py checks they agree (the
+    loop's body, `_decode_step_blocks`, is the pre-#30 loop's, unchanged)."""
+    return _sliding_blocks(prompt_tokens, max_new_tokens, beam_width, tokens_per_block, window_tokens,
+                           prefill_chunk_tokens, extra_tokens, refeed_tokens, cached_prompt_tokens,
+                           lambda first, last_fed, *_: range(first, last_fed + 1))
