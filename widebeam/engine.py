@@ -28,7 +28,7 @@ from widebeam.model.runner import SequenceInput
 from widebeam.outputs import RequestDelta
 from widebeam.params import BeamSearchParams, SamplingParams
 from widebeam.pinning import pin_prefixes, pin_token_ids
-from widebeam.prompts import chat_prompt, read_generation_settings, tokenize_prompt
+from widebeam.prompts import chat_prompt, read_generation_settings, split_prompt, tokenize_prompt
 from widebeam.request import Request
 from widebeam.sched.admission import admit_check
 from widebeam.sched.preemption import make_scheduler
@@ -80,6 +80,7 @@ class LLMEngine:
         self.decoder_start_token_id = generation.decoder_start_token_id
         self.suppress_token_ids = generation.suppress_token_ids
         self.forced_eos_token_id = generation.forced_eos_token_id
+        self.forced_bos_token_id = generation.forced_bos_token_id
         self.scheduler = make_scheduler(sched_config.scheduling_policy, self.cache,
                                         sched_config.max_num_batched_tokens, sched_config.max_preemptions,
                                         self.num_draft_tokens)
@@ -141,12 +142,9 @@ class LLMEngine:
                     "item; each ends with the end-of-sequence token), got {value}",
                     limit=catalogue.max_item_tokens, value=params.min_new_tokens)
             text, token_ids = tokenize_prompt(prompt, self.tokenizer, self.arch.vocab_size)
-            encoder_token_ids = None
-            if self.decoder_start_token_id is not None:
-                if not token_ids:
-                    raise InvalidParameterError("prompt", "the source is empty: give at least one token")
-                # the prompt is the source; the decoder starts from its start token alone
-                encoder_token_ids, token_ids = token_ids, [self.decoder_start_token_id]
+            encoder_token_ids, token_ids = split_prompt(token_ids, params.decoder_prefix, self.tokenizer,
+                                                        self.arch.vocab_size, self.decoder_start_token_id)
+            forced_bos_token_id = self._forced_bos_token_id(params)
             # prompt log-probs compute every token: no prefix reuse for them
             caching = self.cache.enable_prefix_caching and params.prompt_logprobs is None
             key = self.cache.prefix_key(token_ids, encoder_token_ids) if caching else None
@@ -163,7 +161,8 @@ class LLMEngine:
                                         suppress_token_ids=self.suppress_token_ids,
                                         forced_eos_token_id=self.forced_eos_token_id,
                                         grammar=self.grammars.constraint(params.response_format),
-                                        extra_processors=logits_processors)
+                                        extra_processors=logits_processors,
+                                        forced_bos_token_id=forced_bos_token_id)
         draft_length = None
         if self.speculative:
             draft_length = DraftLength(self.num_draft_tokens, self.speculative.adaptive)
@@ -173,6 +172,23 @@ class LLMEngine:
         self._requests[request_id] = request
         self.scheduler.add(request)
         return list(request.source_token_ids)
+
+    def _forced_bos_token_id(self, params: SamplingParams | BeamSearchParams) -> int | None:
+        """The request's, else the model's; as in HF, only for an encoder-decoder decoder that starts
+        from its start token alone (a decoder prefix already says what comes first)."""
+        if params.forced_bos_token_id is not None:
+            if self.decoder_start_token_id is None:
+                raise InvalidParameterError("forced_bos_token_id", "{forced_bos_token_id} applies to "
+                                            "encoder-decoder models; this one continues its prompt: put the "
+                                            "token at the end of the prompt")
+            if params.forced_bos_token_id >= self.arch.vocab_size:
+                raise InvalidParameterError("forced_bos_token_id", "{forced_bos_token_id} must be a token "
+                                            "id in [0, {vocab_size}), got {value}",
+                                            vocab_size=self.arch.vocab_size, value=params.forced_bos_token_id)
+        if self.decoder_start_token_id is None or params.decoder_prefix:
+            return None
+        requested = params.forced_bos_token_id
+        return requested if requested is not None else self.forced_bos_token_id
 
     # -- catalogues -------------------------------------------------------------------------------
     def register_catalogue(self, name: str, source) -> Catalogue:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 from widebeam.defaults import DEFAULT_MODEL
 from widebeam.engine import LLMEngine
+from widebeam.errors import InvalidParameterError
 from widebeam.outputs import RequestOutput
 from widebeam.params import BeamSearchParams, SamplingParams
 
@@ -32,9 +34,11 @@ class LLM:
         """Register a catalogue for `BeamSearchParams(catalogue=name)` (`LLMEngine.register_catalogue`)."""
         return self.engine.register_catalogue(name, source)
 
-    def generate(self, prompts, params: SamplingParams | BeamSearchParams | None = None,
+    def generate(self, prompts, params: SamplingParams | BeamSearchParams
+                 | Sequence[SamplingParams | BeamSearchParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in the order of `prompts`.
+        """Run every prompt to completion; outputs in the order of `prompts`. `params`: one for all
+        prompts, or a list of one per prompt (they run together in the same steps).
 
         Every prompt is checked before anything runs: if one can never fit, this raises and
         nothing is queued.
@@ -42,10 +46,17 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
+        if isinstance(params, (list, tuple)):
+            if len(params) != len(prompts):
+                raise InvalidParameterError("params", "{params} must give one per prompt: {count} prompts, "
+                                            "got {value}", count=len(prompts), value=len(params))
+            per_prompt = list(params)
+        else:
+            per_prompt = [params] * len(prompts)
         added = []
         try:
-            for request_id, prompt in zip(ids, prompts):
-                self.engine.add_request(request_id, prompt, params)
+            for request_id, prompt, request_params in zip(ids, prompts, per_prompt):
+                self.engine.add_request(request_id, prompt, request_params)
                 added.append(request_id)
         except ValueError as exc:
             for request_id in added:

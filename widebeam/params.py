@@ -99,6 +99,22 @@ def _check_penalties(params) -> None:
                  limit=MAX_ABS_PRESENCE_FREQUENCY_PENALTY, value=value)
 
 
+def _check_decoder_start(params) -> None:
+    """`decoder_prefix`: token ids (or text, tokenized by the engine without special tokens) the
+    decoder starts from; `forced_bos_token_id`: None or a token id >= 0 (the vocabulary bound is the
+    engine's check)."""
+    if isinstance(params.decoder_prefix, str):
+        _require(bool(params.decoder_prefix), "decoder_prefix", "must not be an empty string")
+    else:
+        _as_tuple(params, "decoder_prefix", int)
+        _require(all(t >= 0 for t in params.decoder_prefix), "decoder_prefix",
+                 "must hold only token ids >= 0, got {value!r}", value=params.decoder_prefix)
+    _require(params.forced_bos_token_id is None
+             or (_is_int(params.forced_bos_token_id) and params.forced_bos_token_id >= 0),
+             "forced_bos_token_id", "must be None or a token id >= 0, got {value!r}",
+             value=params.forced_bos_token_id)
+
+
 # alternatives per token at most (vLLM's default max_logprobs; OpenAI chat's top_logprobs limit)
 MAX_LOGPROBS = 20
 
@@ -142,6 +158,13 @@ class SamplingParams:
     # alternatives; `prompt_logprobs` the same for every prompt token (computed in the prefill).
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Encoder-decoder models: the decoder starts from these tokens after its start token (NLLB's target
+    # language, a T5 task prefix, a forced partial translation): its prompt, never scored nor returned.
+    # Decoder-only models: appended to the prompt. Text is tokenized without special tokens.
+    decoder_prefix: tuple[int, ...] | str = ()
+    # HF `forced_bos_token_id`: the first generated token (mBART-50 / NLLB target language), scored 0.
+    # None: the model's generation config's. Only without a decoder_prefix, as in HF.
+    forced_bos_token_id: int | None = None
     # Structured output: OpenAI's response_format (widebeam/structured/: JSON mode, JSON schema).
     response_format: object = field(default=None, compare=False)
 
@@ -173,6 +196,7 @@ class SamplingParams:
         _check_penalties(self)
         _check_logprobs(self)
         _check_response_format(self)
+        _check_decoder_start(self)
 
     @property
     def greedy(self) -> bool:
@@ -230,6 +254,13 @@ class BeamSearchParams:
     # Per beam: each token's log-prob and the k most likely alternatives of its parent at that step.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Encoder-decoder models: the decoder starts from these tokens after its start token (NLLB's target
+    # language, a T5 task prefix, a forced partial translation): its prompt, never scored nor returned.
+    # Decoder-only models: appended to the prompt. Text is tokenized without special tokens.
+    decoder_prefix: tuple[int, ...] | str = ()
+    # HF `forced_bos_token_id`: the first generated token (mBART-50 / NLLB target language), scored 0.
+    # None: the model's generation config's. Only without a decoder_prefix, as in HF.
+    forced_bos_token_id: int | None = None
     # Structured output: every beam inside the grammar, its matcher forked with the beam.
     response_format: object = field(default=None, compare=False)
 
@@ -285,6 +316,7 @@ class BeamSearchParams:
         _check_penalties(self)
         _check_logprobs(self)
         _check_response_format(self)
+        _check_decoder_start(self)
         _require(not (self.constrained and schema_of(self.response_format) is not None), "response_format",
                  "and {catalogue} exclude each other: a catalogue already fixes every beam's tokens")
         if self.constrained:

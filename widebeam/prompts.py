@@ -47,6 +47,27 @@ def tokenize_prompt(prompt: str | dict | list[int], tokenizer,
     return prompt, token_ids
 
 
+def split_prompt(token_ids: list[int], decoder_prefix: tuple[int, ...] | str, tokenizer, vocab_size: int,
+                 decoder_start_token_id: int | None) -> tuple[list[int] | None, list[int]]:
+    """(the encoder's source or None, the decoder's prompt). An encoder-decoder model encodes the
+    prompt and starts its decoder from its start token and `decoder_prefix`; a decoder-only model
+    continues the prompt and the prefix. A text prefix is tokenized without special tokens."""
+    if isinstance(decoder_prefix, str):
+        if tokenizer is None:
+            raise InvalidParameterError("decoder_prefix", "this model directory has no tokenizer: pass "
+                                        "token ids as the {decoder_prefix}")
+        decoder_prefix = tuple(tokenizer.encode(decoder_prefix, add_special_tokens=False))
+    if any(t >= vocab_size for t in decoder_prefix):
+        raise InvalidParameterError("decoder_prefix", "{decoder_prefix} must hold token ids in "
+                                    "[0, {vocab_size}), got {value!r}", vocab_size=vocab_size,
+                                    value=next(t for t in decoder_prefix if t >= vocab_size))
+    if decoder_start_token_id is None:
+        return None, [*token_ids, *decoder_prefix]
+    if not token_ids:
+        raise InvalidParameterError("prompt", "the source is empty: give at least one token")
+    return token_ids, [decoder_start_token_id, *decoder_prefix]
+
+
 def chat_prompt(tokenizer, message: str) -> str:
     """One user message in the model's chat template, ready for the assistant's answer."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):

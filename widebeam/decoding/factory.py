@@ -2,7 +2,7 @@
 
 The order is HF's, the caller's processors after the engine's and a forced EOS last (it has the last
 word): penalties (repetition as early as in HF, then presence / frequency as in vLLM), min_new_tokens,
-suppressed tokens, a catalogue, a grammar, the caller's, a forced EOS.
+suppressed tokens, a catalogue, a grammar, the caller's, a forced BOS (first token), a forced EOS.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from widebeam.decoding.decoders import BeamDecoder, SamplingDecoder
 from widebeam.decoding.penalties import TokenPenalties
 from widebeam.decoding.processors import (
     BanUntilMinTokens,
+    ForceBOSAtStart,
     ForceEOSAtEnd,
     LogitsProcessor,
     StepProcessor,
@@ -28,6 +29,7 @@ def build_processors(params: SamplingParams | BeamSearchParams, max_new_tokens: 
                      forced_eos_token_id: int | None = None, catalogue: Catalogue | None = None,
                      grammar: StepProcessor | None = None,
                      extra_processors: Sequence[LogitsProcessor] = (),
+                     forced_bos_token_id: int | None = None,
                      ) -> list[LogitsProcessor | StepProcessor]:
     """The processors of one request, in HF's order (see the module docstring); none when nothing is on."""
     processors: list[LogitsProcessor | StepProcessor] = []
@@ -46,6 +48,8 @@ def build_processors(params: SamplingParams | BeamSearchParams, max_new_tokens: 
     if grammar is not None:
         processors.append(grammar)
     processors.extend(extra_processors)
+    if forced_bos_token_id is not None:
+        processors.append(ForceBOSAtStart(forced_bos_token_id))
     if forced_eos_token_id is not None:
         processors.append(ForceEOSAtEnd(forced_eos_token_id, max_new_tokens))
     return processors
@@ -56,12 +60,14 @@ def build_request_decoder(params: SamplingParams | BeamSearchParams, max_new_tok
                           suppress_token_ids: Sequence[int] = (),
                           forced_eos_token_id: int | None = None, catalogue: Catalogue | None = None,
                           grammar: StepProcessor | None = None,
-                          extra_processors: Sequence[LogitsProcessor] = ()) -> SamplingDecoder | BeamDecoder:
+                          extra_processors: Sequence[LogitsProcessor] = (),
+                          forced_bos_token_id: int | None = None) -> SamplingDecoder | BeamDecoder:
     """The request's decoder with its processors. `prompt_token_ids`: what the decoder starts from
     (HF's `input_ids`: the repetition penalty counts it); `grammar`: a built constraint (a JSON format's)."""
     processors = build_processors(params, max_new_tokens, eos_token_ids,
                                   suppress_token_ids=suppress_token_ids,
                                   forced_eos_token_id=forced_eos_token_id,
-                                  catalogue=catalogue, grammar=grammar, extra_processors=extra_processors)
+                                  catalogue=catalogue, grammar=grammar, extra_processors=extra_processors,
+                                  forced_bos_token_id=forced_bos_token_id)
     decoder_class = BeamDecoder if isinstance(params, BeamSearchParams) else SamplingDecoder
     return decoder_class(params, max_new_tokens, eos_token_ids, processors, prompt_token_ids)

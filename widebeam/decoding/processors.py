@@ -98,6 +98,20 @@ class SuppressTokens(StepProcessor):
         scores[:, self.token_ids] = float("-inf")
 
 
+class ForceBOSAtStart(StepProcessor):
+    """HF `forced_bos_token_id`: the first generated token is this one (mBART-50 and NLLB put the
+    target language there). Its log-prob becomes 0, so it adds nothing to a beam's score but counts in
+    its length, as in HF."""
+
+    def __init__(self, token_id: int):
+        self.token_id = token_id
+
+    def process(self, scores: torch.Tensor, context: StepContext) -> None:
+        if context.num_generated_tokens == 0:
+            scores.fill_(float("-inf"))
+            scores[:, self.token_id] = 0.0
+
+
 class ForceEOSAtEnd(StepProcessor):
     """HF `forced_eos_token_id`: the last allowed token (number `max_new_tokens`) is this one.
     It overrides every earlier processor, min_new_tokens' EOS ban included, as in HF."""

@@ -146,6 +146,7 @@ class GenerationSettings:
     suppress_token_ids: tuple[int, ...]  # never generated (single-token bad_words_ids)
     forced_eos_token_id: int | None  # the last allowed token is this EOS (transformers' processor)
     eos_token_ids: frozenset[int]  # from the generation config and the model config (not the tokenizer)
+    forced_bos_token_id: int | None = None  # the first generated token (BART: bos; mBART-50: a language)
 
 
 def _token_ids(value) -> set[int]:
@@ -162,8 +163,8 @@ def generation_settings(config: dict, generation_config: dict) -> GenerationSett
     Decoder-only models: only EOS ids. Encoder-decoder models: the decoder start is the generation
     config's, else the model's (Marian: config decoder_start_token_id, else pad); single-token
     `bad_words_ids` are suppressed (longer banned sequences are not supported); as in transformers,
-    a saved generation config is the whole story for `forced_eos_token_id` (a setting it leaves out
-    is off), and only a model without one falls back to config.json.
+    a saved generation config is the whole story for `forced_eos_token_id` and `forced_bos_token_id`
+    (a setting it leaves out is off), and only a model without one falls back to config.json.
     """
     eos = _token_ids(generation_config.get("eos_token_id")) | _token_ids(config.get("eos_token_id"))
     parsed = parse_config(config)
@@ -174,9 +175,14 @@ def generation_settings(config: dict, generation_config: dict) -> GenerationSett
         start = parsed.settings.decoder_start_token_id
     bad_words = generation_config.get("bad_words_ids") or []
     suppress = tuple(sorted({ids[0] for ids in bad_words if len(ids) == 1}))
-    forced_eos = (generation_config if generation_config else config).get("forced_eos_token_id")
-    return GenerationSettings(int(start), suppress, forced_eos if isinstance(forced_eos, int) else None,
-                              frozenset(eos))
+    forcing = generation_config if generation_config else config
+    forced_eos, forced_bos = forcing.get("forced_eos_token_id"), forcing.get("forced_bos_token_id")
+    return GenerationSettings(int(start), suppress, forced_eos if _is_token_id(forced_eos) else None,
+                              frozenset(eos), forced_bos if _is_token_id(forced_bos) else None)
+
+
+def _is_token_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def load_arch(model: str) -> ModelArch:
