@@ -117,9 +117,28 @@ def _add_generate(sub, help_text: str) -> None:
                    help="generative retrieval: beam search constrained to this file's items (.jsonl of token "
                         "ids or strings, .npy, .parquet); implies beam search (--beam-width default "
                         f"{GENERATE_CATALOGUE_BEAM_WIDTH}); each beam ends with its item")
+    t = g.add_argument_group("encoder-decoder models (translation)")
+    t.add_argument("--target-prefix", default=None, metavar="TEXT",
+                   help="the decoder starts from these tokens after its start token (NLLB: a target "
+                        "language code such as fra_Latn; a forced partial translation); tokenized without "
+                        "special tokens")
+    t.add_argument("--target-prefix-ids", type=_token_ids, default=None, metavar="ID,ID,...",
+                   help="the same as token ids")
+    t.add_argument("--forced-bos-token-id", type=_int_at_least(0), default=None, metavar="ID",
+                   help="the first generated token (mBART-50 / NLLB as transformers' forced_bos_token_id)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     add_engine_arguments(g, [*SPECULATIVE, *PREFIX_CACHE, *SCHEDULING])
     g.set_defaults(func=_cmd_generate)
+
+
+def _token_ids(text: str) -> tuple[int, ...]:
+    try:
+        ids = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
+    if any(i < 0 for i in ids):
+        raise argparse.ArgumentTypeError(f"token ids must be >= 0, got {text!r}")
+    return ids
 
 
 def _add_serve(sub, help_text: str) -> None:
@@ -168,16 +187,21 @@ def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     max_new_tokens = args.max_new_tokens
     if max_new_tokens is None and catalogue is None:
         max_new_tokens = GENERATE_MAX_NEW_TOKENS
+    if args.target_prefix is not None and args.target_prefix_ids is not None:
+        parser.error("argument --target-prefix: give --target-prefix or --target-prefix-ids, not both")
+    start = {"decoder_prefix": args.target_prefix or args.target_prefix_ids or (),
+             "forced_bos_token_id": args.forced_bos_token_id}
     try:
         if args.beam_width is not None:
             early_stopping = {"true": True, "false": False, "never": "never"}[args.early_stopping]
             params = BeamSearchParams(beam_width=args.beam_width, max_new_tokens=max_new_tokens,
                                       length_penalty=args.length_penalty, early_stopping=early_stopping,
                                       num_return_sequences=args.num_return_sequences, stop=tuple(args.stop),
-                                      catalogue=CLI_CATALOGUE if catalogue is not None else None)
+                                      catalogue=CLI_CATALOGUE if catalogue is not None else None, **start)
         else:
             params = SamplingParams(max_new_tokens=max_new_tokens, temperature=args.temperature,
-                                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
+                                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=tuple(args.stop),
+                                    **start)
         catalogues = {CLI_CATALOGUE: catalogue} if catalogue is not None else {}
         llm = LLM(args.model, max_beam_width=max(args.beam_width or 1, 1),
                   **({"catalogues": catalogues} if catalogues else {}), **engine_kwargs(args))

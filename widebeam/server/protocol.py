@@ -114,7 +114,8 @@ def plan_request(req: _GenerationFields) -> Plan:
     stop_token_ids = tuple(req.stop_token_ids or ())
     if _given(req, "stream_options") and not req.stream:
         raise invalid("stream_options", "stream_options needs stream: true")
-    extra = {"logprobs": num_top, "prompt_logprobs": num_prompt_top, "response_format": req.response_format}
+    extra = {"logprobs": num_top, "prompt_logprobs": num_prompt_top, "response_format": req.response_format,
+             "decoder_prefix": req.decoder_prefix or (), "forced_bos_token_id": req.forced_bos_token_id}
     if req.use_beam_search:
         plan = _beam_plan(req, max_tokens, stop, stop_token_ids, max_tokens_name, extra)
     else:

@@ -101,6 +101,11 @@ class _GenerationFields(BaseModel):
     # Structured output: {"type": "text" | "json_object" | "json_schema",
     #                     "json_schema": {name, schema, strict}}
     response_format: dict | None = None
+    # Encoder-decoder models (translation): the decoder starts from these tokens after its start token
+    # (NLLB's target language code, a forced partial translation); text is tokenized without special
+    # tokens. `forced_bos_token_id`: the first generated token (HF's; only without a decoder_prefix).
+    decoder_prefix: str | list[int] | None = None
+    forced_bos_token_id: int | None = Field(None, ge=0)
     # vLLM's extension: each prompt token's log-prob and its `prompt_logprobs` most likely alternatives
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # OpenAI fields accepted only at their neutral values.
