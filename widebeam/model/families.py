@@ -21,6 +21,7 @@ from typing import Any
 
 from widebeam.model import family_configs as fc
 from widebeam.model.arch import BUILTIN_CONFIGS, ConfigError, ModelArch, UnsupportedModelError
+from widebeam.model.hub import cached_repo_file, hub_cache_dir, looks_like_repo_id
 
 
 @dataclass(frozen=True)
@@ -202,10 +203,16 @@ def _read_config(model: str) -> dict:
     path = Path(model)
     if path.is_dir():
         path = path / "config.json"
+    elif looks_like_repo_id(model):  # a repo in the local Hugging Face cache (no network for a plan)
+        cached = cached_repo_file(model, "config.json")
+        if cached is None:
+            raise ConfigError(f"model {model!r} is not in the Hugging Face cache {hub_cache_dir()}: load it "
+                              "once (widebeam generate --model ...), or give its config.json path")
+        path = cached
     if path.suffix != ".json" or not path.exists():
         raise ConfigError(
             f"unknown model {model!r}: use one of {', '.join(BUILTIN_CONFIGS)}, "
-            "a Hugging Face model directory, or a config.json path"
+            "a Hugging Face model directory or repo id, or a config.json path"
         )
     try:
         config = json.loads(path.read_text())

