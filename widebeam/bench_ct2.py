@@ -80,3 +80,55 @@ class CT2Peer:
 
     def close(self) -> None:
         self._worker.shutdown()
+
+
+# Encoder-decoder models (benchmarks/seq2seq.py): a `ctranslate2.Translator` in a worker of its own, for
+# the same reason; the worker also reports its own peak RSS, since its memory is not the bench's.
+_translator = None  # the worker process's CTranslate2 translator
+
+
+def _load_translator(model_dir: Path, compute_type: str, threads: int, cache_dir: Path) -> None:
+    import ctranslate2
+
+    global _translator
+    path = converted_dir(model_dir, compute_type, cache_dir)
+    _translator = ctranslate2.Translator(str(path), device="cpu", compute_type=compute_type, inter_threads=1,
+                                         intra_threads=threads)
+
+
+def _translate(sources: list[list[str]], width: int, new_tokens: int,
+               max_batch_size: int) -> tuple[float, int, list[list[str]]]:
+    from widebeam import memstats
+
+    memstats.reset_peak_rss(trim_heap=True)
+    start = time.perf_counter()
+    results = _translator.translate_batch(sources, beam_size=width, num_hypotheses=1,
+                                          min_decoding_length=new_tokens, max_decoding_length=new_tokens,
+                                          max_batch_size=max_batch_size)
+    elapsed = time.perf_counter() - start
+    return elapsed, memstats.rss_bytes("VmHWM") or 0, [r.hypotheses[0] for r in results]
+
+
+class CT2TranslatorPeer:
+    """One CTranslate2 translator (a compute type) over an encoder-decoder model dir, in a worker process."""
+
+    def __init__(self, model_dir: Path, compute_type: str, threads: int, cache_dir: Path, tokenizer):
+        if importlib.util.find_spec("ctranslate2") is None:
+            raise RuntimeError("the CTranslate2 peer needs CTranslate2: pip install ctranslate2")
+        self.compute_type = compute_type
+        self.tokenizer = tokenizer
+        self._worker = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                           initializer=_load_translator,
+                                           initargs=(Path(model_dir), compute_type, threads, Path(cache_dir)))
+
+    def run(self, sources: list[list[int]], width: int, new_tokens: int, max_batch_size: int = 0) -> dict:
+        """Every source translated with `new_tokens` tokens (min = max decoding length), `max_batch_size`
+        sources at a time (0: all at once); the best hypothesis of each as token ids."""
+        tokens = [self.tokenizer.convert_ids_to_tokens(ids) for ids in sources]
+        elapsed, peak_rss, best = self._worker.submit(_translate, tokens, width, new_tokens,
+                                                      max_batch_size).result()
+        return {"wall_s": elapsed, "peak_rss_bytes": peak_rss,
+                "best": [self.tokenizer.convert_tokens_to_ids(h) for h in best]}
+
+    def close(self) -> None:
+        self._worker.shutdown()
