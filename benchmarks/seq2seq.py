@@ -44,7 +44,6 @@ head alone is 262M parameters (0.5 GFLOP a beam token), so the full sweep (32 so
 from __future__ import annotations
 
 import argparse
-import copy
 import gc
 import hashlib
 import json
@@ -248,7 +247,7 @@ class Sides:
             if dtype == "int8":  # the same int8 linears as widebeam's: the same kernels, a fair peer
                 from widebeam.model.int8_linear import quantize_int8
 
-                self.hf = quantize_int8(copy.deepcopy(self.hf), torch.device("cpu"))
+                self.hf = quantize_int8(self.hf, torch.device("cpu"))
         self.ct2 = None
         if "ctranslate2" in self.sides:
             from widebeam.bench_ct2 import CT2TranslatorPeer
