@@ -295,52 +295,81 @@ TARGETS = (("float32", 4, "ctranslate2", 1.0), ("float32", 16, "ctranslate2", 3.
 
 
 def target_lines(rows: list[dict]) -> list[str]:
+    """Each of issue #31's targets measured, with both engines' time per decode step (the run's wall time
+    over N: all sources' beams advance one token, the encoder's share included)."""
     lines = []
     for model in dict.fromkeys(r["model"] for r in rows):
         for dtype, width, peer, least in TARGETS:
             row = next((r for r in rows if (r["model"], r["dtype"], r["beam_width"]) == (model, dtype, width)
-                        and peer in r), None)
+                        and peer in r and "widebeam" in r), None)
             if row is None:
                 continue
             got = row[peer]["widebeam_speedup"]
-            lines.append(f"- {model} {dtype} W={width}: {got:.2f}x {peer} (target >= {least:g}x): "
-                         + ("met" if got >= least else "**missed**"))
+            steps_ms = {side: 1000 * row[side]["wall_s"] / row["new_tokens"] for side in ("widebeam", peer)}
+            lines.append(f"- {model} {dtype} W={width}, {row['sources']} sources: {got:.2f}x {peer} "
+                         f"(target >= {least:g}x): " + ("met" if got >= least else "**missed**")
+                         + f"; {steps_ms['widebeam']:.0f} vs {steps_ms[peer]:.0f} ms per step")
     return lines
 
 
 def table_rows(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
-    headers = ["model", "dtype", "W", "widebeam s", "CT2 s", "HF s", "widebeam tok/s", "CT2 tok/s",
-               "HF tok/s", "x CT2", "x HF", "RSS widebeam", "RSS CT2", "RSS HF", "same best CT2/HF"]
+    headers = ["model", "dtype", "W", "S", "widebeam s", "CT2 s", "HF s", "widebeam tok/s", "CT2 tok/s",
+               "HF tok/s", "x CT2", "x HF", "RSS widebeam", "RSS CT2", "RSS HF", "same best CT2 · HF"]
     out = []
     for r in rows:
         def cell(side, key, fmt, r=r):
-            return fmt(r[side][key]) if side in r else "-"
+            return fmt(r[side][key]) if side in r and key in r[side] else "-"
 
-        out.append([r["model"], r["dtype"], str(r["beam_width"]),
+        same = " · ".join(str(r[s]["same_best_sources"]) if s in r and "same_best_sources" in r[s] else "-"
+                          for s in SIDES[1:])
+        out.append([r["model"] + (f" L{r['layers']}" if r.get("layers") else ""), r["dtype"],
+                    str(r["beam_width"]), str(r["sources"]),
                     *(cell(s, "wall_s", lambda v: f"{v:.2f}") for s in SIDES),
                     *(cell(s, "tokens_per_s", lambda v: f"{v:.0f}") for s in SIDES),
                     *(cell(s, "widebeam_speedup", lambda v: f"{v:.2f}x") for s in SIDES[1:]),
                     *(cell(s, "peak_rss_bytes", format_bytes) for s in SIDES),
-                    "/".join(f"{r[s]['same_best_sources']}/{r['sources']}" if s in r else "-"
-                             for s in SIDES[1:])])
+                    f"{same} of {r['sources']}"])
     return headers, out
 
 
-def write_results(rows: list[dict], meta: dict, json_path: Path) -> None:
+def write_results(results: dict, json_path: Path) -> None:
+    """`results`: the machine, the commands, the points and the profiles; JSON and its markdown table."""
+    rows = results["points"]
     json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps({**meta, "points": rows}, indent=2) + "\n")
+    json_path.write_text(json.dumps(results, indent=2) + "\n")
     headers, cells = table_rows(rows)
-    about = (f"Random-init weights in the real shapes ({', '.join(meta['models'])}); {meta['sources']} "
-             f"sources of 48-64 tokens, N = {meta['new_tokens']} new tokens each (min = max), "
-             f"{meta['threads']} threads, {meta['machine']['cpu']}. tok/s: output tokens (sources x N) per "
-             "second; x CT2 / x HF: widebeam's speed-up over that peer. RSS: peak process memory "
-             "(widebeam and transformers share one process, both models resident; CTranslate2 runs in its "
-             "own). same best: sources whose best hypothesis is widebeam's (random weights have "
-             "near-ties).\n")
-    md = ["# seq2seq beam search: widebeam vs CTranslate2 vs transformers\n", f"`{meta['command']}`\n", about,
-          markdown_table(headers, cells, "llr" + "r" * (len(headers) - 3)),
-          "\n## Targets (issue #31)\n", *(line + "\n" for line in target_lines(rows))]
+    models = dict.fromkeys(f"{r['model']} ({FAMILIES[r['model']].hf_name})" for r in rows)
+    new_tokens = sorted({r["new_tokens"] for r in rows})
+    about = (f"Random-init weights in the real shapes: {', '.join(models)}; S sources of 48-64 tokens, "
+             f"N = {', '.join(map(str, new_tokens))} new tokens each (min = max), "
+             f"{results['threads']} threads, {results['machine']['cpu']}. tok/s: output tokens (S x N) per "
+             "second (beam tokens: W times that); x CT2 / x HF: widebeam's speed-up over that peer. RSS: "
+             "peak process memory (widebeam and transformers share one process, both models resident; "
+             "CTranslate2 runs in its own). same best: sources whose best hypothesis is widebeam's (random "
+             "weights have near-ties).\n")
+    md = ["# seq2seq beam search: widebeam vs CTranslate2 vs transformers\n",
+          "\n".join(f"`{command}`" for command in results["commands"]) + "\n", about,
+          markdown_table(headers, cells, "llrr" + "r" * (len(headers) - 4)),
+          "\n## Targets (issue #31)\n", "".join(line + "\n" for line in target_lines(rows))]
+    for name, top in results.get("profiles", {}).items():
+        cells = [[f"`{t['function']}`", str(t["calls"]), f"{t['own_s']:.2f}"] for t in top]
+        md += [f"\n## Where widebeam's time goes: {name} (cProfile, own time)\n",
+               markdown_table(["function", "calls", "own s"], cells, "lrr")]
     json_path.with_suffix(".md").write_text("\n".join(md))
+
+
+def profile_widebeam(llm, sources, width: int, new_tokens: int, top: int = 8) -> list[dict]:
+    """One more widebeam run (untimed) under cProfile: the functions with the most own time."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.runcall(run_widebeam, llm, sources, width, new_tokens)
+    # (file, line, name) -> (primitive calls, calls, own time, cumulative time, callers)
+    stats = pstats.Stats(profiler).stats
+    ranked = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:top]
+    return [{"function": f"{Path(file).name}:{line}({name})" if line else name, "calls": calls,
+             "own_s": own} for (file, line, name), (_, calls, own, _, _) in ranked]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -359,6 +388,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="transformers and CTranslate2 get max(1, this // W) sources per batch")
     parser.add_argument("--settle-s", type=float, default=0.5,
                         help="idle seconds before each timed run (the last side's OpenMP threads sleep)")
+    parser.add_argument("--append", action="store_true",
+                        help="add to the JSON's points (a point measured again replaces the old one)")
+    parser.add_argument("--profile-widebeam", type=int, metavar="W",
+                        help="after each sweep, one widebeam run at W under cProfile (untimed)")
     parser.add_argument("--json", default=DEFAULT_JSON, help=f"results JSON; the table goes beside it as .md "
                                                              f"(default {DEFAULT_JSON})")
     args = parser.parse_args(argv)
@@ -375,12 +408,14 @@ def main(argv=None) -> None:
 
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    meta = {"command": "python benchmarks/seq2seq.py " + shlex.join(sys.argv[1:] if argv is None else argv),
-            "models": [f"{m} ({FAMILIES[m].hf_name} shape, layers {args.layers or 'full'})"
-                       for m in args.models],
-            "sources": args.sources, "new_tokens": args.new_tokens, "threads": args.threads,
-            "peer_max_beams": args.peer_max_beams, "machine": machine_info(args.threads)}
-    rows = []
+    command = "python benchmarks/seq2seq.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    json_path = Path(args.json)
+    results = {"commands": [], "points": [], "profiles": {}}
+    if args.append and json_path.exists():
+        results = json.loads(json_path.read_text())
+    results.update({"threads": args.threads, "peer_max_beams": args.peer_max_beams,
+                    "machine": machine_info(args.threads)})
+    results["commands"].append(command)
     for name in args.models:
         family = FAMILIES[name]
         model_dir = cached_model_dir(name, args.layers, default_cache_dir())
@@ -397,15 +432,22 @@ def main(argv=None) -> None:
                 row = bench_point(sides, sources, width, args.new_tokens, order, args.peer_max_beams,
                                   args.settle_s)
                 row.pop("best")
-                rows.append({"model": name, "dtype": dtype, "layers": args.layers, **row})
-                print(json.dumps(rows[-1]), flush=True)
-                write_results(rows, meta, Path(args.json))
+                key = (name, dtype, args.layers, width)
+                results["points"] = [r for r in results["points"]
+                                     if (r["model"], r["dtype"], r["layers"], r["beam_width"]) != key]
+                results["points"].append({"model": name, "dtype": dtype, "layers": args.layers, **row})
+                print(json.dumps(results["points"][-1]), flush=True)
+                write_results(results, json_path)
+            if args.profile_widebeam:
+                results["profiles"][f"{name} {dtype} W={args.profile_widebeam}"] = profile_widebeam(
+                    sides.llm, sources, args.profile_widebeam, args.new_tokens)
+                write_results(results, json_path)
             sides.close()
             del sides
             gc.collect()
-    headers, cells = table_rows(rows)
-    print_table("seq2seq beam search (same run)", headers, cells, "llr" + "r" * (len(headers) - 3))
-    print("\n".join(target_lines(rows)))
+    headers, cells = table_rows(results["points"])
+    print_table("seq2seq beam search (same run)", headers, cells, "llrr" + "r" * (len(headers) - 4))
+    print("\n".join(target_lines(results["points"])))
 
 
 if __name__ == "__main__":
