@@ -234,13 +234,15 @@ class Sides:
 
     def __init__(self, model_dir: Path, dtype: str, threads: int, max_width: int, kv_cache_memory: str,
                  sides=SIDES, ct2_cache: Path | None = None):
-        from transformers import AutoModelForSeq2SeqLM
+        from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
         from widebeam.llm import LLM
 
         self.sides = tuple(sides)
-        self.llm = LLM(str(model_dir), dtype=dtype, device="cpu", kv_cache_memory=kv_cache_memory,
-                       max_beam_width=max_width, enable_prefix_caching=False)  # every source encoded each run
+        self.llm = None
+        if "widebeam" in self.sides:  # no prefix cache: every source encoded in every run, as the peers do
+            self.llm = LLM(str(model_dir), dtype=dtype, device="cpu", kv_cache_memory=kv_cache_memory,
+                           max_beam_width=max_width, enable_prefix_caching=False)
         self.hf = None
         if "transformers" in self.sides:
             self.hf = AutoModelForSeq2SeqLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
@@ -253,8 +255,9 @@ class Sides:
             from widebeam.bench_ct2 import CT2TranslatorPeer
             from widebeam.model.loader import default_cache_dir
 
+            tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
             self.ct2 = CT2TranslatorPeer(model_dir, dtype, threads, ct2_cache or default_cache_dir(),
-                                         self.llm.tokenizer)
+                                         tokenizer)
 
     def run(self, side: str, sources, width: int, new_tokens: int, peer_max_beams: int) -> dict:
         batch_sources = max(1, peer_max_beams // width)
