@@ -35,8 +35,9 @@ widebeam's speed-up over each peer. `same best` counts sources whose best hypoth
 
 Cost, so as to size a run: a beam token costs about 2 x (decoder + head) parameters in FLOPs. NLLB's
 head alone is 262M parameters (0.5 GFLOP a beam token), so the full sweep (32 sources x 64 tokens x
-(1 + 4 + 16 + 64) beams x 3 engines x 2 dtypes) is ~5 x 10^5 GFLOP, hours on 2 cores; `--quick` runs
-8 sources at W = 1, 4, 16 and `--sources`, `--layers` and `--widths` size a run to the time at hand.
+(1 + 4 + 16 + 64) beams x 3 engines x 2 dtypes) is ~2 x 10^5 GFLOP of matmuls alone, hours on 2 cores;
+`--quick` runs 4 sources at W = 1, 4, 16, and `--sources`, `--layers` (it cuts everything but the head),
+`--widths`, `--dtypes` and `--append` (add points to the JSON) size a run to the time at hand.
 
     python benchmarks/seq2seq.py --quick --models nllb t5 --layers 2
 """
@@ -380,10 +381,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--models", nargs="+", choices=sorted(FAMILIES), default=["nllb", "t5"])
     parser.add_argument("--dtypes", nargs="+", choices=["float32", "int8"], default=["float32", "int8"])
     parser.add_argument("--widths", type=int, nargs="+", help="default 1 4 16 64 (--quick: 1 4 16)")
-    parser.add_argument("--sources", type=int, help="default 32 (--quick: 8)")
+    parser.add_argument("--sources", type=int, help="default 32 (--quick: 4)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--layers", type=int, help="encoder and decoder depth (default: the real model's)")
-    parser.add_argument("--quick", action="store_true", help="a smoke run: 8 sources, W = 1 4 16")
+    parser.add_argument("--quick", action="store_true", help="a smaller run: 4 sources, W = 1 4 16")
     parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--kv-cache-memory", default="4GiB", help="widebeam's KV budget (default 4GiB)")
@@ -399,7 +400,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                              f"(default {DEFAULT_JSON})")
     args = parser.parse_args(argv)
     args.widths = args.widths or ([1, 4, 16] if args.quick else [1, 4, 16, 64])
-    args.sources = args.sources or (8 if args.quick else 32)
+    args.sources = args.sources or (4 if args.quick else 32)
     return args
 
 
