@@ -35,7 +35,8 @@ widebeam's speed-up over each peer. `same best` counts sources whose best hypoth
 
 Cost, so as to size a run: a beam token costs about 2 x (decoder + head) parameters in FLOPs. NLLB's
 head alone is 262M parameters (0.5 GFLOP a beam token), so the full sweep (32 sources x 64 tokens x
-(1 + 4 + 16 + 64) beams x 3 engines x 2 dtypes) is ~2 x 10^5 GFLOP of matmuls alone, hours on 2 cores;
+(1 + 4 + 16 + 64) beams) is ~1.5 x 10^5 GFLOP of matmuls per engine and dtype, ~10^6 for the three
+engines in two dtypes: about two hours of 2 cores' matmuls alone;
 `--quick` runs 4 sources at W = 1, 4, 16, and `--sources`, `--layers` (it cuts everything but the head),
 `--widths`, `--dtypes` and `--append` (add points to the JSON) size a run to the time at hand.
 
