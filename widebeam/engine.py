@@ -9,6 +9,7 @@ preemption are the scheduler's (sched/); one request's path is in docs/architect
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 
 import torch
@@ -239,6 +240,7 @@ class LLMEngine:
         Prompt chunks and rounds share the pass. A round feeds each live sequence's pending tokens
         and the nodes a drafter (if any) drafted; without drafts it is a plain decode step, so
         plain and speculative decoding are one loop (docs/architecture.md)."""
+        started = time.perf_counter()
         schedule = self.scheduler.schedule()
         self.last_schedule = schedule
         deltas: list[RequestDelta] = []
@@ -294,6 +296,11 @@ class LLMEngine:
             self._collect(deltas, request, request.finish_round, request_rounds, scores)
             if self.drafter is not None:
                 self._count_round(request, request_rounds)
+        if self.drafter is not None:
+            # the draft policy weighs a round's wall time; a step that also ran prompt chunks is not one
+            round_s = None if prefills else time.perf_counter() - started
+            for request, _ in rounds_by_request:
+                request.record_round(round_s)
         return deltas
 
     def _collect(self, deltas: list[RequestDelta], request: Request, finish, *args) -> None:
