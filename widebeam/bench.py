@@ -315,24 +315,30 @@ def print_table(rows: list[dict]) -> None:
     Console(width=max(console.width, 130)).print(table)
 
 
-def plot(rows: list[dict], path: Path, model: str, new_tokens: int) -> None:
+def measured_engines(rows: list[dict]) -> list[str]:
+    """The engines a bench row holds results of, widebeam first: every key whose value has a time."""
+    names = {name for r in rows for name, value in r.items() if isinstance(value, dict) and "wall_s" in value}
+    return sorted(names, key=lambda name: (name != "widebeam", name != "transformers", name))
+
+
+def plot(rows: list[dict], path: Path, model: str, new_tokens: int) -> list[str]:
+    """Wall time against width, one line per engine and prompt length; returns the lines' labels."""
     try:
         import matplotlib
     except ImportError:
         print(f"matplotlib is not installed: no plot ({path}); pip install matplotlib")
-        return
+        return []
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
+    markers = {"widebeam": "o-", "transformers": "s--"}
     for prompt_len in sorted({r["prompt_len"] for r in rows}):
         sub = [r for r in rows if r["prompt_len"] == prompt_len]
-        ax.plot([r["beam_width"] for r in sub], [r["widebeam"]["wall_s"] for r in sub], "o-",
-                label=f"widebeam P={prompt_len}")
-        hf = [r for r in sub if "wall_s" in r["transformers"]]
-        if hf:
-            ax.plot([r["beam_width"] for r in hf], [r["transformers"]["wall_s"] for r in hf], "s--",
-                    label=f"transformers P={prompt_len}")
+        for engine in measured_engines(sub):  # every engine with a time: CTranslate2's two kinds too
+            timed = [r for r in sub if "wall_s" in r.get(engine, {})]
+            ax.plot([r["beam_width"] for r in timed], [r[engine]["wall_s"] for r in timed],
+                    markers.get(engine, "^:"), label=f"{engine} P={prompt_len}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("beam width")
@@ -341,3 +347,5 @@ def plot(rows: list[dict], path: Path, model: str, new_tokens: int) -> None:
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return [line.get_label() for line in ax.get_lines()]
