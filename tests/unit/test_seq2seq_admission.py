@@ -1,0 +1,66 @@
+"""Admission on every encoder-decoder family: a W=256 request reserves the cross pool once
+(required == peak == ceil(E/T) cross blocks, whatever the width), and a source too long for the cross
+pool is refused naming `cross` while the running requests finish and every block comes back.
+
+Each family's tiny model comes from the fixture named in FAMILY_FIXTURES (tests/conftest.py and the
+families' own tiny-model modules)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from widebeam.errors import RequestTooLargeError
+from widebeam.llm import LLM
+from widebeam.params import BeamSearchParams
+
+FAMILY_FIXTURES = ["tiny_marian_dir"]
+TOKENS_PER_BLOCK = 4
+EOS = 2
+
+
+def engine(path, kv_cache_memory: str, max_beam_width: int) -> LLM:
+    return LLM(str(path), dtype="float32", device="cpu", tokens_per_block=TOKENS_PER_BLOCK,
+               kv_cache_memory=kv_cache_memory, max_beam_width=max_beam_width, max_num_batched_tokens=512)
+
+
+def assert_all_free(llm: LLM) -> None:
+    for name, pool in llm.stats()["pools"].items():
+        assert pool["free_blocks"] == pool["total_blocks"], name
+
+
+@pytest.mark.parametrize("fixture", FAMILY_FIXTURES)
+def test_a_wide_request_reserves_the_cross_pool_once(fixture, request):
+    path = request.getfixturevalue(fixture)
+    llm = engine(path, "16MiB", 256)
+    source = [5, 17, 33, 9, 40, 3, 11, 12, 13, 14, 15, 16, 30, EOS]
+    (out,) = llm.generate([{"prompt_token_ids": source}], BeamSearchParams(beam_width=256, max_new_tokens=6),
+                          use_tqdm=False)
+    cross_blocks = math.ceil(len(source) / TOKENS_PER_BLOCK)
+    assert out.required_blocks["cross"] == out.peak_blocks["cross"] == cross_blocks
+    assert out.peak_blocks["self"] <= out.required_blocks["self"]
+    assert len(out.outputs) > 1
+    assert_all_free(llm)
+
+
+@pytest.mark.parametrize("fixture", FAMILY_FIXTURES)
+def test_a_source_too_long_for_the_cross_pool_is_refused_naming_it(fixture, request):
+    path = request.getfixturevalue(fixture)
+    llm = engine(path, "64KiB", 4)
+    cross_total = llm.stats()["pools"]["cross"]["total_blocks"]
+    too_long = [7] * (cross_total * TOKENS_PER_BLOCK) + [EOS]  # one token past the whole pool
+    assert len(too_long) <= llm.engine.max_encoder_tokens  # the encoder takes it: the pool is the limit
+    running = llm.engine
+    running.add_request("running", {"prompt_token_ids": [5, 17, 33, EOS]},
+                        BeamSearchParams(beam_width=4, max_new_tokens=6))
+    running.step()  # it holds blocks now
+    with pytest.raises(RequestTooLargeError) as excinfo:
+        running.add_request("too-long", {"prompt_token_ids": too_long}, BeamSearchParams(beam_width=2))
+    assert excinfo.value.pool == "cross", str(excinfo.value)
+    assert "'cross'" in str(excinfo.value)
+    finished = []
+    while running.has_unfinished():
+        finished += [d.output for d in running.step() if d.finished]
+    assert [o.request_id for o in finished] == ["running"] and finished[0].outputs
+    assert_all_free(llm)
