@@ -162,6 +162,8 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     num_kv_heads = k_cache.shape[1]
     group_size = num_heads // num_kv_heads
     rows = batch * group_size
+    if group.key_ranges is not None:
+        return _attend_in_place(q, k_cache, v_cache, group.key_ranges, scale)
     if not group.prefix_tokens:
         # Nothing shared: each row attends its own keys, which PyTorch's fused kernel does best.
         k = _gather(k_cache, group.suffix_slots).transpose(1, 2)  # [B, KV, S, d]
@@ -196,6 +198,20 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     out /= denominator  # [KV, B*G, d]
     return (out.view(num_kv_heads, batch, group_size, head_dim).transpose(0, 1)
             .reshape(batch, num_heads, head_dim).to(q.dtype))
+
+
+def _attend_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     key_ranges: list[tuple[int, int]], scale: float) -> torch.Tensor:
+    """A few loose rows whose keys each fill one run of consecutive slots (width 1): q [B, H, d] ->
+    [B, H, d], each row against a view of the cache, so nothing is gathered, padded or masked
+    (1.8x faster than the gathered batch for one row of 544 keys: no copy of its K/V per layer)."""
+    out = torch.empty_like(q)
+    for row, (first_slot, num_keys) in enumerate(key_ranges):
+        k = k_cache[first_slot:first_slot + num_keys].transpose(0, 1)[None]  # [1, KV, S, d], a view
+        v = v_cache[first_slot:first_slot + num_keys].transpose(0, 1)[None]
+        out[row] = F.scaled_dot_product_attention(q[row, :, None, :][None], k, v, scale=scale,
+                                                  enable_gqa=True)[0, :, 0, :]
+    return out
 
 
 def _kv_major(x: torch.Tensor) -> torch.Tensor:

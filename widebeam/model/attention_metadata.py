@@ -55,6 +55,13 @@ class DecodeGroup:
     suffix_mask: torch.Tensor  # [B, S] True = a real key of the row (padding is False)
     suffix_hidden: torch.Tensor  # [B, 1, S] ~suffix_mask, shaped to mask [B, G, S] scores
     prefix_tokens: int
+    # Loose rows (nothing shared) whose keys each sit in one run of consecutive slots: (first slot,
+    # number of keys) per row, read through a view of the cache instead of gathered; None otherwise.
+    key_ranges: list[tuple[int, int]] | None = None
+
+
+# Loose rows read in place one by one up to this many; past it one padded batch (a gather) is faster.
+MAX_IN_PLACE_ROWS = 4
 
 
 @dataclass
@@ -249,4 +256,19 @@ def _group(meta: AttentionMetadata, members: list[int], prefix_tokens: int,
         suffix_mask=suffix_mask.to(device),
         suffix_hidden=(~suffix_mask)[:, None, :].to(device),
         prefix_tokens=prefix_tokens,
+        key_ranges=_key_ranges(own_blocks, starts, ends, t) if prefix_tokens == 0 else None,
     )
+
+
+def _key_ranges(own_blocks: list[list[int]], starts: list[int], ends: list[int],
+                tokens_per_block: int) -> list[tuple[int, int]] | None:
+    """(first slot, keys) per row when every row's own blocks are consecutive ids (one slot run: a
+    request's blocks mostly come off the free list in order), else None; only for a few rows."""
+    if len(own_blocks) > MAX_IN_PLACE_ROWS:
+        return None
+    ranges = []
+    for blocks, start, end in zip(own_blocks, starts, ends):
+        if any(b != blocks[0] + j for j, b in enumerate(blocks)):
+            return None
+        ranges.append((blocks[0] * tokens_per_block + start % tokens_per_block, end - start))
+    return ranges
