@@ -69,6 +69,9 @@ def _add_plan(sub, help_text: str) -> None:
     p.add_argument("--encoder-len", type=_int_at_least(1), default=None,
                    help="encoder-decoder models: source tokens E, held once in the cross pool (default: "
                         "--prompt-len)")
+    p.add_argument("--decoder-prefix-len", type=_int_at_least(0), default=0,
+                   help="encoder-decoder models: decoder prefix tokens after the start token (a target "
+                        "language code: 1), held in the self pool (default 0)")
     p.add_argument("--max-new-tokens", type=_int_at_least(1), default=None,
                    help=f"generated tokens N (default {PLAN_MAX_NEW_TOKENS}; with a catalogue: its longest "
                         "item + 1)")
@@ -273,6 +276,7 @@ def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         dtype=args.dtype,
         max_num_batched_tokens=args.max_num_batched_tokens,
         encoder_len=args.encoder_len,
+        decoder_prefix_len=args.decoder_prefix_len,
         speculative=speculative,
         catalogue=catalogue,
         pinned_prefixes=_plan_pins(args, parser),

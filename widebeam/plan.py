@@ -77,8 +77,9 @@ class PlanInputs:
     dtype: str = "bfloat16"
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     # Encoder-decoder models: E, the source tokens (default: prompt_len). The decoder's own prompt
-    # is then its start token alone.
+    # is then its start token and a decoder prefix of `decoder_prefix_len` tokens (NLLB's language code).
     encoder_len: int | None = None
+    decoder_prefix_len: int = 0
     # Speculative decoding (None: off): "draft" needs the draft model's arch passed to `plan()`;
     # "ngram" has no draft model, only the target's D tokens per sequence.
     speculative: SpeculativeConfig | None = None
@@ -104,15 +105,16 @@ class PlanInputs:
 
     def request(self, arch: ModelArch) -> KVRequest:
         """What the cache is asked to hold: for an encoder-decoder model the source goes to the
-        cross pool and the decoder prompt is one token; with speculation D more tokens per sequence."""
+        cross pool and the decoder prompt is its start token and prefix; with speculation D more
+        tokens per sequence."""
         # D draft tokens written per step, and up to D accepted ones fed again the next round
         d = self.num_speculative_tokens
         if not arch.is_encoder_decoder:
             return KVRequest(self.prompt_len, self.max_new_tokens, self.beam_width, extra_tokens=d,
                              refeed_tokens=d)
         encoder_len = self.prompt_len if self.encoder_len is None else self.encoder_len
-        return KVRequest(1, self.max_new_tokens, self.beam_width, extra_tokens=d, encoder_tokens=encoder_len,
-                         refeed_tokens=d)
+        return KVRequest(1 + self.decoder_prefix_len, self.max_new_tokens, self.beam_width, extra_tokens=d,
+                         encoder_tokens=encoder_len, refeed_tokens=d)
 
 
 class PlanError(ValueError):
@@ -229,7 +231,8 @@ def plan(arch: ModelArch, inputs: PlanInputs, draft_arch: ModelArch | None = Non
         "model_max_seq_len": arch.max_position_embeddings,
         "max_seq_len": max_seq_len,
         "request": {
-            "prompt_len": request.prompt_tokens,  # 1 (the decoder start token) for an encoder-decoder model
+            # an encoder-decoder model's decoder prompt: its start token and decoder prefix
+            "prompt_len": request.prompt_tokens,
             "max_new_tokens": inputs.max_new_tokens,
             "beam_width": inputs.beam_width,
             **({"encoder_len": request.encoder_tokens} if arch.is_encoder_decoder else {}),

@@ -64,3 +64,24 @@ def test_a_source_too_long_for_the_cross_pool_is_refused_naming_it(fixture, requ
         finished += [d.output for d in running.step() if d.finished]
     assert [o.request_id for o in finished] == ["running"] and finished[0].outputs
     assert_all_free(llm)
+
+
+@pytest.mark.parametrize("fixture", FAMILY_FIXTURES)
+@pytest.mark.parametrize("prefix_len, beam_width", [(0, 1), (3, 8), (9, 16)])
+def test_plan_counts_a_decoder_prefix_as_the_engine_does(fixture, prefix_len, beam_width, request):
+    """`widebeam plan --decoder-prefix-len K` and the engine's admission of a request with a K-token
+    decoder prefix ask the same blocks of every pool."""
+    from widebeam.model.families import load_arch
+    from widebeam.plan import PlanInputs, plan
+
+    path = request.getfixturevalue(fixture)
+    llm = engine(path, "16MiB", 16)
+    source, new_tokens = [5, 17, 33, 9, 40, 3, 11, EOS], 6
+    params = BeamSearchParams(beam_width=beam_width, max_new_tokens=new_tokens,
+                              decoder_prefix=[7] * prefix_len)
+    (out,) = llm.generate([{"prompt_token_ids": source}], params, use_tqdm=False)
+    planned = plan(load_arch(str(path)), PlanInputs(
+        memory_bytes=2**30, beam_width=beam_width, prompt_len=len(source), max_new_tokens=new_tokens,
+        tokens_per_block=TOKENS_PER_BLOCK, dtype="float32", decoder_prefix_len=prefix_len))
+    assert {p["name"]: p["required_blocks"] for p in planned["pools"]} == out.required_blocks
+    assert_all_free(llm)
