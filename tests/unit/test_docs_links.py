@@ -87,11 +87,10 @@ def anchors_in(path: Path) -> frozenset[str]:
 
 def links_of(text: str) -> list[str]:
     prose, _ = split_blocks(text)
-    targets = []
-    for line in prose:
-        line = re.sub(r"`[^`]*`", "", line)  # code spans hold examples, not links
-        targets.extend(LINK.findall(line))
-    return targets
+    # whole paragraphs: a link's text may wrap onto the next line
+    paragraphs = "\n".join(prose).split("\n\n")
+    return [target for paragraph in paragraphs
+            for target in LINK.findall(re.sub(r"`[^`]*`", "", paragraph))]  # code spans: examples
 
 
 def link_problem(source: Path, target: str) -> str | None:
@@ -219,8 +218,10 @@ def test_the_checker_catches_what_is_broken(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     (tmp_path / "guide.md").write_text("# Guide\n## Some section\n")
     page = tmp_path / "page.md"
-    page.write_text("[ok](guide.md#some-section) [top](#page) `[code](nowhere.md)`\n# Page\n"
+    page.write_text("[ok](guide.md#some-section) [top](#page) `[code](nowhere.md)`\n# Page\n[a wrapped\n"
+                    "text](wrapped.md)\n\n"
                     "```\n[fenced](nowhere.md)\n```\n[bad](missing.md) [anchor](guide.md#no-such)\n")
     problems = [why for t in links_of(page.read_text()) if (why := link_problem(page, t))]
-    assert problems == ["missing.md: no file or folder missing.md",
+    assert problems == ["wrapped.md: no file or folder wrapped.md",
+                        "missing.md: no file or folder missing.md",
                         "guide.md#no-such: no heading #no-such in guide.md"]
