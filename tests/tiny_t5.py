@@ -43,8 +43,13 @@ VARIANTS = {
 def save_tiny_t5(path, variant: str = "t5", shape: dict | None = None):
     """Build, randomise, save (safetensors + config.json + generation_config.json); return the HF model."""
     from safetensors.torch import save_file
-    from transformers import (GenerationConfig, MT5Config, MT5ForConditionalGeneration, T5Config,
-                              T5ForConditionalGeneration)
+    from transformers import (
+        GenerationConfig,
+        MT5Config,
+        MT5ForConditionalGeneration,
+        T5Config,
+        T5ForConditionalGeneration,
+    )
 
     model_type, feed_forward_proj, tied, (vocab_std, eos_feature, eos_boost), seed = VARIANTS[variant]
     config_class, model_class = ((T5Config, T5ForConditionalGeneration) if model_type == "t5"

@@ -73,8 +73,9 @@ def check_logits(engine, hf, sources, decoder_ids, steps: int = 4, tol: float = 
             for block, (k_cache, v_cache) in zip(hf.decoder.block, cross_caches):
                 attention = block.layer[1].EncDecAttention
                 heads = (len(source), attention.n_heads, attention.key_value_proj_dim)
-                torch.testing.assert_close(k_cache[slots], attention.k(encoded).view(heads), atol=tol, rtol=tol)
-                torch.testing.assert_close(v_cache[slots], attention.v(encoded).view(heads), atol=tol, rtol=tol)
+                for cache, projection in ((k_cache, attention.k), (v_cache, attention.v)):
+                    torch.testing.assert_close(cache[slots], projection(encoded).view(heads),
+                                               atol=tol, rtol=tol)
     tables = [self_manager.new_table(Holding()) for _ in decoder_ids]
 
     def inputs_for(tokens_per_seq, starts):
@@ -87,7 +88,8 @@ def check_logits(engine, hf, sources, decoder_ids, steps: int = 4, tol: float = 
     offset = 0
     with torch.no_grad():
         for source, decoder in zip(sources, decoder_ids):
-            expected = hf(input_ids=torch.tensor([source]), decoder_input_ids=torch.tensor([decoder])).logits[0]
+            expected = hf(input_ids=torch.tensor([source]),
+                          decoder_input_ids=torch.tensor([decoder])).logits[0]
             torch.testing.assert_close(logits[offset:offset + len(decoder)], expected, atol=tol, rtol=tol)
             offset += len(decoder)
     for step in range(steps):
@@ -129,7 +131,8 @@ def test_beam_search_matches_transformers(models, beam_width, tokens_per_block, 
     saw_eos = False
     for source, output in zip(SOURCES, outputs):
         with torch.no_grad():
-            expected = hf.generate(torch.tensor([source]), num_beams=beam_width, max_new_tokens=max_new_tokens,
+            expected = hf.generate(torch.tensor([source]), num_beams=beam_width,
+                                   max_new_tokens=max_new_tokens,
                                    length_penalty=length_penalty, early_stopping=early_stopping,
                                    num_return_sequences=num_return, min_new_tokens=min_new,
                                    output_scores=True, return_dict_in_generate=True, **HF_SETTINGS)
@@ -151,7 +154,8 @@ def test_beam_search_matches_transformers(models, beam_width, tokens_per_block, 
 def test_greedy_matches_transformers(models):
     llm, hf = get_llm(models, 4), models[1]
     outputs = llm.generate([{"prompt_token_ids": s} for s in SOURCES],
-                           SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True), use_tqdm=False)
+                           SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True),
+                           use_tqdm=False)
     for source, output in zip(SOURCES, outputs):
         with torch.no_grad():
             expected = hf.generate(torch.tensor([source]), num_beams=1, max_new_tokens=10,
@@ -163,7 +167,8 @@ def test_int8_runs_greedy(models):
     llm = LLM(str(models[2]), dtype="int8", device="cpu", tokens_per_block=4, kv_cache_memory="4MiB",
               max_num_batched_tokens=64, max_beam_width=4)
     outputs = llm.generate([{"prompt_token_ids": s} for s in SOURCES],
-                           SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True), use_tqdm=False)
+                           SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True),
+                           use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 6 for o in outputs)
 
 
@@ -189,7 +194,8 @@ def test_t5_small_shape_at_two_layers(tmp_path):
     outputs = llm.generate([{"prompt_token_ids": s} for s in sources], params, use_tqdm=False)
     for source, output in zip(sources, outputs):
         with torch.no_grad():
-            expected = hf.generate(torch.tensor([source]), num_beams=4, max_new_tokens=6, num_return_sequences=2,
+            expected = hf.generate(torch.tensor([source]), num_beams=4, max_new_tokens=6,
+                                   num_return_sequences=2,
                                    length_penalty=1.0, early_stopping=False, output_scores=True,
                                    return_dict_in_generate=True, **HF_SETTINGS)
         assert_beams_match(output, expected, 1, PAD, EOS, 4, "t5-small shape")

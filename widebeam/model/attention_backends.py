@@ -201,7 +201,8 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     suffix_scores = torch.matmul(q_rows.view(num_kv_heads, batch, group_size, head_dim),
                                  k_suffix.transpose(-1, -2))
     if position_bias is not None:
-        suffix_scores = suffix_scores.float() + _heads_as_rows(position_bias.group_suffix(group), num_kv_heads)
+        suffix_bias = _heads_as_rows(position_bias.group_suffix(group), num_kv_heads)  # [KV, B, G, S]
+        suffix_scores = suffix_scores.float() + suffix_bias
     suffix_scores = (suffix_scores.float().masked_fill_(group.suffix_hidden, float("-inf"))
                      .view(num_kv_heads, rows, -1))
     k_prefix = _gather(k_cache, group.prefix_slots)  # [P, KV, d]

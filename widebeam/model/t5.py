@@ -195,7 +195,8 @@ class T5Block(nn.Module):
 
     def decoder_forward(self, x, self_kv, self_meta, position_bias, cross_kv, cross_meta):
         attention, cross = self.layer[0], self.layer[1]
-        x = x + attention.SelfAttention.self_forward(attention.layer_norm(x), self_kv, self_meta, position_bias)
+        x = x + attention.SelfAttention.self_forward(attention.layer_norm(x), self_kv, self_meta,
+                                                     position_bias)
         x = x + cross.EncDecAttention.cross_forward(cross.layer_norm(x), cross_kv, cross_meta)
         return self.layer[2](x)
 
