@@ -41,8 +41,8 @@ VARIANTS = {
     "phi3-no-window": {**SMALL, "model_type": "phi3", "sliding_window": None},
     "phi3-partial-rotary": {**SMALL, "model_type": "phi3", "sliding_window": 8, "partial_rotary_factor": 0.5},
     "llama-ignores-window": {**SMALL, "model_type": "llama", "sliding_window": 8},
-    "t5-small": {"model_type": "t5", "d_model": 512, "d_kv": 64, "d_ff": 2048, "num_layers": 6, "num_heads": 8,
-                 "vocab_size": 32128, "feed_forward_proj": "relu", "is_encoder_decoder": True},
+    "t5-small": {"model_type": "t5", "d_model": 512, "d_kv": 64, "d_ff": 2048, "num_layers": 6,
+                 "num_heads": 8, "vocab_size": 32128, "feed_forward_proj": "relu"},
 }
 
 

@@ -61,8 +61,9 @@ def test_output_scaling_follows_transformers(overrides, scaled, tied):
     assert parsed.settings.scale_decoder_outputs == scaled and parsed.arch.tie_word_embeddings == tied
 
 
-@pytest.mark.parametrize("value, expected", [("relu", ("relu", False)), ("gated-gelu", ("gelu_new", True)),
-                                             ("gated-silu", ("silu", True)), ("gelu_new", ("gelu_new", False))])
+@pytest.mark.parametrize("value, expected", [
+    ("relu", ("relu", False)), ("gated-gelu", ("gelu_new", True)), ("gated-silu", ("silu", True)),
+    ("gelu_new", ("gelu_new", False))])
 def test_feed_forward_proj(value, expected):
     assert parse_feed_forward_proj(value) == expected
 
@@ -98,7 +99,8 @@ def test_model_satisfies_the_encoder_decoder_contract():
     names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     assert {"shared.weight", "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
             "decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
-            "decoder.block.1.layer.1.EncDecAttention.q.weight", "decoder.block.1.layer.2.DenseReluDense.wi_1.weight",
+            "decoder.block.1.layer.1.EncDecAttention.q.weight",
+            "decoder.block.1.layer.2.DenseReluDense.wi_1.weight",
             "encoder.final_layer_norm.weight", "lm_head.weight"} <= names
     assert "decoder.block.1.layer.0.SelfAttention.relative_attention_bias.weight" not in names
 
