@@ -63,6 +63,18 @@ def check_logits(engine, hf, sources, decoder_ids, steps: int = 4, tol: float = 
     all sequences, then decode steps together) against HF's full forward."""
     self_manager, cross_manager = engine.cache["self"], engine.cache["cross"]
     cross_tables = [cross_manager.allocate(Holding(), len(s)) for s in sources]
+    tables = [self_manager.new_table(Holding()) for _ in decoder_ids]
+    try:  # the blocks go back even when a comparison fails, so one failure does not cascade
+        _compare(engine, hf, sources, decoder_ids, steps, tol, tables, cross_tables)
+    finally:
+        for table in tables:
+            self_manager.release(table)
+        for table in cross_tables:
+            cross_manager.release(table)
+
+
+def _compare(engine, hf, sources, decoder_ids, steps, tol, tables, cross_tables) -> None:
+    self_manager, cross_manager = engine.cache["self"], engine.cache["cross"]
     engine.runner.encode(sources, [cross_manager.slots(t) for t in cross_tables])
     cross_caches = [kv for kv, name in zip(engine.runner.kv_caches, engine.model.layer_pool_names)
                     if name == "cross"]
@@ -76,7 +88,6 @@ def check_logits(engine, hf, sources, decoder_ids, steps: int = 4, tol: float = 
                 for cache, projection in ((k_cache, attention.k), (v_cache, attention.v)):
                     torch.testing.assert_close(cache[slots], projection(encoded).view(heads),
                                                atol=tol, rtol=tol)
-    tables = [self_manager.new_table(Holding()) for _ in decoder_ids]
 
     def inputs_for(tokens_per_seq, starts):
         return [SequenceInput(tokens, start, {"self": table.block_ids},
@@ -102,10 +113,6 @@ def check_logits(engine, hf, sources, decoder_ids, steps: int = 4, tol: float = 
                 expected = hf(input_ids=torch.tensor([source]),
                               decoder_input_ids=torch.tensor([decoder])).logits[0, -1]
                 torch.testing.assert_close(row, expected, atol=tol, rtol=tol)
-    for table in tables:
-        self_manager.release(table)
-    for table in cross_tables:
-        cross_manager.release(table)
 
 
 @pytest.mark.parametrize("tokens_per_block", [1, 3, 16])
