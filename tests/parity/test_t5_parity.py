@@ -29,7 +29,8 @@ HF_SETTINGS = {"do_sample": False, "eos_token_id": EOS, "pad_token_id": PAD, "de
                "bad_words_ids": None, "forced_eos_token_id": None, "forced_bos_token_id": None,
                "no_repeat_ngram_size": 0, "repetition_penalty": 1.0, "min_length": 0}
 
-# (beam_width, tokens_per_block, length_penalty, early_stopping, num_return_sequences, min_new_tokens)
+# (beam_width, tokens_per_block, length_penalty, early_stopping, num_return_sequences, min_new_tokens[,
+#  attention backend: sdpa unless named])
 CASES = [
     (1, 4, 1.0, False, 1, 0),
     (4, 1, 1.0, True, 2, 0),
@@ -38,6 +39,7 @@ CASES = [
     (16, 4, 0.0, True, 8, 0),
     (16, 3, 1.0, "never", 3, 2),
     (16, 1, -1.0, False, 4, 1),
+    (4, 3, 1.0, False, 4, 2, "reference"),  # the reference backend through the whole engine
 ]
 VARIANTS = ["t5", "t5-v1_1", "mt5"]
 
@@ -49,13 +51,14 @@ def models(request, tmp_path_factory):
     return {}, hf, path
 
 
-def get_llm(models, tokens_per_block):
+def get_llm(models, tokens_per_block, attention_backend="sdpa"):
     llms, _, path = models
-    if tokens_per_block not in llms:
-        llms[tokens_per_block] = LLM(str(path), dtype="float32", device="cpu",
-                                     tokens_per_block=tokens_per_block,
-                                     kv_cache_memory="8MiB", max_num_batched_tokens=64, max_beam_width=16)
-    return llms[tokens_per_block]
+    key = (tokens_per_block, attention_backend)
+    if key not in llms:
+        llms[key] = LLM(str(path), dtype="float32", device="cpu", tokens_per_block=tokens_per_block,
+                        kv_cache_memory="8MiB", max_num_batched_tokens=64, max_beam_width=16,
+                        attention_backend=attention_backend)
+    return llms[key]
 
 
 def check_logits(engine, hf, sources, decoder_ids, steps: int = 4, tol: float = 1e-4) -> None:
@@ -115,9 +118,11 @@ def _compare(engine, hf, sources, decoder_ids, steps, tol, tables, cross_tables)
                 torch.testing.assert_close(row, expected, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("tokens_per_block", [1, 3, 16])
-def test_encoder_output_and_logits_match(models, tokens_per_block):
-    engine, hf = get_llm(models, tokens_per_block).engine, models[1]
+@pytest.mark.parametrize("tokens_per_block, attention_backend",
+                         [(1, "sdpa"), (3, "sdpa"), (16, "sdpa"), (3, "reference")])
+def test_encoder_output_and_logits_match(models, tokens_per_block, attention_backend):
+    engine, hf = get_llm(models, tokens_per_block, attention_backend).engine, models[1]
+    assert engine.runner.attention_backend.name == attention_backend
     # decoder prefixes of different lengths, one past max_distance (20) to reach the log buckets
     decoder_ids = [[PAD, 4, 8, 9, 10], [PAD], [PAD] + [3] * 24, [PAD, 50, 51]]
     check_logits(engine, hf, SOURCES, decoder_ids)
@@ -125,11 +130,11 @@ def test_encoder_output_and_logits_match(models, tokens_per_block):
         assert pool["free_blocks"] == pool["total_blocks"], name
 
 
-@pytest.mark.parametrize("beam_width, tokens_per_block, length_penalty, early_stopping, num_return, min_new",
-                         CASES)
+@pytest.mark.parametrize("beam_width, tokens_per_block, length_penalty, early_stopping, num_return, min_new, "
+                         "attention_backend", [case if len(case) == 7 else (*case, "sdpa") for case in CASES])
 def test_beam_search_matches_transformers(models, beam_width, tokens_per_block, length_penalty,
-                                          early_stopping, num_return, min_new):
-    llm, hf = get_llm(models, tokens_per_block), models[1]
+                                          early_stopping, num_return, min_new, attention_backend):
+    llm, hf = get_llm(models, tokens_per_block, attention_backend), models[1]
     max_new_tokens = 12
     params = BeamSearchParams(beam_width=beam_width, max_new_tokens=max_new_tokens,
                               length_penalty=length_penalty, early_stopping=early_stopping,

@@ -181,7 +181,7 @@ def _tree_sequence_keys(meta: AttentionMetadata, seq_index: int, parents: list[i
         diff = position_of[query_index][:, None] - position_of[key_index][None, :]
         mask &= (diff >= 0) & (diff < meta.sliding_window)
     return SequenceKeys(start, end, slots.to(device), mask.to(device), causal=False,
-                        query_positions=position_of[query_index], key_positions=position_of[key_index])
+                        query_positions=position_of[first_query:], key_positions=position_of[key_start:])
 
 
 def build_decode_groups(meta: AttentionMetadata, device: torch.device) -> list[DecodeGroup]:
