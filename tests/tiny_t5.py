@@ -99,3 +99,25 @@ def _boost_eos(model, boost: float, feature: float) -> None:
     else:
         head[:, 0] = 0.0
         head[T5_EOS, 0] = boost
+
+
+def save_tiny_t5_tokenizer(path):
+    """A T5Tokenizer over a tiny SentencePiece unigram model trained here on task-prefixed sentences,
+    laid out as T5's: <pad> = 0, </s> = 1, <unk> = 2, then the pieces (no sentinel ids). Returns it."""
+    import io
+
+    import sentencepiece as spm
+    from transformers import T5Tokenizer
+
+    sentences = ["translate English to German: the cat sat on the mat", "summarize: a dog runs in the park",
+                 "translate English to French: beam search finds good translations", "hello world",
+                 "the quick brown fox jumps over the lazy dog"] * 20
+    proto = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(sentences), model_writer=proto, vocab_size=80,
+                                   model_type="unigram", character_coverage=1.0, pad_id=T5_PAD, eos_id=T5_EOS,
+                                   unk_id=2, bos_id=-1, hard_vocab_limit=False, minloglevel=2)
+    processor = spm.SentencePieceProcessor(model_proto=proto.getvalue())
+    vocab = [(processor.id_to_piece(i), processor.get_score(i)) for i in range(processor.get_piece_size())]
+    tokenizer = T5Tokenizer(vocab=vocab, extra_ids=0)
+    tokenizer.save_pretrained(str(path))
+    return tokenizer

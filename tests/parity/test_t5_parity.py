@@ -7,7 +7,10 @@ every beam width, and the t5-small shape at reduced depth."""
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -212,3 +215,34 @@ def test_t5_small_shape_at_two_layers(tmp_path):
                                    return_dict_in_generate=True, **HF_SETTINGS)
         assert_beams_match(output, expected, 1, PAD, EOS, 4, "t5-small shape")
         assert output.required_blocks["cross"] == output.peak_blocks["cross"] == math.ceil(len(source) / 16)
+
+
+def test_generate_cli_with_a_task_prefix_like_transformers(tmp_path):
+    """A model directory with T5's tokenizer: `widebeam generate "translate English to German: ..."`
+    encodes the task-prefixed text (EOS appended) as the source and returns HF's beams and scores."""
+    pytest.importorskip("sentencepiece")
+    from tiny_t5 import save_tiny_t5_tokenizer
+
+    tokenizer = save_tiny_t5_tokenizer(tmp_path)
+    hf = save_tiny_t5(tmp_path, "t5-v1_1")
+    assert len(tokenizer) <= hf.config.vocab_size
+    text = "translate English to German: the quick brown dog sat on the mat"
+    proc = subprocess.run([sys.executable, "-m", "widebeam", "generate", text, "--model", str(tmp_path),
+                           "--beam-width", "4", "--max-new-tokens", "8", "--tokens-per-block", "4", "--json",
+                           "--kv-cache-memory", "1MiB", "--device", "cpu"],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    source = tokenizer(text).input_ids
+    assert source[-1] == EOS
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([source]), num_beams=4, num_return_sequences=4, max_new_tokens=8,
+                               length_penalty=1.0, early_stopping=False, output_scores=True,
+                               return_dict_in_generate=True, **HF_SETTINGS)
+    assert len(result["outputs"]) == 4
+    for rank, beam in enumerate(result["outputs"]):
+        generated = expected.sequences[rank, 1:].tolist()
+        assert beam["token_ids"] == generated[:len(beam["token_ids"])]
+        assert beam["text"] == tokenizer.decode(beam["token_ids"], skip_special_tokens=True)
+        assert abs(beam["score"] - float(expected.sequences_scores[rank])) < 1e-4
+    assert result["kv_peak_blocks"]["cross"] == math.ceil(len(source) / 4)
