@@ -73,16 +73,17 @@ def sinusoidal_table(num_positions: int, dim: int) -> torch.Tensor:
 def m2m100_sinusoidal_table(num_rows: int, dim: int, padding_idx: int) -> torch.Tensor:
     """HF's M2M100SinusoidalPositionalEmbedding.get_embedding (fairseq's): frequencies
     exp(-i log(10000) / (dim/2 - 1)), all sines then all cosines, a zero column for an odd dim and a
-    zero row at padding_idx; float32 arithmetic in the same order, so the table is bit-equal."""
+    zero row at padding_idx; float32 arithmetic in the same order, so the table is bit-equal. On the
+    CPU whatever the default device (the model is built on the meta device)."""
     half_dim = dim // 2
     step = math.log(10000) / (half_dim - 1)
-    freqs = torch.exp(torch.arange(half_dim, dtype=torch.int64).float() * -step)
-    angles = torch.arange(num_rows, dtype=torch.int64).float().unsqueeze(1) * freqs.unsqueeze(0)
+    freqs = torch.exp(torch.arange(half_dim, dtype=torch.int64, device="cpu").float() * -step)
+    angles = torch.arange(num_rows, dtype=torch.int64, device="cpu").float().unsqueeze(1) * freqs.unsqueeze(0)
     table = torch.cat([torch.sin(angles), torch.cos(angles)], dim=1).view(num_rows, -1)
     if dim % 2 == 1:
-        table = torch.cat([table, torch.zeros(num_rows, 1)], dim=1)
+        table = torch.cat([table, torch.zeros(num_rows, 1, device="cpu")], dim=1)
     table[padding_idx, :] = 0
-    return table.to(device="cpu", dtype=torch.float32)
+    return table.float()
 
 
 class SinusoidalPositions(nn.Module):

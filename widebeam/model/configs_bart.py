@@ -91,10 +91,10 @@ def _embed_scale(config: dict, default: bool) -> float:
 
 
 def parse_m2m100(config: dict, name: str) -> tuple[ModelArch, Seq2SeqSettings]:
-    """M2M100 and NLLB-200: pre-norm layers with a final layer_norm in encoder and decoder, fairseq's
-    sinusoidal positions starting at padding_idx + 1, embeddings scaled by sqrt(d_model), relu,
-    no final_logits_bias, the decoder starting at EOS (2)."""
-    arch = _seq2seq_arch(config, name, "m2m100", learned_positions=False, norms_per_stack=1,
+    """M2M100 and NLLB-200 (model_type "m2m_100"): pre-norm layers with a final layer_norm in encoder
+    and decoder, fairseq's sinusoidal positions starting at padding_idx + 1, embeddings scaled by
+    sqrt(d_model), relu, no final_logits_bias, the decoder starting at EOS (2)."""
+    arch = _seq2seq_arch(config, name, "m2m_100", learned_positions=False, norms_per_stack=1,
                          final_logits_bias=False)
     pad = config.get("pad_token_id")
     pad = 1 if pad is None else int(pad)

@@ -109,7 +109,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("marian", ("marian",), fc.parse_marian, "widebeam.model.registry:build_marian"),
     Family("qwen3", ("qwen3",), fc.parse_qwen3, _DECODER),
     Family("phi3", ("phi3",), fc.parse_phi3, _DECODER, layouts={"phi3": PHI3_LAYOUT}),
-    Family("m2m100", ("m2m100",), configs_bart.parse_m2m100, "widebeam.model.registry:build_seq2seq"),
+    Family("m2m100", ("m2m_100",), configs_bart.parse_m2m100, "widebeam.model.registry:build_seq2seq"),
     Family("bart", ("bart",), configs_bart.parse_bart, "widebeam.model.registry:build_seq2seq"),
     Family("mbart", ("mbart",), configs_bart.parse_mbart, "widebeam.model.registry:build_seq2seq"),
 )
