@@ -69,6 +69,7 @@ def save_tiny_seq2seq(path, config: dict, eos_bias: float | None = None, std: fl
     # every parameter is drawn below: HF's own init would only cost time (~40 s at NLLB's vocabulary)
     with no_init_weights():
         model = hf_class(model_type)(AutoConfig.for_model(model_type, **config)).eval()
+    model.tie_weights()  # skipped with the init: encoder, decoder and LM head share one matrix
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
