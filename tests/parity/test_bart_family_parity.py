@@ -226,3 +226,31 @@ def test_real_config_shapes_at_one_layer(shape, tmp_path):
                                    **HF_SETTINGS)
         assert_beams_match(output, expected, 1, PAD, EOS, 4, f"{shape} source {source[:4]}")
         assert output.required_blocks["cross"] == output.peak_blocks["cross"] == math.ceil(len(source) / 16)
+
+
+def test_older_checkpoint_names_load(family, tmp_path):
+    """Hub checkpoints saved by older transformers store the tied copies (encoder and decoder
+    embed_tokens, lm_head) and, for M2M100, a sinusoidal table placeholder; they load to the same
+    model: greedy tokens equal the tiny model's."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    _, _, path, _ = family
+    tensors = load_file(str(path / "model.safetensors"))
+    shared = tensors["model.shared.weight"]
+    for name in ("model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight", "lm_head.weight"):
+        tensors[name] = shared.clone()
+    if "model.encoder.embed_positions.weight" not in tensors:  # computed positions (M2M100)
+        tensors["model.encoder.embed_positions._float_tensor"] = torch.zeros(1)
+        tensors["model.decoder.embed_positions._float_tensor"] = torch.zeros(1)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    for name in ("config.json", "generation_config.json"):
+        shutil.copy(path / name, tmp_path / name)
+    params = SamplingParams(temperature=0.0, max_new_tokens=8)
+    older = LLM(str(tmp_path), dtype="float32", device="cpu", tokens_per_block=4, kv_cache_memory="4MiB",
+                max_num_batched_tokens=64, max_beam_width=4)
+    prompts = [{"prompt_token_ids": s} for s in SOURCES]
+    expected = get_llm(family, 4).generate(prompts, params, use_tqdm=False)
+    got = older.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
