@@ -98,3 +98,9 @@ def test_an_unsupported_activation_is_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="quick_gelu"):
         load_arch(str(tmp_path))
+
+
+def test_activation_names_match_the_implementation():
+    from widebeam.model import bart_family, configs_bart
+
+    assert set(configs_bart.SEQ2SEQ_ACTIVATIONS) == set(bart_family.ACTIVATIONS)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from widebeam.model.arch import ModelArch, UnsupportedModelError
 
-# widebeam.model.bart_family.ACTIVATIONS' names (tests/unit/test_families.py holds them equal).
+# widebeam.model.bart_family.ACTIVATIONS' names (tests/unit/test_bart_family_configs.py holds them equal).
 SEQ2SEQ_ACTIVATIONS = ("swish", "silu", "gelu", "relu", "gelu_new")
 # How a stack embeds position p: Marian's sinusoids (sin | cos halves, float64), fairseq's (M2M100:
 # frequencies over dim/2 - 1, float32, a zero row at padding_idx), or a learned table in the checkpoint.
