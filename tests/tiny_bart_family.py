@@ -22,7 +22,7 @@ _SMALL_SEQ2SEQ = {
 TINY_CONFIGS = {
     # NLLB-200's switches: relu, scaled embeddings (M2M100Config's defaults, stated)
     "m2m100": {**_SMALL_SEQ2SEQ, "model_type": "m2m_100", "activation_function": "relu",
-               "scale_embedding": True},
+               "scale_embedding": True, "encoder_attention_heads": 8},  # encoder heads of its own
     "bart": {**_SMALL_SEQ2SEQ, "model_type": "bart", "activation_function": "gelu", "scale_embedding": False},
     # mBART checkpoints scale their embeddings (MBartConfig's default does not)
     "mbart": {**_SMALL_SEQ2SEQ, "model_type": "mbart", "activation_function": "gelu",
