@@ -2,8 +2,8 @@
 (required == peak == ceil(E/T) cross blocks, whatever the width), and a source too long for the cross
 pool is refused naming `cross` while the running requests finish and every block comes back.
 
-Each family's tiny model comes from the fixture named in FAMILY_FIXTURES (tests/conftest.py and the
-families' own tiny-model modules)."""
+Each family's tiny model is the one its parity tests use (tests/tiny_models.py, tiny_bart_family.py,
+tiny_t5.py)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,31 @@ from widebeam.errors import RequestTooLargeError
 from widebeam.llm import LLM
 from widebeam.params import BeamSearchParams
 
-FAMILY_FIXTURES = ["tiny_marian_dir"]
+FAMILIES = ["marian", "m2m100", "bart", "mbart", "t5", "mt5"]
 TOKENS_PER_BLOCK = 4
-EOS = 2
+EOS = 2  # the sources' last token (T5's EOS is 1; any token ends a source)
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory, tiny_marian_dir):
+    """Each family's tiny model directory, built on first use."""
+    built = {"marian": tiny_marian_dir}
+
+    def get(family: str):
+        if family not in built:
+            path = tmp_path_factory.mktemp(f"tiny-{family}")
+            if family in ("t5", "mt5"):
+                from tiny_t5 import save_tiny_t5
+
+                save_tiny_t5(path, family)
+            else:
+                from tiny_bart_family import TINY_CONFIGS, save_tiny_seq2seq
+
+                save_tiny_seq2seq(path, TINY_CONFIGS[family])
+            built[family] = path
+        return built[family]
+
+    return get
 
 
 def engine(path, kv_cache_memory: str, max_beam_width: int) -> LLM:
@@ -30,9 +52,9 @@ def assert_all_free(llm: LLM) -> None:
         assert pool["free_blocks"] == pool["total_blocks"], name
 
 
-@pytest.mark.parametrize("fixture", FAMILY_FIXTURES)
-def test_a_wide_request_reserves_the_cross_pool_once(fixture, request):
-    path = request.getfixturevalue(fixture)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_wide_request_reserves_the_cross_pool_once(family, family_dirs):
+    path = family_dirs(family)
     llm = engine(path, "16MiB", 256)
     source = [5, 17, 33, 9, 40, 3, 11, 12, 13, 14, 15, 16, 30, EOS]
     (out,) = llm.generate([{"prompt_token_ids": source}], BeamSearchParams(beam_width=256, max_new_tokens=6),
@@ -44,9 +66,9 @@ def test_a_wide_request_reserves_the_cross_pool_once(fixture, request):
     assert_all_free(llm)
 
 
-@pytest.mark.parametrize("fixture", FAMILY_FIXTURES)
-def test_a_source_too_long_for_the_cross_pool_is_refused_naming_it(fixture, request):
-    path = request.getfixturevalue(fixture)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_source_too_long_for_the_cross_pool_is_refused_naming_it(family, family_dirs):
+    path = family_dirs(family)
     llm = engine(path, "64KiB", 4)
     cross_total = llm.stats()["pools"]["cross"]["total_blocks"]
     too_long = [7] * (cross_total * TOKENS_PER_BLOCK) + [EOS]  # one token past the whole pool
@@ -66,15 +88,15 @@ def test_a_source_too_long_for_the_cross_pool_is_refused_naming_it(fixture, requ
     assert_all_free(llm)
 
 
-@pytest.mark.parametrize("fixture", FAMILY_FIXTURES)
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("prefix_len, beam_width", [(0, 1), (3, 8), (9, 16)])
-def test_plan_counts_a_decoder_prefix_as_the_engine_does(fixture, prefix_len, beam_width, request):
+def test_plan_counts_a_decoder_prefix_as_the_engine_does(family, prefix_len, beam_width, family_dirs):
     """`widebeam plan --decoder-prefix-len K` and the engine's admission of a request with a K-token
     decoder prefix ask the same blocks of every pool."""
     from widebeam.model.families import load_arch
     from widebeam.plan import PlanInputs, plan
 
-    path = request.getfixturevalue(fixture)
+    path = family_dirs(family)
     llm = engine(path, "16MiB", 16)
     source, new_tokens = [5, 17, 33, 9, 40, 3, 11, EOS], 6
     params = BeamSearchParams(beam_width=beam_width, max_new_tokens=new_tokens,
