@@ -73,3 +73,22 @@ def test_no_tree_unless_asked(engines):
     (output,) = engines["plain"].generate([PROMPT], BeamSearchParams(beam_width=2, max_new_tokens=4),
                                           use_tqdm=False)
     assert output.tree is None
+
+
+def test_generate_tree_on_the_command_line(tiny_chat_model_dir, capsys):
+    import json
+
+    from widebeam.cli import main
+
+    args = ["generate", PROMPT, "--model", str(tiny_chat_model_dir), "--beam-width", "4", "--max-new-tokens",
+            "6", "--kv-cache-memory", "4MiB", "--device", "cpu", "--tree"]
+    assert main([*args, "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert ranked_hypotheses(printed["tree"]) == [(o["token_ids"], o["cumulative_logprob"], o["score"])
+                                                  for o in printed["outputs"]]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "search tree:" in text and "step 1:" in text and "#1" in text
+    with pytest.raises(SystemExit):
+        main(["generate", PROMPT, "--model", str(tiny_chat_model_dir), "--tree"])
+    assert "--tree" in capsys.readouterr().err

@@ -242,6 +242,9 @@ def create_app(engine, *, model_name: str, api_key: str | None = None,
         body = {"id": call_id, "object": "chat.completion" if chat else "text_completion", "created": s.now(),
                 "model": model_name, "choices": choices,
                 "usage": s.usage(prompt_tokens, completion_tokens, cached_tokens)}
+        trees = render.search_trees(outputs)
+        if trees is not None:
+            body["search_trees"] = trees
         prompt_logprobs = render.chat_prompt_logprobs(outputs)
         if prompt_logprobs is not None:
             body["prompt_logprobs"] = prompt_logprobs
@@ -297,7 +300,7 @@ def create_app(engine, *, model_name: str, api_key: str | None = None,
                         chunks.append(render.closing_chunk(choice_index(k, j), output, completion,
                                                            prompt_texts[k // plan.requests_per_prompt],
                                                            plan.beam))
-                    yield event(chunks)
+                    yield event(chunks, **({"search_tree": output.tree} if plan.return_tree else {}))
                 else:
                     complete = True
                     if include_usage:

@@ -101,6 +101,10 @@ class _GenerationFields(BaseModel):
     # Structured output: {"type": "text" | "json_object" | "json_schema",
     #                     "json_schema": {name, schema, strict}}
     response_format: dict | None = None
+    # widebeam's extension: the beam search tree (widebeam/beam/tree.py, docs/ui.md) in the response's
+    # `search_trees` (one per prompt), or in a stream's closing event of each prompt as `search_tree`
+    return_tree: bool = Field(False, description="beam search only: return the search tree (every "
+                                                 "candidate each step kept) in `search_trees`")
     # vLLM's extension: each prompt token's log-prob and its `prompt_logprobs` most likely alternatives
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # OpenAI fields accepted only at their neutral values.
