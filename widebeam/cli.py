@@ -232,7 +232,8 @@ def print_tree(tree: dict) -> None:
             elif tree["pruned_at"][node] is not None:
                 mark = " x"
             token = text.get(str(tree["token_id"][node]), str(tree["token_id"][node]))
-            parts.append(f"{node}<{tree['parent'][node]} {token!r} {tree['cumulative_logprob'][node]:.2f}{mark}")
+            logprob = tree["cumulative_logprob"][node]
+            parts.append(f"{node}<{tree['parent'][node]} {token!r} {logprob:.2f}{mark}")
         print(f"step {step}: " + " | ".join(parts))
 
 

@@ -53,7 +53,8 @@ def test_tree_matches_the_output_and_speculation_changes_nothing(engines, width)
 
 def test_tree_inside_a_catalogue(engines):
     llm = engines["plain"]
-    items = [llm.engine.tokenizer.encode(t, add_special_tokens=False) for t in (" red", " green", " blue sea")]
+    encode = llm.engine.tokenizer.encode
+    items = [encode(t, add_special_tokens=False) for t in (" red", " green", " blue sea")]
     params = BeamSearchParams(beam_width=4, allowed_sequences=items, return_tree=True)
     (output,) = llm.generate([PROMPT], params, use_tqdm=False)
     tree = _check(output)

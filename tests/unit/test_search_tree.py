@@ -144,4 +144,5 @@ def test_memory_of_a_wide_tree_is_counted():
     assert tree["nbytes"] <= 2 * width * steps * (BYTES_PER_NODE + 16)
     assert len(hypotheses) == width
     json_bytes = len(json.dumps(tree))
-    print(f"\nW={width} N={steps}: {tree['num_nodes']} nodes, nbytes {tree['nbytes']}, JSON {json_bytes} bytes")
+    print(f"\nW={width} N={steps}: {tree['num_nodes']} nodes, nbytes {tree['nbytes']}, "
+          f"JSON {json_bytes} bytes")

@@ -59,7 +59,6 @@ class SampledStream:
 
     def tree(self) -> None:
         """A sampled sequence has no search tree."""
-        return None
 
     def completions(self) -> list[CompletionOutput]:
         decoder = self.decoder
