@@ -101,7 +101,7 @@ async function submitSearch(event) {
   document.body.dataset.state = "running";
   try {
     const {chat, body} = requestBody();
-    const response = await fetch(chat ? "/v1/chat/completions" : "/v1/completions", {
+    const response = await api(chat ? "/v1/chat/completions" : "/v1/completions", {
       method: "POST", headers: {"Content-Type": "application/json"}, body: JSON.stringify(body)});
     if (!response.ok) {
       const answer = await response.json().catch(() => ({}));
@@ -129,7 +129,7 @@ async function submitSearch(event) {
 }
 
 async function loadConfig() {
-  const response = await fetch("/v1/ui/config");
+  const response = await api("/v1/ui/config");
   if (!response.ok) return;
   const config = await response.json();
   $("model-name").textContent = `${config.model}: beams up to ${config.max_beam_width}, ` +

@@ -102,7 +102,7 @@ function renderCapacity(stats) {
 
 async function pollStats() {
   try {
-    const response = await fetch("/v1/stats");
+    const response = await api("/v1/stats");
     if (response.ok) {
       const stats = await response.json();
       latestStats = stats;
@@ -161,7 +161,7 @@ async function submitPlan(event) {
                 prompt_len: Number(document.getElementById("plan-prompt-len").value),
                 max_new_tokens: Number(document.getElementById("plan-max-new-tokens").value),
                 dtype: document.getElementById("plan-dtype").value};
-  const response = await fetch("/v1/plan", {method: "POST", headers: {"Content-Type": "application/json"},
+  const response = await api("/v1/plan", {method: "POST", headers: {"Content-Type": "application/json"},
                                             body: JSON.stringify(body)});
   const answer = await response.json();
   if (!response.ok) {

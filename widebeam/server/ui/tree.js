@@ -5,6 +5,13 @@
 "use strict";
 
 const SVG_NS = "http://www.w3.org/2000/svg";
+
+// Every call of the page goes to this server by its origin: a page opened as http://user:key@host/
+// (the API key as Basic credentials) must not put them in a fetch URL, which browsers refuse; the
+// browser sends the credentials it was given for the page with each same-origin call.
+function api(path, options) {
+  return fetch(new URL(path, window.location.origin).href, options);
+}
 const COLUMN_PX = 96;
 const ROW_PX = 18;
 const MARGIN_PX = 30;
