@@ -234,7 +234,8 @@ class BeamSearchParams:
     response_format: object = field(default=None, compare=False)
     # The search tree (widebeam/beam/tree.py, docs/ui.md): every candidate each step kept, returned in
     # `RequestOutput.tree`. Off by default; its memory is counted, not capped: at most 2 x beam_width x
-    # max_new_tokens nodes of 21 bytes while searching (`tree["nbytes"]`), more as JSON.
+    # max_new_tokens nodes of 26 bytes (200 more per finished one) while searching (`tree["nbytes"]`),
+    # more as JSON (docs/ui.md: W=1024, N=8).
     return_tree: bool = False
 
     @property

@@ -9,8 +9,9 @@ finished node itself, with no token of its own. Nothing that was not kept is rec
 is a kept node none of whose continuations was kept.
 
 Memory: counted, not capped. A step adds at most 2W nodes (W live, W finished), so a request's tree
-holds at most 2 x W x N nodes, N = max_new_tokens; each node costs `BYTES_PER_NODE` bytes in the
-compact arrays below (`nbytes` reports the total). W and N are the request's own, already bounded by
+holds at most 2 x W x N nodes, N = max_new_tokens; each node costs `BYTES_PER_NODE` (26) bytes in the
+compact arrays below, a finished one 200 more (`nbytes` reports the total; the unit test traces the
+allocations and checks it). W and N are the request's own, already bounded by
 the engine (max_beam_width, max_seq_len), and the tree is off by default. The JSON form (`to_dict`) is
 larger: docs/ui.md gives both for W=1024, N=8.
 
@@ -26,8 +27,11 @@ from __future__ import annotations
 from array import array
 
 NO_PARENT = -1
-# token_id, parent, step (int32 each), cumulative log-prob (float64), finished flag (int8)
-BYTES_PER_NODE = 4 + 4 + 4 + 8 + 1
+# token_id, parent, step (int32 each), cumulative log-prob (float64), finished and has-child flags (one
+# byte each), the search's node -> tree node (int32, live nodes only: counted for every node)
+BYTES_PER_NODE = 4 + 4 + 4 + 8 + 1 + 1 + 4
+# a finished node's score and finish reason in two dicts (a float and an int object, two dict slots)
+BYTES_PER_FINISHED_NODE = 200
 
 
 class SearchTree:
@@ -44,7 +48,7 @@ class SearchTree:
         self._score: dict[int, float] = {}  # finished nodes only
         self._reason: dict[int, str] = {}
         self._has_child = bytearray()
-        self._search_node: list[int] = []  # the search's node id -> tree node id (live nodes only)
+        self._search_node = array("i")  # the search's node id -> tree node id (live nodes only)
         self._rank: dict[int, int] = {}
         self.num_steps = 0
 
@@ -54,7 +58,7 @@ class SearchTree:
     @property
     def nbytes(self) -> int:
         """Bytes of the tree's arrays (what `to_dict` is built from), counted as it grows."""
-        return len(self._token) * BYTES_PER_NODE + 16 * len(self._score)
+        return len(self._token) * BYTES_PER_NODE + BYTES_PER_FINISHED_NODE * len(self._score)
 
     def _add(self, token: int, parent: int, step: int, cumulative: float, finished: bool) -> int:
         if parent != NO_PARENT:

@@ -25,12 +25,17 @@ function cell(row, text, attributes = {}) {
 
 function drawPoolChart(svg, name) {
   while (svg.firstChild) svg.removeChild(svg.firstChild);
-  const width = svg.clientWidth || 600;
+  // A fixed drawing box stretched to the panel (drawn while hidden too, when the panel has no size).
+  const width = 1000;
   const height = 140;
   svg.setAttribute("viewBox", `0 0 ${width} ${height}`);
+  svg.setAttribute("preserveAspectRatio", "none");
   if (!history.length) return;
   const now = history[history.length - 1].time;
-  const x = (t) => width - ((now - t) / HISTORY_S) * width;
+  // the time axis spans the history kept so far (at least 30 s), up to HISTORY_S
+  const span = Math.min(HISTORY_S, Math.max(30, now - history[0].time));
+  const x = (t) => width - ((now - t) / span) * width;
+  svg.dataset.spanSeconds = String(Math.round(span));
   const total = Math.max(1, history[history.length - 1].pools[name].total_blocks);
   const y = (blocks) => height - (blocks / total) * height;
   const order = ["used", "pinned", "evictable", "free"];
@@ -76,6 +81,9 @@ function renderCapacity(stats) {
     cell(row, pool.evictable_blocks, {"data-field": "evictable_blocks"});
     cell(row, pool.free_blocks, {"data-field": "free_blocks"});
     drawPoolChart(box.querySelector("svg"), name);
+    const span = box.querySelector("svg").dataset.spanSeconds;
+    box.querySelector(".muted").textContent = `last ${span} s: blue used, purple pinned, amber evictable, ` +
+      `grey free (of ${pool.total_blocks} blocks)`;
   }
   const body = document.querySelector("#recent tbody");
   body.innerHTML = "";

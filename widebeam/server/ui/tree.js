@@ -105,10 +105,10 @@ function drawTree(svg, tree, tip) {
       "data-rank": tree.rank[node] === null ? "" : tree.rank[node]}, nodes);
     svgElement("title", {}, circle).textContent = describeNode(tree, node);
     const label = svgElement("text", {x: x + 8, y: y + 3, class: dead.trim()}, nodes);
-    label.textContent = tokenText(tree, node).slice(0, 10);
-    if (tree.rank[node] !== null) {
-      svgElement("text", {x: x - 6, y: y - 7, class: "rank"}, nodes).textContent = `#${tree.rank[node] + 1}`;
+    if (tree.rank[node] !== null) {  // the rank first, in bold, then the token
+      svgElement("tspan", {class: "rank"}, label).textContent = `#${tree.rank[node] + 1} `;
     }
+    label.appendChild(document.createTextNode(tokenText(tree, node).slice(0, 10)));
     if (tip) {
       circle.addEventListener("mouseenter", (event) => {
         tip.textContent = describeNode(tree, node);
