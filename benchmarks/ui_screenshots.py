@@ -25,7 +25,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 
-from browser import start_browser, wait_for  # noqa: E402
+from browser import start_browser, wait_for
 
 PROMPT = "The three primary colours are"
 
