@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Literal
 
 from fastapi import FastAPI
 from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from widebeam.defaults import DTYPES
 from widebeam.server import schemas as s
 
 UI_DIR = Path(__file__).with_name("ui")
@@ -35,17 +37,23 @@ def is_ui_path(path: str) -> bool:
     return path == "/" or path.startswith(UI_PATH_PREFIXES)
 
 
+# Bounds that keep one plan quick (the layout's loops are over pools and lengths, not memory).
+MAX_PLAN_BEAM_WIDTH = 1 << 16
+MAX_PLAN_TOKENS = 1 << 20
+MAX_PLAN_MEMORY_BYTES = 1 << 50
+
+
 class PlanRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
-    model: str = Field(..., description="a built-in model name (widebeam plan --list-models) or the "
-                                        "served model")
+    model: str = Field(..., description="the served model or a built-in name (widebeam plan --list-models); "
+                                        "no other path is read")
     memory: str | int = Field(..., description="device memory: bytes, or a size such as '8GiB'")
-    beam_width: int = Field(1, ge=1)
-    prompt_len: int = Field(512, ge=1)
-    max_new_tokens: int = Field(64, ge=1)
-    dtype: str = "bfloat16"
-    tokens_per_block: int | None = Field(None, ge=1)
+    beam_width: int = Field(1, ge=1, le=MAX_PLAN_BEAM_WIDTH)
+    prompt_len: int = Field(512, ge=1, le=MAX_PLAN_TOKENS)
+    max_new_tokens: int = Field(64, ge=1, le=MAX_PLAN_TOKENS)
+    dtype: Literal[DTYPES] = "bfloat16"  # type: ignore[valid-type]
+    tokens_per_block: int | None = Field(None, ge=1, le=1024)
 
 
 def _memory_bytes(memory: str | int) -> int:
@@ -55,8 +63,8 @@ def _memory_bytes(memory: str | int) -> int:
         value = memory if isinstance(memory, int) else parse_bytes(memory)
     except ValueError as exc:
         raise s.invalid("memory", f"memory: {exc}") from None
-    if value <= 0:
-        raise s.invalid("memory", f"memory must be > 0 bytes, got {memory!r}")
+    if not 0 < value <= MAX_PLAN_MEMORY_BYTES:
+        raise s.invalid("memory", f"memory must be in (0, {MAX_PLAN_MEMORY_BYTES}] bytes, got {memory!r}")
     return value
 
 
@@ -69,11 +77,13 @@ def add_ui_routes(app: FastAPI, loop, *, model_name: str, plan_model: str | None
     async def stats():
         return {**loop.snapshot, "time": time.time()}
 
+    from widebeam.model.arch import BUILTIN_CONFIGS
+
+    # what the plan endpoint reads: a client cannot make the server open any other path
+    plan_models = ([plan_model] if plan_model else []) + [m for m in BUILTIN_CONFIGS if m != plan_model]
+
     @app.get("/v1/ui/config")
     async def ui_config():
-        from widebeam.model.arch import BUILTIN_CONFIGS
-
-        plan_models = ([plan_model] if plan_model else []) + [m for m in BUILTIN_CONFIGS if m != plan_model]
         return {"model": model_name, "max_beam_width": getattr(engine, "max_beam_width", 1),
                 "max_seq_len": engine.max_seq_len,
                 "catalogues": sorted(getattr(engine, "catalogues", None) or {}),
@@ -88,6 +98,8 @@ def add_ui_routes(app: FastAPI, loop, *, model_name: str, plan_model: str | None
         from widebeam.model.families import load_arch
         from widebeam.plan import PlanError, PlanInputs, plan
 
+        if body.model not in plan_models:
+            raise s.invalid("model", f"model must be the served model or a built-in one: {plan_models}")
         try:
             arch = load_arch(body.model)
         except (ConfigError, UnsupportedModelError) as exc:
@@ -99,7 +111,7 @@ def add_ui_routes(app: FastAPI, loop, *, model_name: str, plan_model: str | None
             return plan(arch, inputs)
         except PlanError as exc:
             raise s.invalid("memory", str(exc).replace("--memory", "memory")) from None
-        except (InvalidParameterError, ValueError) as exc:
+        except (InvalidParameterError, ValueError, ArithmeticError) as exc:
             raise s.invalid(getattr(exc, "param", None) or "model", str(exc)) from None
 
     if not ui:
