@@ -130,6 +130,9 @@ def _add_generate(sub, help_text: str) -> None:
     t.add_argument("--forced-bos-token-id", type=_int_at_least(0), default=None, metavar="ID",
                    help="the first generated token (mBART-50 / NLLB as transformers' forced_bos_token_id)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--tree", action="store_true",
+                   help="beam search: also print the search tree, every candidate each step kept (with "
+                        "--json: under \"tree\", the format of docs/ui.md)")
     add_engine_arguments(g, [*SPECULATIVE, *PREFIX_CACHE, *SCHEDULING])
     g.set_defaults(func=_cmd_generate)
 
@@ -187,6 +190,8 @@ def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             parser.error("argument --catalogue: constrained decoding is beam search: --temperature must be 0")
         if args.beam_width is None:
             args.beam_width = GENERATE_CATALOGUE_BEAM_WIDTH
+    if args.tree and args.beam_width is None:
+        parser.error("argument --tree: the search tree is beam search's: give --beam-width")
     max_new_tokens = args.max_new_tokens
     if max_new_tokens is None and catalogue is None:
         max_new_tokens = GENERATE_MAX_NEW_TOKENS
@@ -200,7 +205,8 @@ def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             params = BeamSearchParams(beam_width=args.beam_width, max_new_tokens=max_new_tokens,
                                       length_penalty=args.length_penalty, early_stopping=early_stopping,
                                       num_return_sequences=args.num_return_sequences, stop=tuple(args.stop),
-                                      catalogue=CLI_CATALOGUE if catalogue is not None else None, **start)
+                                      catalogue=CLI_CATALOGUE if catalogue is not None else None,
+                                      return_tree=args.tree, **start)
         else:
             params = SamplingParams(max_new_tokens=max_new_tokens, temperature=args.temperature,
                                     top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=tuple(args.stop),
@@ -223,12 +229,39 @@ def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             "kv_peak_blocks": output.peak_blocks,
             "kv_required_blocks": output.required_blocks,
             "num_cached_tokens": output.num_cached_tokens,
+            **({"tree": output.tree} if args.tree else {}),
         }, indent=2))
     elif args.beam_width is None:
         print(output.outputs[0].text)
     else:
         _print_beams(output, args.beam_width)
+        if args.tree:
+            print_tree(output.tree)
     return 0
+
+
+def print_tree(tree: dict) -> None:
+    """The search tree as text: one line per step, each kept node as `id<parent 'token' logprob`,
+    marked `#rank` when returned, `=` when finished, `x` when pruned."""
+    by_step: dict[int, list[int]] = {}
+    for node, step in enumerate(tree["step"]):
+        by_step.setdefault(step, []).append(node)
+    print(f"search tree: {tree['num_nodes']} nodes over {tree['num_steps']} steps ({tree['nbytes']} bytes)")
+    text = tree.get("token_text", {})
+    for step, nodes in sorted(by_step.items()):
+        parts = []
+        for node in nodes:
+            mark = ""
+            if tree["rank"][node] is not None:
+                mark = f" #{tree['rank'][node] + 1}"
+            elif tree["finished"][node]:
+                mark = " ="
+            elif tree["pruned_at"][node] is not None:
+                mark = " x"
+            token = text.get(str(tree["token_id"][node]), str(tree["token_id"][node]))
+            logprob = tree["cumulative_logprob"][node]
+            parts.append(f"{node}<{tree['parent'][node]} {token!r} {logprob:.2f}{mark}")
+        print(f"step {step}: " + " | ".join(parts))
 
 
 def _print_beams(output, beam_width: int) -> None:

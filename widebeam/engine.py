@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Sequence
 
 import torch
@@ -40,6 +41,7 @@ from widebeam.startup import allocate_pools, lay_out_pools, load_workers
 from widebeam.structured.grammars import Grammars
 
 log = logging.getLogger("widebeam")
+RECENT_REQUESTS = 32  # finished requests kept in stats()["recent_requests"]
 
 
 class LLMEngine:
@@ -88,6 +90,9 @@ class LLMEngine:
         self.last_schedule: SchedulerOutput | None = None  # what the latest step ran (tests and benchmarks)
         self._requests: dict[str, Request] = {}
         self._num_rejected = 0
+        # The last finished requests' KV blocks per pool, required (admission's bound) vs peak (held at
+        # once): `stats()["recent_requests"]`, drawn by the web page's capacity panel.
+        self._recent_requests: deque[dict] = deque(maxlen=RECENT_REQUESTS)
         self._speculative_counts = {"rounds": 0, "steps": 0, "drafted_tokens": 0, "accepted_tokens": 0}
         # The engine is whole: the pins run as requests do, and must hold the blocks the layout counted.
         self.pinned_blocks = pin_prefixes(self, pins, layout)
@@ -222,6 +227,7 @@ class LLMEngine:
             "waiting": len(self.scheduler.waiting),
             "rejected": self._num_rejected,
             "scheduling": self.scheduler.stats(),  # policy, preemptions, recomputed_tokens
+            "recent_requests": list(self._recent_requests),
             "prefix_cache": {"enabled": cache.enable_prefix_caching,
                              "queried_tokens": cache.num_queried_tokens, "hit_tokens": cache.num_hit_tokens,
                              "hit_rate": cache.num_hit_tokens / max(cache.num_queried_tokens, 1)},
@@ -313,6 +319,11 @@ class LLMEngine:
             return
         if delta is None:
             return
+        if delta.output is not None:
+            self._recent_requests.append({"request_id": request.request_id,
+                                          "beam_width": request.params.beam_width,
+                                          "required_blocks": dict(delta.output.required_blocks),
+                                          "peak_blocks": dict(delta.output.peak_blocks)})
         if delta.finished:
             self.scheduler.remove(request)
             del self._requests[request.request_id]

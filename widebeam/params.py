@@ -263,6 +263,11 @@ class BeamSearchParams:
     forced_bos_token_id: int | None = None
     # Structured output: every beam inside the grammar, its matcher forked with the beam.
     response_format: object = field(default=None, compare=False)
+    # The search tree (widebeam/beam/tree.py, docs/ui.md): every candidate each step kept, returned in
+    # `RequestOutput.tree`. Off by default; its memory is counted, not capped: at most 2 x beam_width x
+    # max_new_tokens nodes of 26 bytes (200 more per finished one) while searching (`tree["nbytes"]`),
+    # more as JSON (docs/ui.md: W=1024, N=8).
+    return_tree: bool = False
 
     @property
     def constrained(self) -> bool:
@@ -313,6 +318,8 @@ class BeamSearchParams:
         _require(all(s for s in self.stop), "stop", "must not contain empty strings")
         _require(isinstance(self.ignore_eos, bool), "ignore_eos", "must be true or false, got {value!r}",
                  value=self.ignore_eos)
+        _require(isinstance(self.return_tree, bool), "return_tree", "must be true or false, got {value!r}",
+                 value=self.return_tree)
         _check_penalties(self)
         _check_logprobs(self)
         _check_response_format(self)

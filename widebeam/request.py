@@ -249,4 +249,5 @@ class Request:
         return RequestOutput(self.request_id, self.prompt, self.source_token_ids,
                              list(self.completions or []), self.finished, peak_blocks=self._peak_blocks(),
                              required_blocks=dict(self.admission.required_blocks),
-                             num_cached_tokens=self.kv.num_cached_tokens, prompt_logprobs=prompt_logprobs)
+                             num_cached_tokens=self.kv.num_cached_tokens, prompt_logprobs=prompt_logprobs,
+                             tree=self.stream.tree())

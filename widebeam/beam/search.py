@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from widebeam.beam.scores import divided_scores, hypothesis_score, length_normalizer
+from widebeam.beam.tree import SearchTree
 from widebeam.params import BeamSearchParams
 
 # HF's running score of its dummy prompt copies (all but copy 0), reproduced on the first step's candidates.
@@ -94,6 +95,7 @@ class _Finished:
     extra_token: int | None  # a final token that has no node of its own
     finish_reason: str
     extra_annotation: object = None  # the extra token's annotation
+    tree_id: int = -1  # its node in the search tree (return_tree)
 
 
 class BeamSearchState:
@@ -153,6 +155,8 @@ class BeamSearchState:
         self._generated = 0
         self._finished: list[_Finished] = []  # best first, at most beam_width
         self._done = False
+        # return_tree: every kept candidate (beam/tree.py); None, and no per-step work, when off.
+        self.tree = SearchTree(self.beam_width, self._length_penalty) if params.return_tree else None
 
     # -- read-only views ---------------------------------------------------------------------------------
 
@@ -281,6 +285,9 @@ class BeamSearchState:
             annotations = annotations[len(new_finished):]
             if self._node_annotation is None:
                 self._node_annotation = [None] * len(self._node_token)
+        if self.tree is not None:
+            self.tree.record_step(generated, new_finished, [self._live_nodes[p] for p in out_parents],
+                                  out_tokens, new_scores)
         self._merge_finished(new_finished)
 
         if last or not out_tokens:
@@ -321,6 +328,9 @@ class BeamSearchState:
             score = hypothesis_score(self._live_scores[i], self._generated, self._length_penalty)
             if score > _IMPOSSIBLE:
                 new_finished.append(_Finished(score, self._live_scores[i], self._live_nodes[i], None, "stop"))
+        if self.tree is not None:
+            for entry in new_finished:
+                self.tree.finish_node(entry)
         self._merge_finished(new_finished)
         chosen_set = set(chosen)
         keep = [i for i in range(num_live) if i not in chosen_set]
@@ -354,7 +364,12 @@ class BeamSearchState:
             live = [_Finished(hypothesis_score(score, self._generated, self._length_penalty), score, node,
                               None, "length") for score, node in zip(self._live_scores, self._live_nodes)]
             live.sort(key=lambda f: f.score, reverse=True)
+            if self.tree is not None:
+                for entry in live[:wanted - len(entries)]:
+                    self.tree.finish_node(entry)
             entries = sorted(entries + live[:wanted - len(entries)], key=lambda f: f.score, reverse=True)
+        if self.tree is not None:
+            self.tree.set_ranks([entry.tree_id for entry in entries])
         return [self._hypothesis(entry) for entry in entries]
 
     # -- internals ---------------------------------------------------------------------------------------

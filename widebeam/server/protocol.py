@@ -50,6 +50,11 @@ class Plan:
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs in the response
 
     @property
+    def return_tree(self) -> bool:
+        """Beam search asked for its search tree (`return_tree`)."""
+        return self.beam and self.params[0].return_tree
+
+    @property
     def requests_per_prompt(self) -> int:
         return len(self.params)
 
@@ -133,6 +138,8 @@ def _sampling_plan(req, max_tokens, stop, stop_token_ids, max_tokens_name: str, 
     for name in ("beam_width", "length_penalty", "early_stopping"):
         if _given(req, name):
             raise invalid(name, f"{name} applies only to beam search: add use_beam_search: true")
+    if req.return_tree:  # a sample has no search tree
+        raise invalid("return_tree", "return_tree applies only to beam search: add use_beam_search: true")
     num_samples = req.best_of if _given(req, "best_of") else req.n
     if num_samples < req.n:
         raise invalid("best_of", f"best_of ({num_samples}) must be >= n ({req.n})")
@@ -181,7 +188,8 @@ def _beam_plan(req, max_tokens, stop, stop_token_ids, max_tokens_name: str, extr
         early_stopping=False if req.early_stopping is None else req.early_stopping,
         num_return_sequences=req.n, min_new_tokens=req.min_tokens, stop_token_ids=stop_token_ids, stop=stop,
         ignore_eos=req.ignore_eos, catalogue=req.catalogue, allowed_sequences=allowed_sequences,
-        _width_field=width_field, _max_tokens_name=max_tokens_name, **_penalties(req), **extra)
+        return_tree=req.return_tree, _width_field=width_field, _max_tokens_name=max_tokens_name,
+        **_penalties(req), **extra)
     return Plan([params], beam=True, n=req.n, width_field=width_field)
 
 

@@ -106,6 +106,10 @@ class _GenerationFields(BaseModel):
     # tokens. `forced_bos_token_id`: the first generated token (HF's; only without a decoder_prefix).
     decoder_prefix: str | list[int] | None = None
     forced_bos_token_id: int | None = Field(None, ge=0)
+    # widebeam's extension: the beam search tree (widebeam/beam/tree.py, docs/ui.md) in the response's
+    # `search_trees` (one per prompt), or in a stream's closing event of each prompt as `search_tree`
+    return_tree: bool = Field(False, description="beam search only: return the search tree (every "
+                                                 "candidate each step kept) in `search_trees`")
     # vLLM's extension: each prompt token's log-prob and its `prompt_logprobs` most likely alternatives
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # OpenAI fields accepted only at their neutral values.
