@@ -15,7 +15,13 @@ import pytest
 from browser import browser_missing, start_browser, wait_for
 from conftest import API_KEY, ServerProcess
 
-pytestmark = pytest.mark.skipif(browser_missing() is not None, reason=str(browser_missing()))
+
+@pytest.fixture(scope="module", autouse=True)
+def browser_installed():
+    """`make setup` installs Chromium and its driver: a missing browser fails these tests, never skips
+    them (a set-up that forgot it must show in CI)."""
+    missing = browser_missing()
+    assert missing is None, f"{missing}; run `make setup` (it installs chromium and chromium-driver)"
 
 # 64 blocks of 16 tokens: a 16-wide beam search over 60 new tokens can never fit.
 KV_BLOCK_BYTES = 2 * 2 * 8 * 2 * 4 * 16
