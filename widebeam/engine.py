@@ -53,6 +53,8 @@ class LLMEngine:
         self.config = config = EngineConfig.from_kwargs(model, **kwargs)
         cache_config, sched_config = config.cache, config.scheduler
         self.max_beam_width = sched_config.max_beam_width
+        # a preempted request re-feeds each beam into blocks of its own: a schedule's bound counts that
+        self._preempts = sched_config.scheduling_policy == "max_utilization"
         self.device = torch.device(config.model.device) if config.model.device else default_device()
         self.dtype = config.model.dtype
         self.speculative = config.speculative
@@ -123,6 +125,11 @@ class LLMEngine:
                     "beam_width",
                     "{beam_width} must be in [1, {limit}] (the engine's max_beam_width), got {value}",
                     limit=self.max_beam_width, value=params.beam_width)
+            schedule = getattr(params, "beam_width_schedule", None) or ()
+            if schedule and self.speculative:
+                # a round may accept several tokens, each a step of its own width: not supported
+                raise InvalidParameterError("beam_width_schedule", "{beam_width_schedule} needs an engine "
+                                            "without speculative decoding")
             catalogue = self.catalogues.for_request(params) if isinstance(params, BeamSearchParams) else None
             if catalogue is not None and params.max_new_tokens is None:
                 # the longest item and its end-of-sequence token
@@ -154,7 +161,8 @@ class LLMEngine:
                                     params.beam_width, encoder_tokens=len(encoder_token_ids or ()),
                                     max_encoder_tokens=self.max_encoder_tokens,
                                     extra_tokens=self.num_draft_tokens, refeed_tokens=self.num_draft_tokens,
-                                    key=key)
+                                    key=key, beam_width_schedule=schedule,
+                                    refeeds_after_preemption=self._preempts)
         except ValueError:
             self._num_rejected += 1
             raise

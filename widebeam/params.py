@@ -189,6 +189,37 @@ class SamplingParams:
         return type(self)(**values)
 
 
+DEFAULT_BEAM_WIDTH = 4
+# A schedule entry above this is surely a mistake (the engine's max_beam_width bounds it anyway).
+MAX_SCHEDULE_WIDTH = 2**20
+
+
+def _check_schedule(params) -> None:
+    """`beam_width_schedule`: None, or a non-empty list of integer widths >= 1 with at most
+    `max_new_tokens` entries; stored as a tuple, and `beam_width` set to its widest step (a
+    `beam_width` given beside it must be that width, or left at its default)."""
+    schedule = params.beam_width_schedule
+    if schedule is None:
+        return
+    _require(isinstance(schedule, (list, tuple)) and len(schedule) >= 1, "beam_width_schedule",
+             "must be a non-empty list of integer widths >= 1 (e.g. [64, 256, 1024]), got {value!r}",
+             value=schedule)
+    for width in schedule:
+        _require(_is_int(width) and 1 <= width <= MAX_SCHEDULE_WIDTH, "beam_width_schedule",
+                 "must hold only integer widths in [1, {limit}], got {value!r}", limit=MAX_SCHEDULE_WIDTH,
+                 value=width)
+    schedule = tuple(schedule)
+    _require(params.max_new_tokens is None or len(schedule) <= params.max_new_tokens, "beam_width_schedule",
+             "has {length} entries, more than {max_new_tokens} ({limit}): one width per generated token "
+             "at most (the last one repeats)", length=len(schedule), limit=params.max_new_tokens)
+    widest = max(schedule)
+    _require(params.beam_width in (DEFAULT_BEAM_WIDTH, widest), "beam_width",
+             "and {beam_width_schedule} disagree: with a schedule {beam_width} is its widest step "
+             "({limit}); leave it out, got {value!r}", limit=widest, value=params.beam_width)
+    object.__setattr__(params, "beam_width_schedule", schedule)
+    object.__setattr__(params, "beam_width", widest)
+
+
 @dataclass(frozen=True)
 class BeamSearchParams:
     """Deterministic beam search over `beam_width` beams, scored like Hugging Face `generate(num_beams=...)`.
@@ -211,9 +242,15 @@ class BeamSearchParams:
     `stop` and `stop_token_ids` are refused with a catalogue (a stop could end a beam inside an item);
     the engine refuses, at admission, a `max_new_tokens` below the shortest item + EOS and a
     `min_new_tokens` past the longest item (either could only return nothing).
+
+    Beam-width schedules (docs/generative-retrieval-schedules.md): `beam_width_schedule=[w1, w2, ...]`
+    searches step k (the k-th generated token) with w_k beams, the last width repeating; any
+    direction, at most `max_new_tokens` entries. `beam_width` becomes the widest step (what the
+    engine's `max_beam_width` bounds); the finished hypotheses kept, the stopping rule and
+    `num_return_sequences` (default: all) follow the final width.
     """
 
-    beam_width: int = 4
+    beam_width: int = DEFAULT_BEAM_WIDTH
     max_new_tokens: int | None = 16
     length_penalty: float = 1.0
     early_stopping: bool | str = False
@@ -232,6 +269,8 @@ class BeamSearchParams:
     prompt_logprobs: int | None = None
     # Structured output: every beam inside the grammar, its matcher forked with the beam.
     response_format: object = field(default=None, compare=False)
+    # Per-step widths (w_1, ..., w_L); None: `beam_width` at every step.
+    beam_width_schedule: tuple[int, ...] | None = None
 
     @property
     def constrained(self) -> bool:
@@ -243,6 +282,7 @@ class BeamSearchParams:
         _require(isinstance(self.beam_width, int) and not isinstance(self.beam_width, bool)
                  and self.beam_width >= 1, "beam_width", "must be an integer >= 1, got {value!r}",
                  value=self.beam_width)
+        _check_schedule(self)
         _require(self.catalogue is None or (isinstance(self.catalogue, str) and bool(self.catalogue)),
                  "catalogue",
                  "must be the name of a registered catalogue, got {value!r}", value=self.catalogue)
@@ -266,12 +306,13 @@ class BeamSearchParams:
                  "early_stopping", "must be True, False or \"never\", got {value!r}",
                  value=self.early_stopping)
         if self.num_return_sequences is None:
-            object.__setattr__(self, "num_return_sequences", self.beam_width)
+            object.__setattr__(self, "num_return_sequences", self.final_beam_width)
         num_return = self.num_return_sequences
+        width_name = "{beam_width_schedule}'s final width" if self.beam_width_schedule else "{beam_width}"
         _require(isinstance(num_return, int) and not isinstance(num_return, bool)
-                 and 1 <= num_return <= self.beam_width, "num_return_sequences",
-                 "must be an integer in [1, {beam_width}={width}] or None, got {value!r}",
-                 width=self.beam_width, value=self.num_return_sequences)
+                 and 1 <= num_return <= self.final_beam_width, "num_return_sequences",
+                 "must be an integer in [1, " + width_name + "={width}] or None, got {value!r}",
+                 width=self.final_beam_width, value=self.num_return_sequences)
         _require(isinstance(self.min_new_tokens, int) and not isinstance(self.min_new_tokens, bool)
                  and self.min_new_tokens >= 0, "min_new_tokens",
                  "must be an integer >= 0, got {value!r}", value=self.min_new_tokens)
@@ -297,12 +338,26 @@ class BeamSearchParams:
                          "item, and every returned sequence must be a whole item (the end-of-sequence "
                          "token ends each); drop {" + name + "}")
 
+    @property
+    def final_beam_width(self) -> int:
+        """The width of the last steps: the schedule's last entry, else `beam_width`."""
+        return self.beam_width_schedule[-1] if self.beam_width_schedule else self.beam_width
+
+    def width_at_step(self, step: int) -> int:
+        """The width of step `step` >= 1 (the step choosing the step-th generated token)."""
+        if not self.beam_width_schedule:
+            return self.beam_width
+        return self.beam_width_schedule[min(step, len(self.beam_width_schedule)) - 1]
+
     def replace(self, **changes) -> BeamSearchParams:
-        """A copy with `changes` applied. A `num_return_sequences` equal to `beam_width` (the default, all
-        beams) follows a changed `beam_width` unless it is given too."""
+        """A copy with `changes` applied. A `num_return_sequences` equal to the final width (the
+        default, all beams) follows a changed `beam_width` or schedule unless it is given too."""
         values = {f.name: getattr(self, f.name) for f in fields(self)}
-        if ("beam_width" in changes and "num_return_sequences" not in changes
-                and self.num_return_sequences == self.beam_width):
+        widths = {"beam_width", "beam_width_schedule"}
+        if (widths & changes.keys() and "num_return_sequences" not in changes
+                and self.num_return_sequences == self.final_beam_width):
             values["num_return_sequences"] = None
+        if changes.get("beam_width_schedule") is not None and "beam_width" not in changes:
+            values["beam_width"] = DEFAULT_BEAM_WIDTH  # the new schedule's widest step
         values.update(changes)
         return type(self)(**values)

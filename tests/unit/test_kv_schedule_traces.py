@@ -38,7 +38,8 @@ class ScheduleTrace:
     """One request in a full and a sliding pool, each sized to exactly its bound; every allocation
     is checked against both bounds."""
 
-    def __init__(self, prompt_tokens, max_new_tokens, schedule, tokens_per_block, window_tokens, chunk_tokens):
+    def __init__(self, prompt_tokens, max_new_tokens, schedule, tokens_per_block, window_tokens,
+                 chunk_tokens):
         self.schedule = schedule
         request = KVRequest(prompt_tokens, max_new_tokens, max(schedule), beam_width_schedule=schedule)
         full = FullAttentionSpec(name="self", num_layers=1, num_kv_heads=1, head_dim=8)
