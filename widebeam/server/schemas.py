@@ -5,6 +5,8 @@ handlers write. Turning a request into engine parameters is protocol.py's.
 Beam search rides on the OpenAI fields: `use_beam_search: true`, `n` beams returned, `best_of` or
 `beam_width` beams searched (default `n`), `length_penalty`, `early_stopping`, `stop`,
 `stop_token_ids`, `min_tokens`, `max_tokens`. Each beam choice carries its `beam_score`.
+`beam_width_schedule` (a list of per-step widths, the last repeating) replaces a fixed width; `n`
+beams come from its last width.
 
 Generative retrieval (catalogue-constrained beams) adds `catalogue` (the name of one the server
 registered, `widebeam serve --catalogue NAME=PATH`) or an inline `allowed_sequences` (token-id lists,
@@ -81,6 +83,9 @@ class _GenerationFields(BaseModel):
     stream_options: StreamOptions | None = None
     use_beam_search: bool = False
     beam_width: int | None = Field(None, ge=1, description="beams searched (same as best_of); default n")
+    beam_width_schedule: list[int] | None = Field(
+        None, description="beam search only: the width of each step ([64, 256, 1024]: step 1 keeps 64 "
+                          "beams, step 2 256, then 1024; the last repeats); n <= its last width")
     length_penalty: float | None = Field(None, description="beam search only; default 1.0")
     early_stopping: bool | Literal["never"] | None = Field(None,
                                                            description="beam search only; default false")
