@@ -41,7 +41,7 @@ def family(request, tmp_path_factory):
     hf = save_tiny_model(path, model_type, **overrides)
     llm = LLM(str(path), dtype="float32", device="cpu", tokens_per_block=4, kv_cache_memory="16MiB",
               max_num_batched_tokens=64, max_beam_width=16)
-    return llm, hf
+    return llm, hf, path
 
 
 def reference_search(hf, prompt: list[int], params: BeamSearchParams):
@@ -75,7 +75,7 @@ def _params(schedule, length_penalty, early_stopping, num_return):
 
 @pytest.mark.parametrize("schedule, length_penalty, early_stopping, num_return", SCHEDULES)
 def test_schedule_equals_per_step_reference(family, schedule, length_penalty, early_stopping, num_return):
-    llm, hf = family
+    llm, hf, _ = family
     params = _params(schedule, length_penalty, early_stopping, num_return)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     for prompt, output in zip(PROMPTS, outputs):
@@ -91,7 +91,7 @@ def test_schedule_equals_per_step_reference(family, schedule, length_penalty, ea
 def test_mixed_schedules_in_one_batch_equal_each_alone(family):
     """Requests of different schedules and a plain one share every decode step and come out as they
     do alone."""
-    llm, _ = family
+    llm, _, _ = family
     engine = llm.engine
     requests = [(f"r{i}", PROMPTS[i % len(PROMPTS)], _params(*case)) for i, case in enumerate(SCHEDULES)]
     requests.append(("plain", PROMPTS[0], BeamSearchParams(beam_width=6, max_new_tokens=8)))
@@ -111,3 +111,33 @@ def test_mixed_schedules_in_one_batch_equal_each_alone(family):
         assert [b.token_ids for b in got.outputs] == [b.token_ids for b in output.outputs], request_id
         for a, b in zip(got.outputs, output.outputs):
             torch.testing.assert_close(a.score, b.score, atol=1e-4, rtol=1e-5)
+
+
+def test_preempted_schedules_resume_unchanged_within_their_bound(family):
+    """Under max_utilization a preempted request re-feeds every beam into blocks of its own; admission
+    counts that (`beams_own_all`), and the outputs do not change."""
+    _, _, path = family
+    llm = LLM(str(path), dtype="float32", device="cpu", tokens_per_block=4, kv_cache_memory="16MiB",
+              max_num_batched_tokens=64, max_beam_width=16, scheduling_policy="max_utilization")
+    engine = llm.engine
+    cases = {f"r{i}": (PROMPTS[i % len(PROMPTS)], _params(*case)) for i, case in enumerate(SCHEDULES)}
+    alone = {rid: llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
+             for rid, (p, params) in cases.items()}
+    for rid, (prompt, params) in cases.items():
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+    preempted, outputs = set(), {}
+    while engine.has_unfinished():
+        for request in list(engine.scheduler.running):
+            if request.request_id not in preempted and request.prompt_done \
+                    and request.decoder.num_generated_tokens >= 4:
+                preempted.add(request.request_id)
+                assert engine.scheduler.preempt(request.request_id)
+        outputs.update({d.request_id: d.output for d in engine.step() if d.finished})
+    assert len(preempted) >= 2
+    for rid, (prompt, params) in cases.items():
+        got, want = outputs[rid], alone[rid]
+        assert [b.token_ids for b in got.outputs] == [b.token_ids for b in want.outputs], rid
+        assert got.required_blocks["self"] == scheduled_blocks(len(prompt), 8, params.beam_width_schedule, 4,
+                                                               beams_own_all=True)
+        for name, peak in got.peak_blocks.items():
+            assert peak <= got.required_blocks[name], (rid, name)

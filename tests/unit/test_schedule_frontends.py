@@ -29,7 +29,8 @@ def test_plan_counts_the_schedules_bound():
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     schedule = (1,) * 16 + (64,)
-    assert result["request"]["beam_width"] == 64 and result["request"]["beam_width_schedule"] == list(schedule)
+    assert result["request"]["beam_width"] == 64
+    assert result["request"]["beam_width_schedule"] == list(schedule)
     (pool,) = result["pools"]
     assert pool["required_blocks"] == scheduled_blocks(100, 200, schedule, 16)
     assert pool["fixed_width_required_blocks"] == full_attention_blocks(100, 200, 64, 16)
