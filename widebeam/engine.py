@@ -183,11 +183,12 @@ class LLMEngine:
         return list(request.source_token_ids)
 
     # -- catalogues -------------------------------------------------------------------------------
-    def register_catalogue(self, name: str, source) -> Catalogue:
+    def register_catalogue(self, name: str, source, subsets: dict | None = None) -> Catalogue:
         """Register a catalogue under `name` for `BeamSearchParams(catalogue=name)`: a built
         `Catalogue`, token-id sequences, a [num_items, width] array (-1 padded), or a file
-        (`catalogue/sources.py`: .jsonl, .npy, .parquet). Returns it; re-registering a name replaces it."""
-        return self.catalogues.register(name, source)
+        (`catalogue/sources.py`: .jsonl, .npy, .parquet). Returns it; re-registering a name replaces it.
+        `subsets`: subset name -> item indices, for `BeamSearchParams(catalogue_subset=...)`."""
+        return self.catalogues.register(name, source, subsets)
 
     def abort(self, request_id: str) -> None:
         """Stop a request wherever it is and free all its blocks."""
@@ -217,6 +218,10 @@ class LLMEngine:
                              "queried_tokens": cache.num_queried_tokens, "hit_tokens": cache.num_hit_tokens,
                              "hit_rate": cache.num_hit_tokens / max(cache.num_queried_tokens, 1)},
         }
+        if self.catalogues:  # per-request item filters' memory (catalogue/filters.py)
+            live = [r for r in (*self.scheduler.running, *self.scheduler.waiting)]
+            stats["catalogue_filters"] = self.catalogues.stats(
+                [getattr(p, "catalogue", None) for r in live for p in getattr(r.decoder, "processors", ())])
         if self.speculative:
             stats["speculative"] = {"method": self.speculative.method, "model": self.speculative.model,
                                     "num_speculative_tokens": self.num_draft_tokens,

@@ -190,6 +190,36 @@ class SamplingParams:
 
 
 DEFAULT_BEAM_WIDTH = 4
+
+
+def _check_item_filters(params) -> None:
+    """`allowed_items` / `excluded_items`: None or 1-D integer item indices >= 0 (the engine checks the
+    upper bound, the catalogue's size); `catalogue_subset`: a name registered beside `catalogue`. All
+    need a catalogue."""
+    import numpy as np
+
+    for name in ("allowed_items", "excluded_items"):
+        value = getattr(params, name)
+        if value is None:
+            continue
+        try:
+            array = np.asarray(value)
+        except (ValueError, TypeError):
+            array = np.asarray([None])
+        if array.size == 0:
+            array = array.astype(np.int64)
+        _require(array.ndim == 1 and array.dtype.kind in "iu" and (array.size == 0 or int(array.min()) >= 0),
+                 name, "must be a list of item indices (integers >= 0) into the catalogue, got {value!r}",
+                 value=value if array.size < 8 else f"{array.size} values")
+        object.__setattr__(params, name, array.astype(np.int64, copy=False))
+    subset = params.catalogue_subset
+    _require(subset is None or (isinstance(subset, str) and bool(subset)), "catalogue_subset",
+             "must be the name of a subset registered with the catalogue, got {value!r}", value=subset)
+    _require(subset is None or params.catalogue is not None, "catalogue_subset",
+             "needs {catalogue}: a subset is registered beside a catalogue")
+    for name in ("allowed_items", "excluded_items"):
+        _require(getattr(params, name) is None or params.constrained, name,
+                 "needs {catalogue} (or {allowed_sequences}): it filters a catalogue's items")
 # A schedule entry above this is surely a mistake (the engine's max_beam_width bounds it anyway).
 MAX_SCHEDULE_WIDTH = 2**20
 
@@ -271,6 +301,11 @@ class BeamSearchParams:
     response_format: object = field(default=None, compare=False)
     # Per-step widths (w_1, ..., w_L); None: `beam_width` at every step.
     beam_width_schedule: tuple[int, ...] | None = None
+    # Per-request item filters over the catalogue (catalogue/filters.py): item indices (the i-th item
+    # given when it was built), or a subset registered beside it; stored as int64 arrays.
+    allowed_items: object = field(default=None, compare=False, repr=False)
+    excluded_items: object = field(default=None, compare=False, repr=False)
+    catalogue_subset: str | None = None
 
     @property
     def constrained(self) -> bool:
@@ -283,6 +318,7 @@ class BeamSearchParams:
                  and self.beam_width >= 1, "beam_width", "must be an integer >= 1, got {value!r}",
                  value=self.beam_width)
         _check_schedule(self)
+        _check_item_filters(self)
         _require(self.catalogue is None or (isinstance(self.catalogue, str) and bool(self.catalogue)),
                  "catalogue",
                  "must be the name of a registered catalogue, got {value!r}", value=self.catalogue)

@@ -29,7 +29,7 @@ from widebeam.server.schemas import (
 MAX_ENGINE_REQUESTS_PER_CALL = 128
 KV_CAPACITY_CODE = "kv_cache_capacity_exceeded"
 MAX_TOKEN_ID = 2**31 - 1
-CATALOGUE_FIELDS = ("catalogue", "allowed_sequences")
+CATALOGUE_FIELDS = ("catalogue", "allowed_sequences", "catalogue_subset", "allowed_items", "excluded_items")
 
 
 log = logging.getLogger("widebeam.server")
@@ -187,7 +187,8 @@ def _beam_plan(req, max_tokens, stop, stop_token_ids, max_tokens_name: str, extr
         early_stopping=False if req.early_stopping is None else req.early_stopping,
         num_return_sequences=req.n, min_new_tokens=req.min_tokens, stop_token_ids=stop_token_ids, stop=stop,
         ignore_eos=req.ignore_eos, catalogue=req.catalogue, allowed_sequences=allowed_sequences,
-        beam_width_schedule=schedule, _width_field=width_field, _max_tokens_name=max_tokens_name,
+        beam_width_schedule=schedule, catalogue_subset=req.catalogue_subset, allowed_items=req.allowed_items,
+        excluded_items=req.excluded_items, _width_field=width_field, _max_tokens_name=max_tokens_name,
         **_penalties(req), **extra)
     return Plan([params], beam=True, n=req.n, width_field=width_field)
 

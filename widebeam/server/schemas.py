@@ -14,6 +14,8 @@ at most `MAX_INLINE_ITEMS` items of at most `MAX_INLINE_ITEM_TOKENS` tokens), bo
 `use_beam_search`: every returned choice is then one item (its text), and `max_tokens` defaults to
 the longest item plus its end-of-sequence token. A `max_tokens` below the shortest item plus its EOS,
 a `min_tokens` past the longest item, or any `stop` / `stop_token_ids` is a 400 naming the field.
+Per-request item filters over a catalogue: `catalogue_subset` (a subset registered beside it),
+`allowed_items` / `excluded_items` (item indices); no returned item lies outside them.
 """
 
 from __future__ import annotations
@@ -94,6 +96,12 @@ class _GenerationFields(BaseModel):
     catalogue: str | None = Field(None, description="beam search only: constrain every beam to the items of "
                                                     "this registered catalogue (widebeam serve --catalogue "
                                                     "NAME=PATH); each choice is one item")
+    catalogue_subset: str | None = Field(None, description="beam search with `catalogue` only: return only "
+                                                           "items of this subset registered beside it")
+    allowed_items: list[int] | None = Field(None, description="beam search with a catalogue only: the only "
+                                                              "item indices that may come back")
+    excluded_items: list[int] | None = Field(None, description="beam search with a catalogue only: item "
+                                                               "indices that never come back")
     allowed_sequences: list[list[int]] | None = Field(
         None,
         description=f"beam search only: an inline catalogue, token-id lists (at most {MAX_INLINE_ITEMS} "
