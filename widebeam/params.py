@@ -190,6 +190,26 @@ class SamplingParams:
 
 
 DEFAULT_BEAM_WIDTH = 4
+MAX_DIVERSITY_PENALTY = 1e4  # subtracted from float32 log-probs: far past any useful value, still finite
+
+
+def _check_groups(params) -> None:
+    """`num_beam_groups` divides `beam_width`; `diversity_penalty` > 0 exactly when it is above 1
+    (transformers' rules); no schedule, stop strings or log-probs beside groups."""
+    groups = params.num_beam_groups
+    _require(_is_int(groups) and 1 <= groups <= params.beam_width and params.beam_width % groups == 0,
+             "num_beam_groups", "must be an integer in [1, {beam_width}] dividing {beam_width} ({width}), "
+             "got {value!r}", width=params.beam_width, value=groups)
+    penalty = params.diversity_penalty
+    _require(_is_number(penalty) and 0 <= penalty <= MAX_DIVERSITY_PENALTY, "diversity_penalty",
+             "must be a number in [0, {limit}], got {value!r}", limit=MAX_DIVERSITY_PENALTY, value=penalty)
+    _require((penalty > 0) == (groups > 1), "diversity_penalty",
+             "must be > 0 with {num_beam_groups} > 1 and 0 without (the penalty is between groups), "
+             "got {value!r}", value=penalty)
+    if groups > 1:
+        for name, off in (("beam_width_schedule", params.beam_width_schedule is None),
+                          ("stop", not params.stop), ("logprobs", params.logprobs is None)):
+            _require(off, name, "is not supported with {num_beam_groups} > 1")
 
 
 def _check_item_filters(params) -> None:
@@ -306,6 +326,11 @@ class BeamSearchParams:
     allowed_items: object = field(default=None, compare=False, repr=False)
     excluded_items: object = field(default=None, compare=False, repr=False)
     catalogue_subset: str | None = None
+    # Group (diverse) beam search, transformers 4.46's `_group_beam_search` (widebeam/beam/group.py):
+    # `beam_width` beams in `num_beam_groups` groups, each penalised by `diversity_penalty` per
+    # earlier group's beam that chose the same token at the same step.
+    num_beam_groups: int = 1
+    diversity_penalty: float = 0.0
 
     @property
     def constrained(self) -> bool:
@@ -319,6 +344,7 @@ class BeamSearchParams:
                  value=self.beam_width)
         _check_schedule(self)
         _check_item_filters(self)
+        _check_groups(self)
         _require(self.catalogue is None or (isinstance(self.catalogue, str) and bool(self.catalogue)),
                  "catalogue",
                  "must be the name of a registered catalogue, got {value!r}", value=self.catalogue)

@@ -129,7 +129,8 @@ def _sampling_plan(req, max_tokens, stop, stop_token_ids, max_tokens_name: str, 
     for name in CATALOGUE_FIELDS:
         if _given(req, name):
             raise invalid(name, f"{name} constrains beam search: add use_beam_search: true")
-    for name in ("beam_width", "beam_width_schedule", "length_penalty", "early_stopping"):
+    for name in ("beam_width", "beam_width_schedule", "length_penalty", "early_stopping", "num_beam_groups",
+                 "diversity_penalty"):
         if _given(req, name):
             raise invalid(name, f"{name} applies only to beam search: add use_beam_search: true")
     num_samples = req.best_of if _given(req, "best_of") else req.n
@@ -188,8 +189,9 @@ def _beam_plan(req, max_tokens, stop, stop_token_ids, max_tokens_name: str, extr
         num_return_sequences=req.n, min_new_tokens=req.min_tokens, stop_token_ids=stop_token_ids, stop=stop,
         ignore_eos=req.ignore_eos, catalogue=req.catalogue, allowed_sequences=allowed_sequences,
         beam_width_schedule=schedule, catalogue_subset=req.catalogue_subset, allowed_items=req.allowed_items,
-        excluded_items=req.excluded_items, _width_field=width_field, _max_tokens_name=max_tokens_name,
-        **_penalties(req), **extra)
+        excluded_items=req.excluded_items, num_beam_groups=req.num_beam_groups or 1,
+        diversity_penalty=req.diversity_penalty or 0.0, _width_field=width_field,
+        _max_tokens_name=max_tokens_name, **_penalties(req), **extra)
     return Plan([params], beam=True, n=req.n, width_field=width_field)
 
 

@@ -6,7 +6,7 @@ Beam search rides on the OpenAI fields: `use_beam_search: true`, `n` beams retur
 `beam_width` beams searched (default `n`), `length_penalty`, `early_stopping`, `stop`,
 `stop_token_ids`, `min_tokens`, `max_tokens`. Each beam choice carries its `beam_score`.
 `beam_width_schedule` (a list of per-step widths, the last repeating) replaces a fixed width; `n`
-beams come from its last width.
+beams come from its last width. `num_beam_groups` with `diversity_penalty`: diverse beam search.
 
 Generative retrieval (catalogue-constrained beams) adds `catalogue` (the name of one the server
 registered, `widebeam serve --catalogue NAME=PATH`) or an inline `allowed_sequences` (token-id lists,
@@ -96,6 +96,10 @@ class _GenerationFields(BaseModel):
     catalogue: str | None = Field(None, description="beam search only: constrain every beam to the items of "
                                                     "this registered catalogue (widebeam serve --catalogue "
                                                     "NAME=PATH); each choice is one item")
+    num_beam_groups: int | None = Field(None, ge=1, description="beam search only: diverse beam search over "
+                                                                "this many groups (divides the beams)")
+    diversity_penalty: float | None = Field(None, ge=0, description="beam search with num_beam_groups > 1: "
+                                                                    "the Hamming diversity penalty")
     catalogue_subset: str | None = Field(None, description="beam search with `catalogue` only: return only "
                                                            "items of this subset registered beside it")
     allowed_items: list[int] | None = Field(None, description="beam search with a catalogue only: the only "
