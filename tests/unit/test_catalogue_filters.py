@@ -127,7 +127,8 @@ def test_filter_memory_is_in_stats_while_the_request_lives(setup):
                        BeamSearchParams(beam_width=4, catalogue="shop", catalogue_subset="store_17"))
     stats = engine.stats()["catalogue_filters"]
     num_items = engine.catalogues["shop"].num_items
-    assert stats["live_filters"] >= 1 and stats["filter_bytes"] >= 4 * (num_items + 1)
+    # a bitmap and one int32 per 32 items: two bits per item, and the padding of a few bytes
+    assert stats["live_filters"] == 1 and num_items / 4 <= stats["filter_bytes"] <= num_items / 4 + 16
     assert stats["index_bytes"] > 0
     while engine.has_unfinished():
         engine.step()
@@ -170,3 +171,17 @@ def test_http_filter_fields_reach_the_engine():
     with pytest.raises(ApiError) as error:
         plan_request(CompletionRequest(prompt="x", catalogue_subset="store_17"))
     assert error.value.param == "catalogue_subset"
+
+
+@pytest.mark.parametrize("num_items, seed", [(1, 0), (31, 1), (32, 2), (33, 3), (200, 4), (1000, 5)])
+def test_bitmap_counts_equal_the_prefix_sum(num_items, seed):
+    from widebeam.catalogue.filters import ItemFilter
+
+    rng = np.random.default_rng(seed)
+    catalogue = Catalogue.from_sequences([[i // 100 + 3, i % 100 + 3] for i in range(num_items)], 128)
+    allowed = rng.random(catalogue.num_items) < 0.3
+    item_filter = ItemFilter(catalogue, allowed)
+    expected = np.concatenate(([0], np.cumsum(allowed)))
+    index = torch.arange(catalogue.num_items + 1)
+    assert item_filter.allowed_before(index).tolist() == expected.tolist()
+    assert item_filter.nbytes <= catalogue.num_items / 4 + 16

@@ -3,9 +3,10 @@
 Items in trie (depth-first, token) order are numbered 0 .. num_items - 1, and every trie node covers
 a contiguous range of them, [node_first_item, node_end_item): its subtree's items, the one ending at
 the node itself first (a prefix sorts before its extensions). A request's filter is then one
-prefix sum over its allowed items (`allowed_before[i]`: allowed items among the first i), and a
+prefix count over its allowed items (`allowed_before(i)`: allowed items among the first i, read
+from a bitmap and one running count per 32 items: two bits per item in all), and a
 node has an allowed item below it exactly when `allowed_before[end] - allowed_before[first] > 0`:
-one gather per candidate child, for all beams at once. The constraint drops every child with none
+a few gathers per candidate child, for all beams at once. The constraint drops every child with none
 (so no beam ever enters a branch with no allowed item below it) and the end-of-sequence token where
 the item ending at the node is not allowed; a filter that leaves fewer items than beams returns
 fewer results, never an item outside it.
@@ -15,7 +16,8 @@ Item indices are the caller's: for a catalogue built from a list, array or file,
 are built once per catalogue, on the first filtered request (two int32 per node), and the source
 index -> trie item map (one int32 per item given) when the catalogue is built; neither is in
 `Catalogue.nbytes` (what the start-up layout sizes), both are in `LLMEngine.stats()["catalogue_filters"]`.
-Per request: the prefix sum, int32 per item + 1 (`ItemFilter.nbytes`), freed with the request.
+Per request: the bitmap and the running counts, about two bits per item (`ItemFilter.nbytes`),
+freed with the request.
 """
 
 from __future__ import annotations
@@ -59,31 +61,56 @@ def node_item_ranges(catalogue: Catalogue) -> tuple[torch.Tensor, torch.Tensor]:
     return ranges
 
 
+_POPCOUNT = np.array([b.bit_count() for b in range(256)], dtype=np.int32)
+_GROUP_ITEMS = 32  # items per stored running count: one int32 per 32 items, one more bit per item
+
+
 class ItemFilter:
-    """One request's allowed items of one catalogue, as the prefix sum the walk reads."""
+    """One request's allowed items of one catalogue: a bitmap (one bit per item) and the allowed
+    count before every group of 32 items (one int32 per group: one more bit per item), from which
+    the walk reads "allowed items among the first i" with a few gathers."""
 
     def __init__(self, catalogue: Catalogue, allowed: np.ndarray):
         """`allowed`: [num_items] bool over trie items."""
         self.first_item, self.end_item = node_item_ranges(catalogue)
-        counts = np.zeros(allowed.shape[0] + 1, dtype=np.int32)
-        np.cumsum(allowed, out=counts[1:])
-        self.allowed_before = torch.from_numpy(counts).to(catalogue.device)
-        self.num_allowed_items = int(counts[-1])
+        packed = np.packbits(allowed, bitorder="little")  # bit k of byte j: item 8j + k
+        num_groups = -(-allowed.shape[0] // _GROUP_ITEMS)
+        padded = np.zeros(num_groups * 4 + 4, dtype=np.uint8)  # room for i = num_items
+        padded[:packed.shape[0]] = packed
+        group_counts = _POPCOUNT[padded[:num_groups * 4]].reshape(num_groups, 4).sum(axis=1)
+        before = np.zeros(num_groups + 1, dtype=np.int32)
+        np.cumsum(group_counts, out=before[1:])
+        device = catalogue.device
+        self.bits = torch.from_numpy(padded).to(device)
+        self.group_before = torch.from_numpy(before).to(device)
+        self.popcount = torch.from_numpy(_POPCOUNT).to(device)
+        self.num_allowed_items = int(before[-1])
 
     @property
     def nbytes(self) -> int:
-        return self.allowed_before.numel() * self.allowed_before.element_size()
+        return sum(t.numel() * t.element_size() for t in (self.bits, self.group_before))
+
+    def allowed_before(self, index: torch.Tensor) -> torch.Tensor:
+        """[n] allowed items among the first `index[j]` items (index in [0, num_items])."""
+        group = index // _GROUP_ITEMS
+        byte = index // 8
+        total = self.group_before[group]
+        for k in range(_GROUP_ITEMS // 8 - 1):  # whole bytes of the group before index's byte
+            at = group * (_GROUP_ITEMS // 8) + k
+            total = total + torch.where(at < byte, self.popcount[self.bits[at].long()], 0)
+        partial = self.bits[byte].long() & ((1 << (index % 8)) - 1)
+        return total + self.popcount[partial]
 
     def live(self, nodes: torch.Tensor) -> torch.Tensor:
         """[n] bool: whether each node has an allowed item in its subtree."""
-        before = self.allowed_before
-        return before[self.end_item[nodes].long()] > before[self.first_item[nodes].long()]
+        return (self.allowed_before(self.end_item[nodes].long())
+                > self.allowed_before(self.first_item[nodes].long()))
 
     def ends_allowed(self, nodes: torch.Tensor) -> torch.Tensor:
         """[n] bool: whether the item ending at each node (its range's first) is allowed; only
         meaningful where the node ends an item."""
         first = self.first_item[nodes].long()
-        return self.allowed_before[first + 1] > self.allowed_before[first]
+        return ((self.bits[first // 8].long() >> (first % 8)) & 1).bool()
 
 
 class FilteredCatalogue(Catalogue):
