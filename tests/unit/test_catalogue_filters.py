@@ -6,6 +6,8 @@ per-request memory in stats(), and errors naming the parameter."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -185,3 +187,27 @@ def test_bitmap_counts_equal_the_prefix_sum(num_items, seed):
     index = torch.arange(catalogue.num_items + 1)
     assert item_filter.allowed_before(index).tolist() == expected.tolist()
     assert item_filter.nbytes <= catalogue.num_items / 4 + 16
+
+
+def test_serve_flags_register_subsets_from_files(tiny_llama_dir, tmp_path):
+    """`widebeam serve --catalogue shop=PATH --catalogue-subset shop:few=PATH`: the engine's catalogue
+    has the subset, read from a text file of item indices."""
+    import argparse
+
+    from widebeam.engine_args import catalogue_spec, catalogue_subset_spec, catalogues_kwargs
+
+    items = tmp_path / "items.jsonl"
+    items.write_text("\n".join(json.dumps([10 + i, 20 + i]) for i in range(50)) + "\n")
+    few = tmp_path / "few.txt"
+    few.write_text("[3, 7, 11]")
+    args = argparse.Namespace(catalogue=[catalogue_spec(f"shop={items}")],
+                              catalogue_subset=[catalogue_subset_spec(f"shop:few={few}")])
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", kv_cache_memory="4MiB", max_beam_width=8,
+              **catalogues_kwargs(args))
+    params = BeamSearchParams(beam_width=8, catalogue="shop", catalogue_subset="few")
+    (out,) = llm.generate([{"prompt_token_ids": [5, 6]}], params, use_tqdm=False)
+    assert sorted(b.token_ids[:-1] for b in out.outputs) == [[13, 23], [17, 27], [21, 31]]
+    with pytest.raises(argparse.ArgumentTypeError):
+        catalogues_kwargs(argparse.Namespace(catalogue=[], catalogue_subset=[("nope", "few", str(few))]))
+    with pytest.raises(argparse.ArgumentTypeError):
+        catalogue_subset_spec(f"shop={few}")

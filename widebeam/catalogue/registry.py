@@ -8,6 +8,7 @@ parameter the caller used (`catalogue`, or `allowed_sequences` for an inline one
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -16,6 +17,32 @@ from widebeam.catalogue.filters import FilteredCatalogue, ItemFilter, filter_sta
 from widebeam.catalogue.trie import Catalogue, CatalogueError
 from widebeam.errors import InvalidParameterError
 from widebeam.params import BeamSearchParams
+
+
+@dataclass(frozen=True)
+class WithSubsets:
+    """A catalogue source with named subsets of its item indices (what `widebeam serve
+    --catalogue-subset` registers): `LLMEngine(catalogues={name: WithSubsets(source, subsets)})`.
+    A subset is item indices, or a file of them (.npy, or text/JSON integers)."""
+
+    source: object
+    subsets: dict
+
+
+def load_item_indices(source) -> np.ndarray:
+    """Item indices from an array or list, or a file: .npy, else integers separated by spaces,
+    commas or newlines (a JSON list reads the same)."""
+    if not isinstance(source, (str, os.PathLike)):
+        return np.asarray(source)
+    if str(source).endswith(".npy"):
+        return np.load(source)
+    with open(source, encoding="utf-8") as file:
+        text = file.read().replace("[", " ").replace("]", " ").replace(",", " ")
+    try:
+        return np.array([int(t) for t in text.split()], dtype=np.int64)
+    except ValueError:
+        raise InvalidParameterError("subsets", "{subsets} file {path!r} must hold integer item indices",
+                                    path=str(source)) from None
 
 
 class CatalogueRegistry(dict):
@@ -39,13 +66,16 @@ class CatalogueRegistry(dict):
             raise InvalidParameterError("catalogue",
                                         "{catalogue} names must be non-empty strings, got {value!r}",
                                         value=name)
+        if isinstance(source, WithSubsets):
+            source, subsets = source.source, {**source.subsets, **(subsets or {})}
         catalogue = self.build(source)
         checked = {}
         for subset, ids in (subsets or {}).items():
             if not isinstance(subset, str) or not subset:
                 raise InvalidParameterError("subsets", "{subsets} names must be non-empty strings, got "
                                             "{value!r}", value=subset)
-            checked[subset] = _item_indices(catalogue, ids, "subsets", f"subset {subset!r}")
+            checked[subset] = _item_indices(catalogue, load_item_indices(ids), "subsets",
+                                            f"subset {subset!r}")
         self[name] = catalogue
         self.subsets[name] = checked
         return catalogue
