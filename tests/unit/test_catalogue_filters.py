@@ -129,8 +129,9 @@ def test_filter_memory_is_in_stats_while_the_request_lives(setup):
                        BeamSearchParams(beam_width=4, catalogue="shop", catalogue_subset="store_17"))
     stats = engine.stats()["catalogue_filters"]
     num_items = engine.catalogues["shop"].num_items
-    # a bitmap and one int32 per 32 items: two bits per item, and the padding of a few bytes
-    assert stats["live_filters"] == 1 and num_items / 4 <= stats["filter_bytes"] <= num_items / 4 + 16
+    # a bitmap and one int32 per 64 items: 1.5 bits per item, and one more word of padding
+    assert stats["live_filters"] == 1
+    assert num_items * 3 / 16 <= stats["filter_bytes"] <= num_items * 3 / 16 + 24
     assert stats["index_bytes"] > 0
     while engine.has_unfinished():
         engine.step()
@@ -186,7 +187,10 @@ def test_bitmap_counts_equal_the_prefix_sum(num_items, seed):
     expected = np.concatenate(([0], np.cumsum(allowed)))
     index = torch.arange(catalogue.num_items + 1)
     assert item_filter.allowed_before(index).tolist() == expected.tolist()
-    assert item_filter.nbytes <= catalogue.num_items / 4 + 16
+    assert item_filter.nbytes <= catalogue.num_items * 3 / 16 + 24
+    children = torch.arange(1, catalogue.num_nodes)  # the children of every node, end to end
+    counts = catalogue.child_start[1:] - catalogue.child_start[:-1]
+    assert torch.equal(item_filter.live_children(children, counts), item_filter.live(children))
 
 
 def test_serve_flags_register_subsets_from_files(tiny_llama_dir, tmp_path):

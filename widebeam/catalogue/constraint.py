@@ -58,7 +58,7 @@ class CatalogueConstraint(BeamStateFollower, StepProcessor):
         if item_filter is not None:
             # a request's filter (catalogue/filters.py): no child without an allowed item below it,
             # no EOS after an item it excludes
-            live = item_filter.live(children)
+            live = item_filter.live_children(children, counts)
             rows, children = rows[live], children[live]
             ends = ends & item_filter.ends_allowed(nodes)
         tokens = catalogue.node_token[children]

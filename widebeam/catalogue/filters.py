@@ -4,7 +4,7 @@ Items in trie (depth-first, token) order are numbered 0 .. num_items - 1, and ev
 a contiguous range of them, [node_first_item, node_end_item): its subtree's items, the one ending at
 the node itself first (a prefix sorts before its extensions). A request's filter is then one
 prefix count over its allowed items (`allowed_before(i)`: allowed items among the first i, read
-from a bitmap and one running count per 32 items: two bits per item in all), and a
+from a bitmap and one running count per 64 items: 1.5 bits per item in all), and a
 node has an allowed item below it exactly when `allowed_before[end] - allowed_before[first] > 0`:
 a few gathers per candidate child, for all beams at once. The constraint drops every child with none
 (so no beam ever enters a branch with no allowed item below it) and the end-of-sequence token where
@@ -13,11 +13,11 @@ fewer results, never an item outside it.
 
 Item indices are the caller's: for a catalogue built from a list, array or file, the i-th item given
 (duplicates share one trie item); for a prebuilt `Catalogue`, the trie order itself. The node ranges
-are built once per catalogue, on the first filtered request (two int32 per node), and the source
+are built once per catalogue, on the first filtered request (two int64 per node), and the source
 index -> trie item map (one int32 per item given) when the catalogue is built; neither is in
 `Catalogue.nbytes` (what the start-up layout sizes), both are in `LLMEngine.stats()["catalogue_filters"]`.
-Per request: the bitmap and the running counts, about two bits per item (`ItemFilter.nbytes`),
-freed with the request.
+Per request: the bitmap and the running counts, 1.5 bits per item (`ItemFilter.nbytes`), freed
+with the request.
 """
 
 from __future__ import annotations
@@ -55,62 +55,77 @@ def node_item_ranges(catalogue: Catalogue) -> tuple[torch.Tensor, torch.Tensor]:
         before = np.cumsum(counts) - counts  # exclusive running sum over the level
         group_start = child_start[parent[lo:hi]] - lo  # each child's first sibling, within the level
         first[lo:hi] = first[parent[lo:hi]] + is_end[parent[lo:hi]] + before - before[group_start]
-    ranges = (torch.from_numpy(first.astype(np.int32)).to(catalogue.device),
-              torch.from_numpy((first + subtree).astype(np.int32)).to(catalogue.device))
+    ranges = (torch.from_numpy(first).to(catalogue.device),
+              torch.from_numpy(first + subtree).to(catalogue.device))
     catalogue._item_ranges = ranges
     return ranges
 
 
-_POPCOUNT = np.array([b.bit_count() for b in range(256)], dtype=np.int32)
-_GROUP_ITEMS = 32  # items per stored running count: one int32 per 32 items, one more bit per item
+_WORD_ITEMS = 64  # items per bitmap word, and per stored running count
+
+
+def _popcount64(words: torch.Tensor) -> torch.Tensor:
+    """Set bits of each int64, with elementwise ops only (torch has no popcount): the SWAR sum of
+    bit pairs, nibbles, bytes, then the bytes' total in the top byte. Two's complement wraps keep it
+    exact for words with the top bit set (the masks drop every sign-extended bit)."""
+    x = words - ((words >> 1) & 0x5555555555555555)
+    x = (x & 0x3333333333333333) + ((x >> 2) & 0x3333333333333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F0F0F0F0F
+    return (x * 0x0101010101010101) >> 56
 
 
 class ItemFilter:
-    """One request's allowed items of one catalogue: a bitmap (one bit per item) and the allowed
-    count before every group of 32 items (one int32 per group: one more bit per item), from which
-    the walk reads "allowed items among the first i" with a few gathers."""
+    """One request's allowed items of one catalogue: a bitmap (one bit per item, 64 to a word) and
+    the allowed count before every word (one int32 per 64 items: half a bit per item), from which the
+    walk reads "allowed items among the first i" with two gathers and a popcount."""
 
     def __init__(self, catalogue: Catalogue, allowed: np.ndarray):
         """`allowed`: [num_items] bool over trie items."""
         self.first_item, self.end_item = node_item_ranges(catalogue)
-        packed = np.packbits(allowed, bitorder="little")  # bit k of byte j: item 8j + k
-        num_groups = -(-allowed.shape[0] // _GROUP_ITEMS)
-        padded = np.zeros(num_groups * 4 + 4, dtype=np.uint8)  # room for i = num_items
-        padded[:packed.shape[0]] = packed
-        group_counts = _POPCOUNT[padded[:num_groups * 4]].reshape(num_groups, 4).sum(axis=1)
-        before = np.zeros(num_groups + 1, dtype=np.int32)
-        np.cumsum(group_counts, out=before[1:])
+        num_words = allowed.shape[0] // _WORD_ITEMS + 1  # room for i = num_items
+        packed = np.zeros(num_words * 8, dtype=np.uint8)
+        bits = np.packbits(allowed, bitorder="little")  # bit k of byte j: item 8j + k
+        packed[:bits.shape[0]] = bits
+        words = packed.view("<i8")  # bit k of word w: item 64w + k
+        counts = np.unpackbits(packed, bitorder="little").reshape(num_words, _WORD_ITEMS).sum(axis=1)
+        before = np.zeros(num_words, dtype=np.int32)
+        np.cumsum(counts[:-1], out=before[1:])
         device = catalogue.device
-        self.bits = torch.from_numpy(padded).to(device)
-        self.group_before = torch.from_numpy(before).to(device)
-        self.popcount = torch.from_numpy(_POPCOUNT).to(device)
-        self.num_allowed_items = int(before[-1])
+        self.words = torch.from_numpy(words.astype(np.int64)).to(device)
+        self.word_before = torch.from_numpy(before).to(device)
+        self.num_allowed_items = int(allowed.sum())
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.bits, self.group_before))
+        return sum(t.numel() * t.element_size() for t in (self.words, self.word_before))
 
     def allowed_before(self, index: torch.Tensor) -> torch.Tensor:
         """[n] allowed items among the first `index[j]` items (index in [0, num_items])."""
-        group = index // _GROUP_ITEMS
-        byte = index // 8
-        total = self.group_before[group]
-        for k in range(_GROUP_ITEMS // 8 - 1):  # whole bytes of the group before index's byte
-            at = group * (_GROUP_ITEMS // 8) + k
-            total = total + torch.where(at < byte, self.popcount[self.bits[at].long()], 0)
-        partial = self.bits[byte].long() & ((1 << (index % 8)) - 1)
-        return total + self.popcount[partial]
+        word = index // _WORD_ITEMS
+        below = (torch.ones_like(index) << (index % _WORD_ITEMS)) - 1  # bits of the items before index
+        return self.word_before[word] + _popcount64(self.words[word] & below)
 
     def live(self, nodes: torch.Tensor) -> torch.Tensor:
         """[n] bool: whether each node has an allowed item in its subtree."""
-        return (self.allowed_before(self.end_item[nodes].long())
-                > self.allowed_before(self.first_item[nodes].long()))
+        return self.allowed_before(self.end_item[nodes]) > self.allowed_before(self.first_item[nodes])
+
+    def live_children(self, children: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """`live(children)` for the children of several nodes laid end to end, `counts[r]` of the
+        r-th: siblings are consecutive nodes whose item ranges abut (a child's end is the next one's
+        first), so one count per child plus one per node's last child does (half the reads)."""
+        if children.numel() == 0:
+            return torch.zeros(0, dtype=torch.bool, device=children.device)
+        starts = self.allowed_before(self.first_item[children])
+        last = (torch.cumsum(counts, 0) - 1)[counts > 0]  # each node's last child, in `children`
+        ends = torch.cat((starts[1:], starts[:1]))
+        ends[last] = self.allowed_before(self.end_item[children[last]])
+        return ends > starts
 
     def ends_allowed(self, nodes: torch.Tensor) -> torch.Tensor:
         """[n] bool: whether the item ending at each node (its range's first) is allowed; only
         meaningful where the node ends an item."""
-        first = self.first_item[nodes].long()
-        return ((self.bits[first // 8].long() >> (first % 8)) & 1).bool()
+        first = self.first_item[nodes]
+        return ((self.words[first // _WORD_ITEMS] >> (first % _WORD_ITEMS)) & 1).bool()
 
 
 class FilteredCatalogue(Catalogue):
