@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from widebeam.argtypes import OneLineParser
 from widebeam.argtypes import byte_size as _byte_size
 from widebeam.argtypes import int_at_least as _int_at_least
+from widebeam.argtypes import width_schedule as _width_schedule
 from widebeam.engine_args import (
     PREFIX_CACHE,
     SCHEDULING,
@@ -65,6 +66,9 @@ def _add_plan(sub, help_text: str) -> None:
                    help="device memory for weights + activations + KV, e.g. 141GiB (default 16GiB)")
     add_engine_arguments(p, ["kv_cache_fraction"])
     p.add_argument("--beam-width", type=_int_at_least(1), default=1)
+    p.add_argument("--beam-width-schedule", type=_width_schedule, default=None, metavar="W1,W2,...",
+                   help="per-step widths (e.g. 64,256,1024; the last repeats): the schedule's own bound "
+                        "is counted, --beam-width becomes its widest step")
     p.add_argument("--prompt-len", type=_int_at_least(1), default=512)
     p.add_argument("--encoder-len", type=_int_at_least(1), default=None,
                    help="encoder-decoder models: source tokens E, held once in the cross pool (default: "
@@ -111,6 +115,9 @@ def _add_generate(sub, help_text: str) -> None:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--beam-width", type=_int_at_least(1), default=None,
                    help="beam search over this many beams (prints the ranked beams with their scores)")
+    g.add_argument("--beam-width-schedule", type=_width_schedule, default=None, metavar="W1,W2,...",
+                   help="beam search with these per-step widths (e.g. 4,16,8; the last repeats); results "
+                        "come from the last width")
     g.add_argument("--num-return-sequences", type=_int_at_least(1), default=None,
                    help="beams to print (default: all)")
     g.add_argument("--length-penalty", type=float, default=1.0)
@@ -190,6 +197,15 @@ def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             parser.error("argument --catalogue: constrained decoding is beam search: --temperature must be 0")
         if args.beam_width is None:
             args.beam_width = GENERATE_CATALOGUE_BEAM_WIDTH
+    schedule = args.beam_width_schedule
+    if schedule is not None:
+        if args.temperature > 0:
+            parser.error("argument --beam-width-schedule: beam search is deterministic: --temperature "
+                         "must be 0")
+        if args.beam_width is not None and args.beam_width != max(schedule):
+            parser.error(f"argument --beam-width: with --beam-width-schedule it is the widest step "
+                         f"({max(schedule)}); drop it")
+        args.beam_width = max(schedule)
     if args.tree and args.beam_width is None:
         parser.error("argument --tree: the search tree is beam search's: give --beam-width")
     max_new_tokens = args.max_new_tokens
@@ -202,7 +218,8 @@ def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     try:
         if args.beam_width is not None:
             early_stopping = {"true": True, "false": False, "never": "never"}[args.early_stopping]
-            params = BeamSearchParams(beam_width=args.beam_width, max_new_tokens=max_new_tokens,
+            params = BeamSearchParams(beam_width=args.beam_width, beam_width_schedule=schedule,
+                                      max_new_tokens=max_new_tokens,
                                       length_penalty=args.length_penalty, early_stopping=early_stopping,
                                       num_return_sequences=args.num_return_sequences, stop=tuple(args.stop),
                                       catalogue=CLI_CATALOGUE if catalogue is not None else None,
@@ -234,7 +251,7 @@ def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     elif args.beam_width is None:
         print(output.outputs[0].text)
     else:
-        _print_beams(output, args.beam_width)
+        _print_beams(output, "schedule " + ",".join(map(str, schedule)) if schedule else args.beam_width)
         if args.tree:
             print_tree(output.tree)
     return 0
@@ -264,7 +281,7 @@ def print_tree(tree: dict) -> None:
         print(f"step {step}: " + " | ".join(parts))
 
 
-def _print_beams(output, beam_width: int) -> None:
+def _print_beams(output, beam_width: int | str) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -299,9 +316,17 @@ def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     max_new_tokens = args.max_new_tokens
     if max_new_tokens is None:  # the engine's default with a catalogue: its longest item and EOS
         max_new_tokens = PLAN_MAX_NEW_TOKENS if catalogue is None else catalogue.max_item_tokens + 1
+    schedule = args.beam_width_schedule or ()
+    if schedule and args.beam_width not in (1, max(schedule)):
+        parser.error(f"argument --beam-width: with --beam-width-schedule it is the widest step "
+                     f"({max(schedule)}); drop it")
+    if len(schedule) > max_new_tokens:
+        parser.error(f"argument --beam-width-schedule: {len(schedule)} widths for {max_new_tokens} new "
+                     "tokens: one per generated token at most")
     inputs = PlanInputs(
         memory_bytes=args.memory,
-        beam_width=args.beam_width,
+        beam_width=max(schedule) if schedule else args.beam_width,
+        beam_width_schedule=schedule,
         prompt_len=args.prompt_len,
         max_new_tokens=max_new_tokens,
         tokens_per_block=args.tokens_per_block,
@@ -486,13 +511,17 @@ def _print_plan(result: dict) -> None:
 
     source = f"source {req['encoder_len']} -> decoder " if "encoder_len" in req else ""
     speculative = f", +{spec['num_speculative_tokens']} speculative per sequence" if spec else ""
+    schedule = req.get("beam_width_schedule")
+    width = f"beam schedule {','.join(map(str, schedule))}" if schedule else f"beam {req['beam_width']}"
     pools = Table(title=f"request: {source}prompt {req['prompt_len']}, new {req['max_new_tokens']}, "
-                        f"beam {req['beam_width']}{speculative}")
+                        f"{width}{speculative}")
     columns = ["pool", "kind", "layers", "bytes/token", "required blocks", "capacity blocks", "fits",
                "at once"]
     if pins:  # capacity is then what requests may use: the pool less its pinned blocks
         columns[5] = "capacity blocks (less pinned)"
         columns.insert(6, "pinned blocks")
+    if schedule:  # what the widest step at every step would take
+        columns.insert(5, f"fixed width {req['beam_width']}")
     for column in columns:
         pools.add_column(column, justify="right" if column not in ("pool", "kind") else "left")
     for p in result["pools"]:
@@ -501,6 +530,8 @@ def _print_plan(result: dict) -> None:
                str(p["capacity_blocks"]), "yes" if p["fits"] else "NO", str(p["max_concurrent_requests"])]
         if pins:
             row.insert(6, str(p["pinned_blocks"]))
+        if schedule:
+            row.insert(5, str(p["fixed_width_required_blocks"]))
         pools.add_row(*row)
     console.print(pools)
 

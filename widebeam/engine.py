@@ -56,6 +56,8 @@ class LLMEngine:
         self.config = config = EngineConfig.from_kwargs(model, **kwargs)
         cache_config, sched_config = config.cache, config.scheduler
         self.max_beam_width = sched_config.max_beam_width
+        # a preempted request re-feeds each beam into blocks of its own: a schedule's bound counts that
+        self._preempts = sched_config.scheduling_policy == "max_utilization"
         self.device = torch.device(config.model.device) if config.model.device else default_device()
         self.dtype = config.model.dtype
         self.speculative = config.speculative
@@ -130,6 +132,11 @@ class LLMEngine:
                     "beam_width",
                     "{beam_width} must be in [1, {limit}] (the engine's max_beam_width), got {value}",
                     limit=self.max_beam_width, value=params.beam_width)
+            schedule = getattr(params, "beam_width_schedule", None) or ()
+            if schedule and self.speculative:
+                # a round may accept several tokens, each a step of its own width: not supported
+                raise InvalidParameterError("beam_width_schedule", "{beam_width_schedule} needs an engine "
+                                            "without speculative decoding")
             catalogue = self.catalogues.for_request(params) if isinstance(params, BeamSearchParams) else None
             if catalogue is not None and params.max_new_tokens is None:
                 # the longest item and its end-of-sequence token
@@ -158,7 +165,8 @@ class LLMEngine:
                                     params.beam_width, encoder_tokens=len(encoder_token_ids or ()),
                                     max_encoder_tokens=self.max_encoder_tokens,
                                     extra_tokens=self.num_draft_tokens, refeed_tokens=self.num_draft_tokens,
-                                    key=key)
+                                    key=key, beam_width_schedule=schedule,
+                                    refeeds_after_preemption=self._preempts)
         except ValueError:
             self._num_rejected += 1
             raise
@@ -197,11 +205,12 @@ class LLMEngine:
         return requested if requested is not None else self.forced_bos_token_id
 
     # -- catalogues -------------------------------------------------------------------------------
-    def register_catalogue(self, name: str, source) -> Catalogue:
+    def register_catalogue(self, name: str, source, subsets: dict | None = None) -> Catalogue:
         """Register a catalogue under `name` for `BeamSearchParams(catalogue=name)`: a built
         `Catalogue`, token-id sequences, a [num_items, width] array (-1 padded), or a file
-        (`catalogue/sources.py`: .jsonl, .npy, .parquet). Returns it; re-registering a name replaces it."""
-        return self.catalogues.register(name, source)
+        (`catalogue/sources.py`: .jsonl, .npy, .parquet). Returns it; re-registering a name replaces it.
+        `subsets`: subset name -> item indices, for `BeamSearchParams(catalogue_subset=...)`."""
+        return self.catalogues.register(name, source, subsets)
 
     def abort(self, request_id: str) -> None:
         """Stop a request wherever it is and free all its blocks."""
@@ -232,6 +241,10 @@ class LLMEngine:
                              "queried_tokens": cache.num_queried_tokens, "hit_tokens": cache.num_hit_tokens,
                              "hit_rate": cache.num_hit_tokens / max(cache.num_queried_tokens, 1)},
         }
+        if self.catalogues:  # per-request item filters' memory (catalogue/filters.py)
+            live = [r for r in (*self.scheduler.running, *self.scheduler.waiting)]
+            stats["catalogue_filters"] = self.catalogues.stats(
+                [getattr(p, "catalogue", None) for r in live for p in getattr(r.decoder, "processors", ())])
         if self.speculative:
             stats["speculative"] = {"method": self.speculative.method, "model": self.speculative.model,
                                     "num_speculative_tokens": self.num_draft_tokens,

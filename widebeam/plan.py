@@ -14,7 +14,7 @@ This module stays free of torch (`widebeam plan` must be quick and run anywhere)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from widebeam.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from widebeam.defaults import (
@@ -87,6 +87,9 @@ class PlanInputs:
     catalogue: CataloguePlan | None = None
     # Pinned prefixes as token ids (--pin-prefix): their blocks come off every pool's capacity.
     pinned_prefixes: tuple[tuple[int, ...], ...] = ()
+    # Per-step beam widths (--beam-width-schedule; `beam_width` is then its widest step): the
+    # schedule's own bound is counted (kv/budget.py: scheduled_blocks).
+    beam_width_schedule: tuple[int, ...] = ()
 
     def engine_config(self) -> EngineConfig:
         """The engine this plan is for: its widest request is this one (max_beam_width = beam_width)."""
@@ -109,12 +112,16 @@ class PlanInputs:
         tokens per sequence."""
         # D draft tokens written per step, and up to D accepted ones fed again the next round
         d = self.num_speculative_tokens
+        schedule = self.beam_width_schedule
+        if schedule and d:
+            raise PlanError("a beam-width schedule runs without speculative decoding",
+                            "--beam-width-schedule")
         if not arch.is_encoder_decoder:
             return KVRequest(self.prompt_len, self.max_new_tokens, self.beam_width, extra_tokens=d,
-                             refeed_tokens=d)
+                             refeed_tokens=d, beam_width_schedule=schedule)
         encoder_len = self.prompt_len if self.encoder_len is None else self.encoder_len
         return KVRequest(1 + self.decoder_prefix_len, self.max_new_tokens, self.beam_width, extra_tokens=d,
-                         encoder_tokens=encoder_len, refeed_tokens=d)
+                         encoder_tokens=encoder_len, refeed_tokens=d, beam_width_schedule=schedule)
 
 
 class PlanError(ValueError):
@@ -191,6 +198,9 @@ def plan(arch: ModelArch, inputs: PlanInputs, draft_arch: ModelArch | None = Non
             "capacity_blocks": b.capacity_blocks,  # what requests may use: the pool less its pinned blocks
             "fits": b.fits,
             "max_concurrent_requests": b.capacity_blocks // b.required_blocks,
+            **({"fixed_width_required_blocks":
+                cache[b.pool].required_blocks(replace(request, beam_width_schedule=()))}
+               if request.beam_width_schedule else {}),
             **cache[b.pool].fit_hints(request),
         }
         for b in budgets
@@ -235,6 +245,8 @@ def plan(arch: ModelArch, inputs: PlanInputs, draft_arch: ModelArch | None = Non
             "prompt_len": request.prompt_tokens,
             "max_new_tokens": inputs.max_new_tokens,
             "beam_width": inputs.beam_width,
+            **({"beam_width_schedule": list(inputs.beam_width_schedule)}
+               if inputs.beam_width_schedule else {}),
             **({"encoder_len": request.encoder_tokens} if arch.is_encoder_decoder else {}),
         },
         **({"speculative": _speculative_entry(spec_config, draft_arch, draft_weight_bytes,

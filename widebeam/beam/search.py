@@ -135,14 +135,17 @@ class BeamSearchState:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         self.params = params
-        self.beam_width = params.beam_width
+        # With a schedule, step k runs w_k beams (`params.width_at_step`); the finished hypotheses
+        # kept and the stopping rule follow the final width, the one results come from.
+        self.beam_width = params.final_beam_width
         self.max_new_tokens = max_new_tokens
         eos = set() if params.ignore_eos else {int(t) for t in eos_token_ids}
         eos.update(params.stop_token_ids)
         self.eos_token_ids = frozenset(eos)
         self._eos_sorted = sorted(eos)
         self._eos_by_device: dict[torch.device, torch.Tensor] = {}
-        self._num_candidates = max(2, 1 + len(eos)) * self.beam_width
+        self._candidates_per_beam = max(2, 1 + len(eos))
+        self._num_candidates = self._candidates_per_beam * self.beam_width
         self._length_penalty = float(params.length_penalty)
         self._early_stopping = params.early_stopping
         # Token tree: node i holds one generated token and the node before it (_NO_NODE: the prompt).
@@ -214,7 +217,8 @@ class BeamSearchState:
         if lp.dtype != torch.float32:
             lp = lp.float()
         device = lp.device
-        width = self.beam_width
+        width = self.params.width_at_step(self._generated + 1)  # this step's (scheduled) width
+        self._num_candidates = self._candidates_per_beam * width
         mask_eos = (mask_min_length_eos and bool(self._eos_sorted)
                     and self._generated < self.params.min_new_tokens)
 
@@ -443,7 +447,7 @@ class BeamSearchState:
     def _should_stop(self, best_possible: float | None) -> bool:
         """HF's stopping rule, checked after each step with the best live beam's optimistic score."""
         full = len(self._finished) >= self.beam_width
-        if full and (self._early_stopping is True or self.beam_width == 1):
+        if full and (self._early_stopping is True or self.params.beam_width == 1):
             # beam_width 1 is HF's greedy search (generate(num_beams=1)): the first EOS ends it.
             return True
         if best_possible is None:

@@ -27,6 +27,7 @@ from widebeam.engine_args import (
     add_engine_arguments,
     catalogue_error_message,
     catalogue_spec,
+    catalogue_subset_spec,
     catalogues_kwargs,
 )
 from widebeam.engine_args import engine_kwargs as engine_kwargs_from
@@ -108,6 +109,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="register a catalogue for generative retrieval under NAME (requests send "
                         "\"catalogue\": NAME with use_beam_search): a .jsonl (token-id lists or strings), "
                         ".npy or .parquet file; its bytes come off the KV budget (repeatable)")
+    p.add_argument("--catalogue-subset", type=catalogue_subset_spec, action="append", default=[],
+                   metavar="NAME:SUBSET=PATH",
+                   help="a named subset of catalogue NAME's item indices (.npy, or integers in a text or "
+                        "JSON file): requests send \"catalogue_subset\": SUBSET (repeatable)")
     add_engine_arguments(p, [*SPECULATIVE, *PREFIX_CACHE, *SCHEDULING])
     r = p.add_argument_group("replicas on Ray Serve (pip install 'widebeam[ray]')")
     r.add_argument("--replicas", type=_int_at_least(1), default=None,
