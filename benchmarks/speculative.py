@@ -310,7 +310,39 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     out.with_suffix(".md").write_text(markdown(rows))
-    print(f"wrote {out} and {out.with_suffix('.md')} ({total_s:.0f} s timed)")
+    plot_speedups(rows, out.with_suffix(".png"))
+    print(f"wrote {out}, {out.with_suffix('.md')} and {out.with_suffix('.png')} ({total_s:.0f} s timed)")
+
+
+def plot_speedups(rows: list[dict], path: Path) -> list[str]:
+    """Speed-up over plain against beam width, one line per (task, configuration); returns the labels.
+    W=1 uses the batched run when there is one (the width axis compares like with like)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for task in sorted({r["task"] for r in rows}):
+        for config in sorted({r["config"] for r in rows if r["config"] != "plain"}):
+            by_width = {}
+            for r in rows:
+                if r["task"] == task and r["config"] == config and not (r["one_by_one"] and by_width.get(1)):
+                    by_width[r["beam_width"]] = r["speedup"]
+            if by_width:
+                widths = sorted(by_width)
+                ax.plot(widths, [by_width[w] for w in widths], "o-" if task == "copy" else "s--",
+                        label=f"{task}: {config}")
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("beam width")
+    ax.set_ylabel("speed-up over plain decoding")
+    ax.set_title("speculative decoding vs plain, same engine and outputs")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return [line.get_label() for line in ax.get_lines() if not line.get_label().startswith("_")]
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ The tokenizer is NLLB's own class over a SentencePiece model trained here on a f
 three language codes as special tokens: a source encodes as `[src_lang] pieces </s>`, and a target
 language code is one token (`fra_Latn`), as in facebook/nllb-200-*. The model is a random M2M100
 (pre-norm, sinusoidal positions with the padding offset, scaled embeddings) of that vocabulary,
-saved as safetensors with a generation config that states NLLB's decoder start (`</s>`).
+saved as safetensors with a generation config that states NLLB's decoder start (`</s>`) and bans PAD.
 """
 
 from __future__ import annotations
@@ -56,9 +56,12 @@ def save_tiny_nllb(path, vocab_size: int = 64):
         for name, param in model.named_parameters():
             if "norm" not in name:
                 param.normal_(0, 0.3)
+    # PAD is banned on both sides: transformers' M2M100 gives a generated PAD the padding position,
+    # which a paged decoder does not (docs/translation-families.md)
     model.generation_config = GenerationConfig(decoder_start_token_id=tokenizer.eos_token_id,
                                                eos_token_id=tokenizer.eos_token_id,
                                                pad_token_id=tokenizer.pad_token_id,
-                                               bos_token_id=tokenizer.bos_token_id)
+                                               bos_token_id=tokenizer.bos_token_id,
+                                               bad_words_ids=[[tokenizer.pad_token_id]])
     model.save_pretrained(str(path), safe_serialization=True)
     return model, tokenizer

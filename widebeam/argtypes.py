@@ -30,6 +30,19 @@ def int_at_least(minimum: int):
     return parse
 
 
+def width_schedule(text: str) -> tuple[int, ...]:
+    """A beam-width schedule: comma-separated integer widths >= 1, e.g. `64,256,1024`."""
+    parts = [part.strip() for part in text.split(",")]
+    try:
+        widths = tuple(int(part) for part in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integer widths >= 1 (e.g. 64,256,1024), "
+                                         f"got {text!r}") from None
+    if any(w < 1 for w in widths):
+        raise argparse.ArgumentTypeError(f"widths must be >= 1, got {text!r}")
+    return widths
+
+
 def fraction(text: str) -> float:
     try:
         value = float(text)

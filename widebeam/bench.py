@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-kv-limit", type=byte_size, default=byte_size("4GiB"),
                         help="skip transformers when its W x (P+N) KV would exceed this (default 4GiB; "
                              "transformers also copies it every step, so its peak is about twice that)")
-    add_engine_arguments(parser, ["kv_cache_memory", "tokens_per_block", "dtype", "linear_backend"],
+    add_engine_arguments(parser, ["kv_cache_memory", "tokens_per_block", "dtype", "linear_backend", "device"],
                          kv_cache_memory={"default": "2GiB"},
                          dtype={"choices": BENCH_DTYPES,
                                 "help": "int8: int8 linear weights (widebeam and transformers alike), "
@@ -97,6 +97,15 @@ def make_prompt(tokenizer, prompt_len: int, vocab_size: int) -> list[int]:
     return tokenizer.encode(text)[:prompt_len]
 
 
+def synchronize(device) -> None:
+    """Wait for the device's queued kernels (CUDA runs them asynchronously): a timer read without it
+    measures the launches, not the work."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def compute_floor_s(hf_model, prompt_len: int, width: int, new_tokens: int, dtype) -> float:
     """Dense matmuls only: every linear layer's weight times the step's activations."""
     import torch
@@ -106,9 +115,12 @@ def compute_floor_s(hf_model, prompt_len: int, width: int, new_tokens: int, dtyp
     hidden = head.shape[1]
     # Real-valued inputs made before timing: uninitialised memory can hold denormals, which make
     # CPU matmuls many times slower and the floor meaningless.
-    inputs = {rows: {n: torch.randn(rows, n, dtype=dtype) for n in {w.shape[1] for w in weights}}
+    device = head.device
+    widths = {w.shape[1] for w in weights}
+    inputs = {rows: {n: torch.randn(rows, n, dtype=dtype, device=device) for n in widths}
               for rows in (prompt_len, width, 1)}
     with torch.inference_mode():
+        synchronize(device)
         start = time.perf_counter()
         for rows, steps in ((prompt_len, 1), (width, new_tokens)):
             for _ in range(steps):
@@ -117,6 +129,7 @@ def compute_floor_s(hf_model, prompt_len: int, width: int, new_tokens: int, dtyp
                         torch.nn.functional.linear(inputs[rows][w.shape[1]], w)
                 head_rows = 1 if rows == prompt_len else rows  # prefill needs only the last token's logits
                 torch.nn.functional.linear(inputs[head_rows][hidden], head)
+        synchronize(device)
         return time.perf_counter() - start
 
 
@@ -132,16 +145,19 @@ def attention_floor_s(hf_model, prompt_len: int, width: int, new_tokens: int, dt
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
     rows = width * (num_heads // num_kv_heads)  # the grouped heads of every beam share one KV head
     context = prompt_len + new_tokens // 2
-    q = torch.randn(num_kv_heads, rows, head_dim, dtype=dtype)
-    k_t = torch.randn(num_kv_heads, head_dim, context, dtype=dtype)
-    probs = torch.softmax(torch.randn(num_kv_heads, rows, context), dim=-1).to(dtype)
-    v = torch.randn(num_kv_heads, context, head_dim, dtype=dtype)
-    qp = torch.randn(1, num_heads, prompt_len, head_dim, dtype=dtype)
-    kp = torch.randn(1, num_heads, prompt_len, head_dim, dtype=dtype)
+    device = hf_model.device
+    q = torch.randn(num_kv_heads, rows, head_dim, dtype=dtype, device=device)
+    k_t = torch.randn(num_kv_heads, head_dim, context, dtype=dtype, device=device)
+    probs = torch.softmax(torch.randn(num_kv_heads, rows, context, device=device), dim=-1).to(dtype)
+    v = torch.randn(num_kv_heads, context, head_dim, dtype=dtype, device=device)
+    qp = torch.randn(1, num_heads, prompt_len, head_dim, dtype=dtype, device=device)
+    kp = torch.randn(1, num_heads, prompt_len, head_dim, dtype=dtype, device=device)
     with torch.inference_mode():
+        synchronize(device)
         start = time.perf_counter()
         for _ in range(num_layers):
             torch.nn.functional.scaled_dot_product_attention(qp, kp, kp, is_causal=True)
+        synchronize(device)
         prefill = time.perf_counter() - start
         step = float("inf")
         for _ in range(3):
@@ -149,6 +165,7 @@ def attention_floor_s(hf_model, prompt_len: int, width: int, new_tokens: int, dt
             for _ in range(num_layers):
                 torch.bmm(q, k_t)
                 torch.bmm(probs, v)
+            synchronize(device)
             step = min(step, time.perf_counter() - start)
     return prefill + step * new_tokens
 
@@ -184,11 +201,13 @@ def run_hf(hf_model, prompt_ids: list[int], width: int, new_tokens: int, eos_id:
     import torch
 
     reset_peak_rss()
+    synchronize(hf_model.device)
     start = time.perf_counter()
     with torch.inference_mode():
-        out = hf_model.generate(torch.tensor([prompt_ids]), num_beams=width, do_sample=False,
-                                max_new_tokens=new_tokens,
+        out = hf_model.generate(torch.tensor([prompt_ids], device=hf_model.device), num_beams=width,
+                                do_sample=False, max_new_tokens=new_tokens,
                                 min_new_tokens=new_tokens, eos_token_id=eos_id, pad_token_id=eos_id)
+    synchronize(hf_model.device)
     elapsed = time.perf_counter() - start
     return {"wall_s": elapsed, "peak_rss_bytes": peak_rss_bytes(),
             "peak_kv_bytes": hf_kv_bytes(hf_model, width * (len(prompt_ids) + new_tokens)),
@@ -206,14 +225,17 @@ def run(args: argparse.Namespace) -> list[dict]:
     points = [(w, p) for p in args.prompt_lens for w in args.widths]
     if not args.no_wide:
         points += [(w, p) for p in args.wide_prompt_lens for w in args.wide_widths if (w, p) not in points]
-    llm = LLM(model=args.model, max_beam_width=max(w for w, _ in points), **engine_kwargs(args))
+    # the warm-up below runs W=2
+    llm = LLM(model=args.model, max_beam_width=max(2, *(w for w, _ in points)), **engine_kwargs(args))
     from widebeam.model.int8_linear import quantize_int8
     from widebeam.model.registry import model_dtype
 
     dtype = model_dtype(llm.engine.model)
-    hf = floor_model = AutoModelForCausalLM.from_pretrained(str(llm.engine.source.path), dtype=dtype).eval()
+    device = llm.engine.device  # transformers runs where widebeam does (a GPU when there is one)
+    hf = floor_model = AutoModelForCausalLM.from_pretrained(str(llm.engine.source.path),
+                                                            dtype=dtype).eval().to(device)
     if args.dtype == "int8":  # transformers with the same int8 linears: the same kernels, a fair peer
-        hf = quantize_int8(copy.deepcopy(floor_model), torch.device("cpu"))
+        hf = quantize_int8(copy.deepcopy(floor_model), device)
     eos_id = min(llm.engine.eos_token_ids)
 
     vocab_size = llm.engine.model.arch.vocab_size
@@ -315,24 +337,30 @@ def print_table(rows: list[dict]) -> None:
     Console(width=max(console.width, 130)).print(table)
 
 
-def plot(rows: list[dict], path: Path, model: str, new_tokens: int) -> None:
+def measured_engines(rows: list[dict]) -> list[str]:
+    """The engines a bench row holds results of, widebeam first: every key whose value has a time."""
+    names = {name for r in rows for name, value in r.items() if isinstance(value, dict) and "wall_s" in value}
+    return sorted(names, key=lambda name: (name != "widebeam", name != "transformers", name))
+
+
+def plot(rows: list[dict], path: Path, model: str, new_tokens: int) -> list[str]:
+    """Wall time against width, one line per engine and prompt length; returns the lines' labels."""
     try:
         import matplotlib
     except ImportError:
         print(f"matplotlib is not installed: no plot ({path}); pip install matplotlib")
-        return
+        return []
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
+    markers = {"widebeam": "o-", "transformers": "s--"}
     for prompt_len in sorted({r["prompt_len"] for r in rows}):
         sub = [r for r in rows if r["prompt_len"] == prompt_len]
-        ax.plot([r["beam_width"] for r in sub], [r["widebeam"]["wall_s"] for r in sub], "o-",
-                label=f"widebeam P={prompt_len}")
-        hf = [r for r in sub if "wall_s" in r["transformers"]]
-        if hf:
-            ax.plot([r["beam_width"] for r in hf], [r["transformers"]["wall_s"] for r in hf], "s--",
-                    label=f"transformers P={prompt_len}")
+        for engine in measured_engines(sub):  # every engine with a time: CTranslate2's two kinds too
+            timed = [r for r in sub if "wall_s" in r.get(engine, {})]
+            ax.plot([r["beam_width"] for r in timed], [r[engine]["wall_s"] for r in timed],
+                    markers.get(engine, "^:"), label=f"{engine} P={prompt_len}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("beam width")
@@ -341,3 +369,5 @@ def plot(rows: list[dict], path: Path, model: str, new_tokens: int) -> None:
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return [line.get_label() for line in ax.get_lines()]

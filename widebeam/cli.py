@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from widebeam.argtypes import OneLineParser
 from widebeam.argtypes import byte_size as _byte_size
 from widebeam.argtypes import int_at_least as _int_at_least
+from widebeam.argtypes import width_schedule as _width_schedule
 from widebeam.engine_args import (
     PREFIX_CACHE,
     SCHEDULING,
@@ -65,10 +66,16 @@ def _add_plan(sub, help_text: str) -> None:
                    help="device memory for weights + activations + KV, e.g. 141GiB (default 16GiB)")
     add_engine_arguments(p, ["kv_cache_fraction"])
     p.add_argument("--beam-width", type=_int_at_least(1), default=1)
+    p.add_argument("--beam-width-schedule", type=_width_schedule, default=None, metavar="W1,W2,...",
+                   help="per-step widths (e.g. 64,256,1024; the last repeats): the schedule's own bound "
+                        "is counted, --beam-width becomes its widest step")
     p.add_argument("--prompt-len", type=_int_at_least(1), default=512)
     p.add_argument("--encoder-len", type=_int_at_least(1), default=None,
                    help="encoder-decoder models: source tokens E, held once in the cross pool (default: "
                         "--prompt-len)")
+    p.add_argument("--decoder-prefix-len", type=_int_at_least(0), default=0,
+                   help="encoder-decoder models: decoder prefix tokens after the start token (a target "
+                        "language code: 1), held in the self pool (default 0)")
     p.add_argument("--max-new-tokens", type=_int_at_least(1), default=None,
                    help=f"generated tokens N (default {PLAN_MAX_NEW_TOKENS}; with a catalogue: its longest "
                         "item + 1)")
@@ -108,6 +115,9 @@ def _add_generate(sub, help_text: str) -> None:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--beam-width", type=_int_at_least(1), default=None,
                    help="beam search over this many beams (prints the ranked beams with their scores)")
+    g.add_argument("--beam-width-schedule", type=_width_schedule, default=None, metavar="W1,W2,...",
+                   help="beam search with these per-step widths (e.g. 4,16,8; the last repeats); results "
+                        "come from the last width")
     g.add_argument("--num-return-sequences", type=_int_at_least(1), default=None,
                    help="beams to print (default: all)")
     g.add_argument("--length-penalty", type=float, default=1.0)
@@ -127,6 +137,9 @@ def _add_generate(sub, help_text: str) -> None:
     t.add_argument("--forced-bos-token-id", type=_int_at_least(0), default=None, metavar="ID",
                    help="the first generated token (mBART-50 / NLLB as transformers' forced_bos_token_id)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--tree", action="store_true",
+                   help="beam search: also print the search tree, every candidate each step kept (with "
+                        "--json: under \"tree\", the format of docs/ui.md)")
     add_engine_arguments(g, [*SPECULATIVE, *PREFIX_CACHE, *SCHEDULING])
     g.set_defaults(func=_cmd_generate)
 
@@ -184,6 +197,17 @@ def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             parser.error("argument --catalogue: constrained decoding is beam search: --temperature must be 0")
         if args.beam_width is None:
             args.beam_width = GENERATE_CATALOGUE_BEAM_WIDTH
+    schedule = args.beam_width_schedule
+    if schedule is not None:
+        if args.temperature > 0:
+            parser.error("argument --beam-width-schedule: beam search is deterministic: --temperature "
+                         "must be 0")
+        if args.beam_width is not None and args.beam_width != max(schedule):
+            parser.error(f"argument --beam-width: with --beam-width-schedule it is the widest step "
+                         f"({max(schedule)}); drop it")
+        args.beam_width = max(schedule)
+    if args.tree and args.beam_width is None:
+        parser.error("argument --tree: the search tree is beam search's: give --beam-width")
     max_new_tokens = args.max_new_tokens
     if max_new_tokens is None and catalogue is None:
         max_new_tokens = GENERATE_MAX_NEW_TOKENS
@@ -194,10 +218,12 @@ def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     try:
         if args.beam_width is not None:
             early_stopping = {"true": True, "false": False, "never": "never"}[args.early_stopping]
-            params = BeamSearchParams(beam_width=args.beam_width, max_new_tokens=max_new_tokens,
+            params = BeamSearchParams(beam_width=args.beam_width, beam_width_schedule=schedule,
+                                      max_new_tokens=max_new_tokens,
                                       length_penalty=args.length_penalty, early_stopping=early_stopping,
                                       num_return_sequences=args.num_return_sequences, stop=tuple(args.stop),
-                                      catalogue=CLI_CATALOGUE if catalogue is not None else None, **start)
+                                      catalogue=CLI_CATALOGUE if catalogue is not None else None,
+                                      return_tree=args.tree, **start)
         else:
             params = SamplingParams(max_new_tokens=max_new_tokens, temperature=args.temperature,
                                     top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=tuple(args.stop),
@@ -220,15 +246,42 @@ def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             "kv_peak_blocks": output.peak_blocks,
             "kv_required_blocks": output.required_blocks,
             "num_cached_tokens": output.num_cached_tokens,
+            **({"tree": output.tree} if args.tree else {}),
         }, indent=2))
     elif args.beam_width is None:
         print(output.outputs[0].text)
     else:
-        _print_beams(output, args.beam_width)
+        _print_beams(output, "schedule " + ",".join(map(str, schedule)) if schedule else args.beam_width)
+        if args.tree:
+            print_tree(output.tree)
     return 0
 
 
-def _print_beams(output, beam_width: int) -> None:
+def print_tree(tree: dict) -> None:
+    """The search tree as text: one line per step, each kept node as `id<parent 'token' logprob`,
+    marked `#rank` when returned, `=` when finished, `x` when pruned."""
+    by_step: dict[int, list[int]] = {}
+    for node, step in enumerate(tree["step"]):
+        by_step.setdefault(step, []).append(node)
+    print(f"search tree: {tree['num_nodes']} nodes over {tree['num_steps']} steps ({tree['nbytes']} bytes)")
+    text = tree.get("token_text", {})
+    for step, nodes in sorted(by_step.items()):
+        parts = []
+        for node in nodes:
+            mark = ""
+            if tree["rank"][node] is not None:
+                mark = f" #{tree['rank'][node] + 1}"
+            elif tree["finished"][node]:
+                mark = " ="
+            elif tree["pruned_at"][node] is not None:
+                mark = " x"
+            token = text.get(str(tree["token_id"][node]), str(tree["token_id"][node]))
+            logprob = tree["cumulative_logprob"][node]
+            parts.append(f"{node}<{tree['parent'][node]} {token!r} {logprob:.2f}{mark}")
+        print(f"step {step}: " + " | ".join(parts))
+
+
+def _print_beams(output, beam_width: int | str) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -263,9 +316,17 @@ def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     max_new_tokens = args.max_new_tokens
     if max_new_tokens is None:  # the engine's default with a catalogue: its longest item and EOS
         max_new_tokens = PLAN_MAX_NEW_TOKENS if catalogue is None else catalogue.max_item_tokens + 1
+    schedule = args.beam_width_schedule or ()
+    if schedule and args.beam_width not in (1, max(schedule)):
+        parser.error(f"argument --beam-width: with --beam-width-schedule it is the widest step "
+                     f"({max(schedule)}); drop it")
+    if len(schedule) > max_new_tokens:
+        parser.error(f"argument --beam-width-schedule: {len(schedule)} widths for {max_new_tokens} new "
+                     "tokens: one per generated token at most")
     inputs = PlanInputs(
         memory_bytes=args.memory,
-        beam_width=args.beam_width,
+        beam_width=max(schedule) if schedule else args.beam_width,
+        beam_width_schedule=schedule,
         prompt_len=args.prompt_len,
         max_new_tokens=max_new_tokens,
         tokens_per_block=args.tokens_per_block,
@@ -273,6 +334,7 @@ def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         dtype=args.dtype,
         max_num_batched_tokens=args.max_num_batched_tokens,
         encoder_len=args.encoder_len,
+        decoder_prefix_len=args.decoder_prefix_len,
         speculative=speculative,
         catalogue=catalogue,
         pinned_prefixes=_plan_pins(args, parser),
@@ -449,13 +511,17 @@ def _print_plan(result: dict) -> None:
 
     source = f"source {req['encoder_len']} -> decoder " if "encoder_len" in req else ""
     speculative = f", +{spec['num_speculative_tokens']} speculative per sequence" if spec else ""
+    schedule = req.get("beam_width_schedule")
+    width = f"beam schedule {','.join(map(str, schedule))}" if schedule else f"beam {req['beam_width']}"
     pools = Table(title=f"request: {source}prompt {req['prompt_len']}, new {req['max_new_tokens']}, "
-                        f"beam {req['beam_width']}{speculative}")
+                        f"{width}{speculative}")
     columns = ["pool", "kind", "layers", "bytes/token", "required blocks", "capacity blocks", "fits",
                "at once"]
     if pins:  # capacity is then what requests may use: the pool less its pinned blocks
         columns[5] = "capacity blocks (less pinned)"
         columns.insert(6, "pinned blocks")
+    if schedule:  # what the widest step at every step would take
+        columns.insert(5, f"fixed width {req['beam_width']}")
     for column in columns:
         pools.add_column(column, justify="right" if column not in ("pool", "kind") else "left")
     for p in result["pools"]:
@@ -464,6 +530,8 @@ def _print_plan(result: dict) -> None:
                str(p["capacity_blocks"]), "yes" if p["fits"] else "NO", str(p["max_concurrent_requests"])]
         if pins:
             row.insert(6, str(p["pinned_blocks"]))
+        if schedule:
+            row.insert(5, str(p["fixed_width_required_blocks"]))
         pools.add_row(*row)
     console.print(pools)
 

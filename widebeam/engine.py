@@ -9,6 +9,8 @@ preemption are the scheduler's (sched/); one request's path is in docs/architect
 from __future__ import annotations
 
 import logging
+import time
+from collections import deque
 from collections.abc import Sequence
 
 import torch
@@ -39,6 +41,7 @@ from widebeam.startup import allocate_pools, lay_out_pools, load_workers
 from widebeam.structured.grammars import Grammars
 
 log = logging.getLogger("widebeam")
+RECENT_REQUESTS = 32  # finished requests kept in stats()["recent_requests"]
 
 
 class LLMEngine:
@@ -53,6 +56,8 @@ class LLMEngine:
         self.config = config = EngineConfig.from_kwargs(model, **kwargs)
         cache_config, sched_config = config.cache, config.scheduler
         self.max_beam_width = sched_config.max_beam_width
+        # a preempted request re-feeds each beam into blocks of its own: a schedule's bound counts that
+        self._preempts = sched_config.scheduling_policy == "max_utilization"
         self.device = torch.device(config.model.device) if config.model.device else default_device()
         self.dtype = config.model.dtype
         self.speculative = config.speculative
@@ -87,6 +92,9 @@ class LLMEngine:
         self.last_schedule: SchedulerOutput | None = None  # what the latest step ran (tests and benchmarks)
         self._requests: dict[str, Request] = {}
         self._num_rejected = 0
+        # The last finished requests' KV blocks per pool, required (admission's bound) vs peak (held at
+        # once): `stats()["recent_requests"]`, drawn by the web page's capacity panel.
+        self._recent_requests: deque[dict] = deque(maxlen=RECENT_REQUESTS)
         self._speculative_counts = {"rounds": 0, "steps": 0, "drafted_tokens": 0, "accepted_tokens": 0}
         # The engine is whole: the pins run as requests do, and must hold the blocks the layout counted.
         self.pinned_blocks = pin_prefixes(self, pins, layout)
@@ -124,6 +132,11 @@ class LLMEngine:
                     "beam_width",
                     "{beam_width} must be in [1, {limit}] (the engine's max_beam_width), got {value}",
                     limit=self.max_beam_width, value=params.beam_width)
+            schedule = getattr(params, "beam_width_schedule", None) or ()
+            if schedule and self.speculative:
+                # a round may accept several tokens, each a step of its own width: not supported
+                raise InvalidParameterError("beam_width_schedule", "{beam_width_schedule} needs an engine "
+                                            "without speculative decoding")
             catalogue = self.catalogues.for_request(params) if isinstance(params, BeamSearchParams) else None
             if catalogue is not None and params.max_new_tokens is None:
                 # the longest item and its end-of-sequence token
@@ -152,7 +165,8 @@ class LLMEngine:
                                     params.beam_width, encoder_tokens=len(encoder_token_ids or ()),
                                     max_encoder_tokens=self.max_encoder_tokens,
                                     extra_tokens=self.num_draft_tokens, refeed_tokens=self.num_draft_tokens,
-                                    key=key)
+                                    key=key, beam_width_schedule=schedule,
+                                    refeeds_after_preemption=self._preempts)
         except ValueError:
             self._num_rejected += 1
             raise
@@ -191,11 +205,12 @@ class LLMEngine:
         return requested if requested is not None else self.forced_bos_token_id
 
     # -- catalogues -------------------------------------------------------------------------------
-    def register_catalogue(self, name: str, source) -> Catalogue:
+    def register_catalogue(self, name: str, source, subsets: dict | None = None) -> Catalogue:
         """Register a catalogue under `name` for `BeamSearchParams(catalogue=name)`: a built
         `Catalogue`, token-id sequences, a [num_items, width] array (-1 padded), or a file
-        (`catalogue/sources.py`: .jsonl, .npy, .parquet). Returns it; re-registering a name replaces it."""
-        return self.catalogues.register(name, source)
+        (`catalogue/sources.py`: .jsonl, .npy, .parquet). Returns it; re-registering a name replaces it.
+        `subsets`: subset name -> item indices, for `BeamSearchParams(catalogue_subset=...)`."""
+        return self.catalogues.register(name, source, subsets)
 
     def abort(self, request_id: str) -> None:
         """Stop a request wherever it is and free all its blocks."""
@@ -221,10 +236,15 @@ class LLMEngine:
             "waiting": len(self.scheduler.waiting),
             "rejected": self._num_rejected,
             "scheduling": self.scheduler.stats(),  # policy, preemptions, recomputed_tokens
+            "recent_requests": list(self._recent_requests),
             "prefix_cache": {"enabled": cache.enable_prefix_caching,
                              "queried_tokens": cache.num_queried_tokens, "hit_tokens": cache.num_hit_tokens,
                              "hit_rate": cache.num_hit_tokens / max(cache.num_queried_tokens, 1)},
         }
+        if self.catalogues:  # per-request item filters' memory (catalogue/filters.py)
+            live = [r for r in (*self.scheduler.running, *self.scheduler.waiting)]
+            stats["catalogue_filters"] = self.catalogues.stats(
+                [getattr(p, "catalogue", None) for r in live for p in getattr(r.decoder, "processors", ())])
         if self.speculative:
             stats["speculative"] = {"method": self.speculative.method, "model": self.speculative.model,
                                     "num_speculative_tokens": self.num_draft_tokens,
@@ -239,6 +259,7 @@ class LLMEngine:
         Prompt chunks and rounds share the pass. A round feeds each live sequence's pending tokens
         and the nodes a drafter (if any) drafted; without drafts it is a plain decode step, so
         plain and speculative decoding are one loop (docs/architecture.md)."""
+        started = time.perf_counter()
         schedule = self.scheduler.schedule()
         self.last_schedule = schedule
         deltas: list[RequestDelta] = []
@@ -294,6 +315,11 @@ class LLMEngine:
             self._collect(deltas, request, request.finish_round, request_rounds, scores)
             if self.drafter is not None:
                 self._count_round(request, request_rounds)
+        if self.drafter is not None:
+            # the draft policy weighs a round's wall time; a step that also ran prompt chunks is not one
+            round_s = None if prefills else time.perf_counter() - started
+            for request, _ in rounds_by_request:
+                request.record_round(round_s)
         return deltas
 
     def _collect(self, deltas: list[RequestDelta], request: Request, finish, *args) -> None:
@@ -306,6 +332,11 @@ class LLMEngine:
             return
         if delta is None:
             return
+        if delta.output is not None:
+            self._recent_requests.append({"request_id": request.request_id,
+                                          "beam_width": request.params.beam_width,
+                                          "required_blocks": dict(delta.output.required_blocks),
+                                          "peak_blocks": dict(delta.output.peak_blocks)})
         if delta.finished:
             self.scheduler.remove(request)
             del self._requests[request.request_id]

@@ -241,14 +241,36 @@ def catalogue_spec(text: str) -> tuple[str, str]:
     return name.strip(), path
 
 
+def catalogue_subset_spec(text: str) -> tuple[str, str, str]:
+    """`--catalogue-subset NAME:SUBSET=PATH`: a subset of catalogue NAME's item indices, from a file."""
+    head, sep, path = text.partition("=")
+    name, colon, subset = head.partition(":")
+    if not sep or not colon or not name.strip() or not subset.strip() or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME:SUBSET=PATH (e.g. items:store_17=store_17.npy), "
+                                         f"got {text!r}")
+    if not os.path.isfile(path):
+        raise argparse.ArgumentTypeError(f"{path!r} is not a file (NAME:SUBSET=PATH, got {text!r})")
+    return name.strip(), subset.strip(), path
+
+
 def catalogues_kwargs(args: argparse.Namespace) -> dict:
     """`catalogues={NAME: PATH}` for `LLMEngine` from the repeated `--catalogue NAME=PATH` (empty when
-    none)."""
-    catalogues: dict[str, str] = {}
+    none), with the `--catalogue-subset NAME:SUBSET=PATH` subsets of each."""
+    from widebeam.catalogue.registry import WithSubsets
+
+    catalogues: dict[str, object] = {}
     for name, path in getattr(args, "catalogue", None) or ():
         if name in catalogues:
             raise argparse.ArgumentTypeError(f"catalogue name {name!r} is given twice")
         catalogues[name] = path
+    subsets: dict[str, dict[str, str]] = {}
+    for name, subset, path in getattr(args, "catalogue_subset", None) or ():
+        if name not in catalogues:
+            raise argparse.ArgumentTypeError(f"--catalogue-subset names catalogue {name!r}, which no "
+                                             "--catalogue registers")
+        subsets.setdefault(name, {})[subset] = path
+    for name, named in subsets.items():
+        catalogues[name] = WithSubsets(catalogues[name], named)
     return {"catalogues": catalogues} if catalogues else {}
 
 

@@ -163,3 +163,11 @@ class OutOfBlocksError(WidebeamError, RuntimeError):
 
 class BlockStateError(WidebeamError, RuntimeError):
     """A block was used after it was freed, or freed twice."""
+
+
+class ModelNotFoundError(WidebeamError, FileNotFoundError):
+    """The `model=` string names nothing widebeam can find; the message says what would fit."""
+
+
+class ModelFormatError(WidebeamError, ValueError):
+    """The model's files exist but cannot be used as they are (pickle-only, bad checksum, bad GGUF)."""

@@ -30,9 +30,10 @@ class LLM:
     def stats(self) -> dict:
         return self.engine.stats()
 
-    def register_catalogue(self, name: str, source):
-        """Register a catalogue for `BeamSearchParams(catalogue=name)` (`LLMEngine.register_catalogue`)."""
-        return self.engine.register_catalogue(name, source)
+    def register_catalogue(self, name: str, source, subsets: dict | None = None):
+        """Register a catalogue for `BeamSearchParams(catalogue=name)` (`LLMEngine.register_catalogue`),
+        with named `subsets` of its item indices for `BeamSearchParams(catalogue_subset=...)`."""
+        return self.engine.register_catalogue(name, source, subsets)
 
     def generate(self, prompts, params: SamplingParams | BeamSearchParams
                  | Sequence[SamplingParams | BeamSearchParams] | None = None,

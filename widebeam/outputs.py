@@ -34,6 +34,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # With `prompt_logprobs=k`: one dict per prompt token, None for the first (widebeam/logprobs.py).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # Beam search with `return_tree=True`: the search tree, JSON-ready (widebeam/beam/tree.py).
+    tree: dict | None = None
 
 
 @dataclass

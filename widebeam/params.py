@@ -213,6 +213,87 @@ class SamplingParams:
         return type(self)(**values)
 
 
+DEFAULT_BEAM_WIDTH = 4
+MAX_DIVERSITY_PENALTY = 1e4  # subtracted from float32 log-probs: far past any useful value, still finite
+
+
+def _check_groups(params) -> None:
+    """`num_beam_groups` divides `beam_width`; `diversity_penalty` > 0 exactly when it is above 1
+    (transformers' rules); no schedule, stop strings or log-probs beside groups."""
+    groups = params.num_beam_groups
+    _require(_is_int(groups) and 1 <= groups <= params.beam_width and params.beam_width % groups == 0,
+             "num_beam_groups", "must be an integer in [1, {beam_width}] dividing {beam_width} ({width}), "
+             "got {value!r}", width=params.beam_width, value=groups)
+    penalty = params.diversity_penalty
+    _require(_is_number(penalty) and 0 <= penalty <= MAX_DIVERSITY_PENALTY, "diversity_penalty",
+             "must be a number in [0, {limit}], got {value!r}", limit=MAX_DIVERSITY_PENALTY, value=penalty)
+    _require((penalty > 0) == (groups > 1), "diversity_penalty",
+             "must be > 0 with {num_beam_groups} > 1 and 0 without (the penalty is between groups), "
+             "got {value!r}", value=penalty)
+    if groups > 1:
+        for name, off in (("beam_width_schedule", params.beam_width_schedule is None),
+                          ("stop", not params.stop), ("logprobs", params.logprobs is None)):
+            _require(off, name, "is not supported with {num_beam_groups} > 1")
+
+
+def _check_item_filters(params) -> None:
+    """`allowed_items` / `excluded_items`: None or 1-D integer item indices >= 0 (the engine checks the
+    upper bound, the catalogue's size); `catalogue_subset`: a name registered beside `catalogue`. All
+    need a catalogue."""
+    import numpy as np
+
+    for name in ("allowed_items", "excluded_items"):
+        value = getattr(params, name)
+        if value is None:
+            continue
+        try:
+            array = np.asarray(value)
+        except (ValueError, TypeError):
+            array = np.asarray([None])
+        if array.size == 0:
+            array = array.astype(np.int64)
+        _require(array.ndim == 1 and array.dtype.kind in "iu" and (array.size == 0 or int(array.min()) >= 0),
+                 name, "must be a list of item indices (integers >= 0) into the catalogue, got {value!r}",
+                 value=value if array.size < 8 else f"{array.size} values")
+        object.__setattr__(params, name, array.astype(np.int64, copy=False))
+    subset = params.catalogue_subset
+    _require(subset is None or (isinstance(subset, str) and bool(subset)), "catalogue_subset",
+             "must be the name of a subset registered with the catalogue, got {value!r}", value=subset)
+    _require(subset is None or params.catalogue is not None, "catalogue_subset",
+             "needs {catalogue}: a subset is registered beside a catalogue")
+    for name in ("allowed_items", "excluded_items"):
+        _require(getattr(params, name) is None or params.constrained, name,
+                 "needs {catalogue} (or {allowed_sequences}): it filters a catalogue's items")
+# A schedule entry above this is surely a mistake (the engine's max_beam_width bounds it anyway).
+MAX_SCHEDULE_WIDTH = 2**20
+
+
+def _check_schedule(params) -> None:
+    """`beam_width_schedule`: None, or a non-empty list of integer widths >= 1 with at most
+    `max_new_tokens` entries; stored as a tuple, and `beam_width` set to its widest step (a
+    `beam_width` given beside it must be that width, or left at its default)."""
+    schedule = params.beam_width_schedule
+    if schedule is None:
+        return
+    _require(isinstance(schedule, (list, tuple)) and len(schedule) >= 1, "beam_width_schedule",
+             "must be a non-empty list of integer widths >= 1 (e.g. [64, 256, 1024]), got {value!r}",
+             value=schedule)
+    for width in schedule:
+        _require(_is_int(width) and 1 <= width <= MAX_SCHEDULE_WIDTH, "beam_width_schedule",
+                 "must hold only integer widths in [1, {limit}], got {value!r}", limit=MAX_SCHEDULE_WIDTH,
+                 value=width)
+    schedule = tuple(schedule)
+    _require(params.max_new_tokens is None or len(schedule) <= params.max_new_tokens, "beam_width_schedule",
+             "has {length} entries, more than {max_new_tokens} ({limit}): one width per generated token "
+             "at most (the last one repeats)", length=len(schedule), limit=params.max_new_tokens)
+    widest = max(schedule)
+    _require(params.beam_width in (DEFAULT_BEAM_WIDTH, widest), "beam_width",
+             "and {beam_width_schedule} disagree: with a schedule {beam_width} is its widest step "
+             "({limit}); leave it out, got {value!r}", limit=widest, value=params.beam_width)
+    object.__setattr__(params, "beam_width_schedule", schedule)
+    object.__setattr__(params, "beam_width", widest)
+
+
 @dataclass(frozen=True)
 class BeamSearchParams:
     """Deterministic beam search over `beam_width` beams, scored like Hugging Face `generate(num_beams=...)`.
@@ -235,9 +316,15 @@ class BeamSearchParams:
     `stop` and `stop_token_ids` are refused with a catalogue (a stop could end a beam inside an item);
     the engine refuses, at admission, a `max_new_tokens` below the shortest item + EOS and a
     `min_new_tokens` past the longest item (either could only return nothing).
+
+    Beam-width schedules (docs/generative-retrieval-schedules.md): `beam_width_schedule=[w1, w2, ...]`
+    searches step k (the k-th generated token) with w_k beams, the last width repeating; any
+    direction, at most `max_new_tokens` entries. `beam_width` becomes the widest step (what the
+    engine's `max_beam_width` bounds); the finished hypotheses kept, the stopping rule and
+    `num_return_sequences` (default: all) follow the final width.
     """
 
-    beam_width: int = 4
+    beam_width: int = DEFAULT_BEAM_WIDTH
     max_new_tokens: int | None = 16
     length_penalty: float = 1.0
     early_stopping: bool | str = False
@@ -263,6 +350,23 @@ class BeamSearchParams:
     forced_bos_token_id: int | None = None
     # Structured output: every beam inside the grammar, its matcher forked with the beam.
     response_format: object = field(default=None, compare=False)
+    # The search tree (widebeam/beam/tree.py, docs/ui.md): every candidate each step kept, returned in
+    # `RequestOutput.tree`. Off by default; its memory is counted, not capped: at most 2 x beam_width x
+    # max_new_tokens nodes of 26 bytes (200 more per finished one) while searching (`tree["nbytes"]`),
+    # more as JSON (docs/ui.md: W=1024, N=8).
+    return_tree: bool = False
+    # Per-step widths (w_1, ..., w_L); None: `beam_width` at every step.
+    beam_width_schedule: tuple[int, ...] | None = None
+    # Per-request item filters over the catalogue (catalogue/filters.py): item indices (the i-th item
+    # given when it was built), or a subset registered beside it; stored as int64 arrays.
+    allowed_items: object = field(default=None, compare=False, repr=False)
+    excluded_items: object = field(default=None, compare=False, repr=False)
+    catalogue_subset: str | None = None
+    # Group (diverse) beam search, transformers 4.46's `_group_beam_search` (widebeam/beam/group.py):
+    # `beam_width` beams in `num_beam_groups` groups, each penalised by `diversity_penalty` per
+    # earlier group's beam that chose the same token at the same step.
+    num_beam_groups: int = 1
+    diversity_penalty: float = 0.0
 
     @property
     def constrained(self) -> bool:
@@ -274,6 +378,9 @@ class BeamSearchParams:
         _require(isinstance(self.beam_width, int) and not isinstance(self.beam_width, bool)
                  and self.beam_width >= 1, "beam_width", "must be an integer >= 1, got {value!r}",
                  value=self.beam_width)
+        _check_schedule(self)
+        _check_item_filters(self)
+        _check_groups(self)
         _require(self.catalogue is None or (isinstance(self.catalogue, str) and bool(self.catalogue)),
                  "catalogue",
                  "must be the name of a registered catalogue, got {value!r}", value=self.catalogue)
@@ -297,12 +404,13 @@ class BeamSearchParams:
                  "early_stopping", "must be True, False or \"never\", got {value!r}",
                  value=self.early_stopping)
         if self.num_return_sequences is None:
-            object.__setattr__(self, "num_return_sequences", self.beam_width)
+            object.__setattr__(self, "num_return_sequences", self.final_beam_width)
         num_return = self.num_return_sequences
+        width_name = "{beam_width_schedule}'s final width" if self.beam_width_schedule else "{beam_width}"
         _require(isinstance(num_return, int) and not isinstance(num_return, bool)
-                 and 1 <= num_return <= self.beam_width, "num_return_sequences",
-                 "must be an integer in [1, {beam_width}={width}] or None, got {value!r}",
-                 width=self.beam_width, value=self.num_return_sequences)
+                 and 1 <= num_return <= self.final_beam_width, "num_return_sequences",
+                 "must be an integer in [1, " + width_name + "={width}] or None, got {value!r}",
+                 width=self.final_beam_width, value=self.num_return_sequences)
         _require(isinstance(self.min_new_tokens, int) and not isinstance(self.min_new_tokens, bool)
                  and self.min_new_tokens >= 0, "min_new_tokens",
                  "must be an integer >= 0, got {value!r}", value=self.min_new_tokens)
@@ -313,6 +421,8 @@ class BeamSearchParams:
         _require(all(s for s in self.stop), "stop", "must not contain empty strings")
         _require(isinstance(self.ignore_eos, bool), "ignore_eos", "must be true or false, got {value!r}",
                  value=self.ignore_eos)
+        _require(isinstance(self.return_tree, bool), "return_tree", "must be true or false, got {value!r}",
+                 value=self.return_tree)
         _check_penalties(self)
         _check_logprobs(self)
         _check_response_format(self)
@@ -329,12 +439,26 @@ class BeamSearchParams:
                          "item, and every returned sequence must be a whole item (the end-of-sequence "
                          "token ends each); drop {" + name + "}")
 
+    @property
+    def final_beam_width(self) -> int:
+        """The width of the last steps: the schedule's last entry, else `beam_width`."""
+        return self.beam_width_schedule[-1] if self.beam_width_schedule else self.beam_width
+
+    def width_at_step(self, step: int) -> int:
+        """The width of step `step` >= 1 (the step choosing the step-th generated token)."""
+        if not self.beam_width_schedule:
+            return self.beam_width
+        return self.beam_width_schedule[min(step, len(self.beam_width_schedule)) - 1]
+
     def replace(self, **changes) -> BeamSearchParams:
-        """A copy with `changes` applied. A `num_return_sequences` equal to `beam_width` (the default, all
-        beams) follows a changed `beam_width` unless it is given too."""
+        """A copy with `changes` applied. A `num_return_sequences` equal to the final width (the
+        default, all beams) follows a changed `beam_width` or schedule unless it is given too."""
         values = {f.name: getattr(self, f.name) for f in fields(self)}
-        if ("beam_width" in changes and "num_return_sequences" not in changes
-                and self.num_return_sequences == self.beam_width):
+        widths = {"beam_width", "beam_width_schedule"}
+        if (widths & changes.keys() and "num_return_sequences" not in changes
+                and self.num_return_sequences == self.final_beam_width):
             values["num_return_sequences"] = None
+        if changes.get("beam_width_schedule") is not None and "beam_width" not in changes:
+            values["beam_width"] = DEFAULT_BEAM_WIDTH  # the new schedule's widest step
         values.update(changes)
         return type(self)(**values)

@@ -14,7 +14,7 @@ This module stays free of torch (`widebeam plan` must be quick and run anywhere)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from widebeam.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from widebeam.defaults import (
@@ -77,8 +77,9 @@ class PlanInputs:
     dtype: str = "bfloat16"
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     # Encoder-decoder models: E, the source tokens (default: prompt_len). The decoder's own prompt
-    # is then its start token alone.
+    # is then its start token and a decoder prefix of `decoder_prefix_len` tokens (NLLB's language code).
     encoder_len: int | None = None
+    decoder_prefix_len: int = 0
     # Speculative decoding (None: off): "draft" needs the draft model's arch passed to `plan()`;
     # "ngram" has no draft model, only the target's D tokens per sequence.
     speculative: SpeculativeConfig | None = None
@@ -86,6 +87,9 @@ class PlanInputs:
     catalogue: CataloguePlan | None = None
     # Pinned prefixes as token ids (--pin-prefix): their blocks come off every pool's capacity.
     pinned_prefixes: tuple[tuple[int, ...], ...] = ()
+    # Per-step beam widths (--beam-width-schedule; `beam_width` is then its widest step): the
+    # schedule's own bound is counted (kv/budget.py: scheduled_blocks).
+    beam_width_schedule: tuple[int, ...] = ()
 
     def engine_config(self) -> EngineConfig:
         """The engine this plan is for: its widest request is this one (max_beam_width = beam_width)."""
@@ -104,15 +108,20 @@ class PlanInputs:
 
     def request(self, arch: ModelArch) -> KVRequest:
         """What the cache is asked to hold: for an encoder-decoder model the source goes to the
-        cross pool and the decoder prompt is one token; with speculation D more tokens per sequence."""
+        cross pool and the decoder prompt is its start token and prefix; with speculation D more
+        tokens per sequence."""
         # D draft tokens written per step, and up to D accepted ones fed again the next round
         d = self.num_speculative_tokens
+        schedule = self.beam_width_schedule
+        if schedule and d:
+            raise PlanError("a beam-width schedule runs without speculative decoding",
+                            "--beam-width-schedule")
         if not arch.is_encoder_decoder:
             return KVRequest(self.prompt_len, self.max_new_tokens, self.beam_width, extra_tokens=d,
-                             refeed_tokens=d)
+                             refeed_tokens=d, beam_width_schedule=schedule)
         encoder_len = self.prompt_len if self.encoder_len is None else self.encoder_len
-        return KVRequest(1, self.max_new_tokens, self.beam_width, extra_tokens=d, encoder_tokens=encoder_len,
-                         refeed_tokens=d)
+        return KVRequest(1 + self.decoder_prefix_len, self.max_new_tokens, self.beam_width, extra_tokens=d,
+                         encoder_tokens=encoder_len, refeed_tokens=d, beam_width_schedule=schedule)
 
 
 class PlanError(ValueError):
@@ -189,6 +198,9 @@ def plan(arch: ModelArch, inputs: PlanInputs, draft_arch: ModelArch | None = Non
             "capacity_blocks": b.capacity_blocks,  # what requests may use: the pool less its pinned blocks
             "fits": b.fits,
             "max_concurrent_requests": b.capacity_blocks // b.required_blocks,
+            **({"fixed_width_required_blocks":
+                cache[b.pool].required_blocks(replace(request, beam_width_schedule=()))}
+               if request.beam_width_schedule else {}),
             **cache[b.pool].fit_hints(request),
         }
         for b in budgets
@@ -229,9 +241,12 @@ def plan(arch: ModelArch, inputs: PlanInputs, draft_arch: ModelArch | None = Non
         "model_max_seq_len": arch.max_position_embeddings,
         "max_seq_len": max_seq_len,
         "request": {
-            "prompt_len": request.prompt_tokens,  # 1 (the decoder start token) for an encoder-decoder model
+            # an encoder-decoder model's decoder prompt: its start token and decoder prefix
+            "prompt_len": request.prompt_tokens,
             "max_new_tokens": inputs.max_new_tokens,
             "beam_width": inputs.beam_width,
+            **({"beam_width_schedule": list(inputs.beam_width_schedule)}
+               if inputs.beam_width_schedule else {}),
             **({"encoder_len": request.encoder_tokens} if arch.is_encoder_decoder else {}),
         },
         **({"speculative": _speculative_entry(spec_config, draft_arch, draft_weight_bytes,

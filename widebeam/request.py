@@ -48,6 +48,7 @@ class Request:
         self.pending_token_ids: list[list[int]] = []
         self.completions: list[CompletionOutput] | None = None  # set when it finishes
         self.last_round_steps = 0  # decoder steps the latest round took
+        self._unrecorded_round_nodes: int | None = None  # the latest round's D until the policy hears of it
         self.num_preemptions = 0  # times the scheduler took its blocks back (it resumed by recomputation)
         self.max_feed_tokens: int | None = None  # after a preemption: the most tokens one re-feed step feeds
         self._num_fed_tokens = 1  # tokens per sequence the latest round fed
@@ -168,8 +169,7 @@ class Request:
             return None
         root_rows = [rnd.row_start for rnd in rounds]
         delta, replayed = self._replay(scores, root_rows, [rnd.tree for rnd in rounds])
-        if self.draft_length is not None:
-            self.draft_length.record(rounds[0].max_nodes, replayed.num_steps)
+        self._unrecorded_round_nodes = rounds[0].max_nodes
         if delta.finished:
             return delta
         if rounds[0].max_nodes:
@@ -179,6 +179,13 @@ class Request:
                 self.kv.truncate(i, rnd.committed_tokens + rnd.num_pending)
         self._continue(replayed)
         return delta
+
+    def record_round(self, round_s: float | None) -> None:
+        """Tell the draft policy how the latest round went: its steps and, when the step ran rounds
+        alone, its wall time. A re-feed round (nothing chosen) tells nothing."""
+        if self.draft_length is not None and self._unrecorded_round_nodes is not None:
+            self.draft_length.record(self._unrecorded_round_nodes, self.last_round_steps, round_s)
+        self._unrecorded_round_nodes = None
 
     def _replay(self, scores: StepScores, root_rows: list[int], trees: list[DraftTree]) -> tuple[RequestDelta,
                                                                                                    ReplayedRound]:
@@ -242,4 +249,5 @@ class Request:
         return RequestOutput(self.request_id, self.prompt, self.source_token_ids,
                              list(self.completions or []), self.finished, peak_blocks=self._peak_blocks(),
                              required_blocks=dict(self.admission.required_blocks),
-                             num_cached_tokens=self.kv.num_cached_tokens, prompt_logprobs=prompt_logprobs)
+                             num_cached_tokens=self.kv.num_cached_tokens, prompt_logprobs=prompt_logprobs,
+                             tree=self.stream.tree())

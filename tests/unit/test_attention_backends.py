@@ -22,11 +22,12 @@ class Layout:
     """A paged cache filled token by token; `seqs` hold each sequence's table and its keys/values."""
 
     def __init__(self, t: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, num_blocks: int,
-                 seed: int):
+                 seed: int, scattered: bool = True):
         self.t, self.rng = t, random.Random(seed)
         self.gen = torch.Generator().manual_seed(seed)
-        self.free = list(range(num_blocks))
-        self.rng.shuffle(self.free)  # scattered, non-contiguous blocks
+        self.free = list(range(num_blocks))[::-1]  # popped from the end: in order
+        if scattered:
+            self.rng.shuffle(self.free)  # scattered, non-contiguous blocks
         shape = (num_blocks * t, num_kv_heads, head_dim)
         self.k_cache = torch.full(shape, float("nan"), dtype=dtype)  # never-written slots are NaN
         self.v_cache = torch.full(shape, float("nan"), dtype=dtype)
@@ -178,3 +179,41 @@ def test_the_layouts_exercise_every_path():
         windowed.release_behind(6)
         assert all(g.prefix_tokens == 0 for g in windowed.metadata(sdpa, 6).decode_groups)
     assert prefixes == {True, False} and causal == {True, False}
+
+
+@pytest.mark.parametrize("num_rows", [1, 2, 4])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("t", [1, 4, 16])
+def test_rows_read_in_place_match_dense_attention(num_rows, window, t):
+    """Width-1 decodes whose blocks came off the free list in order: each row's keys are one run of
+    slots, read through a view of the cache (`DecodeGroup.key_ranges`), not gathered."""
+    lay = Layout(t, 3, 8, torch.float32, num_blocks=200 // t + 20, seed=num_rows, scattered=False)
+    for i in range(num_rows):
+        seq = lay.new()
+        lay.append(seq, 7 + 13 * i)  # each request's blocks follow each other
+        lay.step(seq, 1)
+    if window is not None:
+        lay.release_behind(window)
+    sdpa = get_attention_backend("sdpa")
+    meta = lay.metadata(sdpa, window)
+    (group,) = meta.decode_groups
+    assert group.key_ranges is not None and len(group.key_ranges) == num_rows  # the in-place path ran
+    q = torch.randn(num_rows, 9, 8, generator=torch.Generator().manual_seed(t))
+    actual = sdpa.forward(q, lay.k_cache, lay.v_cache, meta, 0.4)
+    torch.testing.assert_close(actual.double(), lay.dense(q, 0.4, window), atol=2e-5, rtol=2e-5)
+
+
+def test_scattered_or_many_rows_are_gathered():
+    sdpa = get_attention_backend("sdpa")
+    scattered = Layout(4, 2, 8, torch.float32, num_blocks=64, seed=3)
+    for _ in range(2):
+        seq = scattered.new()
+        scattered.append(seq, 30)
+        scattered.step(seq, 1)
+    assert scattered.metadata(sdpa, None).decode_groups[0].key_ranges is None
+    many = Layout(4, 2, 8, torch.float32, num_blocks=64, seed=3, scattered=False)
+    for _ in range(5):
+        seq = many.new()
+        many.append(seq, 9)
+        many.step(seq, 1)
+    assert many.metadata(sdpa, None).decode_groups[0].key_ranges is None

@@ -46,3 +46,50 @@ def test_a_probe_that_pays_resumes_full_drafting():
 
 def test_not_adaptive_always_drafts():
     assert drafted_rounds(DraftLength(3, adaptive=False), steps_when_drafting=1, num_rounds=30) == [3] * 30
+
+
+def timed_rounds(policy: DraftLength, steps_when_drafting: int, draft_round_s: float, plain_round_s: float,
+                 num_rounds: int) -> list[int]:
+    """Rounds with wall times: a drafting round takes `draft_round_s`, a plain one `plain_round_s`."""
+    nodes = []
+    for _ in range(num_rounds):
+        n = policy.next_num_nodes()
+        nodes.append(n)
+        policy.record(n, steps_when_drafting if n else 1, draft_round_s if n else plain_round_s)
+    return nodes
+
+
+def test_accepted_drafts_that_cost_more_than_they_save_stop():
+    """2 steps per round at 2.5x a plain round's time: 0.8x the tokens per second, so it backs off,
+    although the acceptance alone (1 gained step) would keep it drafting."""
+    nodes = timed_rounds(DraftLength(4), steps_when_drafting=2, draft_round_s=0.025, plain_round_s=0.010,
+                         num_rounds=200)
+    assert sum(1 for n in nodes if n) < 20
+    assert nodes[:2] == [4, 4] and nodes[2] == 0  # two drafting rounds, then a plain one is measured
+
+
+def test_accepted_drafts_that_pay_keep_drafting_but_for_the_plain_refresh():
+    """2 steps per round at 1.5x a plain round: 1.33x, it keeps drafting; one plain round in 33."""
+    nodes = timed_rounds(DraftLength(4), steps_when_drafting=2, draft_round_s=0.015, plain_round_s=0.010,
+                         num_rounds=200)
+    plain = [i for i, n in enumerate(nodes) if n == 0]
+    assert plain[0] == 2 and all(b - a == 33 for a, b in itertools.pairwise(plain))
+
+
+def test_drafting_comes_back_when_it_pays_again():
+    policy = DraftLength(4)
+    timed_rounds(policy, steps_when_drafting=1, draft_round_s=0.02, plain_round_s=0.01, num_rounds=60)
+    nodes = timed_rounds(policy, steps_when_drafting=4, draft_round_s=0.02, plain_round_s=0.01, num_rounds=80)
+    # the averaged acceptance climbs back within two probes (16 rounds apart), then it drafts on
+    resumed = next(i for i in range(len(nodes) - 1) if nodes[i] == nodes[i + 1] == 4)
+    assert resumed <= 34 and sum(1 for n in nodes[resumed:] if n == 0) <= 2
+
+
+def test_untimed_rounds_never_probe_a_plain_round():
+    """Without times (steps that also ran prompt chunks) only the acceptance floor decides."""
+    policy = DraftLength(4)
+    nodes = [policy.next_num_nodes() for _ in range(1)]
+    for _ in range(40):
+        policy.record(4, 3, None)
+        nodes.append(policy.next_num_nodes())
+    assert set(nodes) == {4}

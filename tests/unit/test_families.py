@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from tiny_bart_family import TINY_CONFIGS as SEQ2SEQ_CONFIGS
 
 from widebeam.model.arch import BUILTIN_CONFIGS, ConfigError, UnsupportedModelError
 from widebeam.model.contract import CausalModel, EncoderDecoderModel
@@ -41,6 +42,9 @@ VARIANTS = {
     "phi3-no-window": {**SMALL, "model_type": "phi3", "sliding_window": None},
     "phi3-partial-rotary": {**SMALL, "model_type": "phi3", "sliding_window": 8, "partial_rotary_factor": 0.5},
     "llama-ignores-window": {**SMALL, "model_type": "llama", "sliding_window": 8},
+    "t5-small": {"model_type": "t5", "d_model": 512, "d_kv": 64, "d_ff": 2048, "num_layers": 6,
+                 "num_heads": 8, "vocab_size": 32128, "feed_forward_proj": "relu"},
+    **{f"seq2seq-{name}": dict(config) for name, config in SEQ2SEQ_CONFIGS.items()},
 }
 
 
@@ -83,7 +87,10 @@ def hf_config(config: dict):
     return hf, hf
 
 
-@pytest.mark.parametrize("variant", sorted(v for v in VARIANTS if not v.startswith("opus")))
+ENCODER_DECODER_VARIANTS = ("opus", "t5", "seq2seq-")
+
+
+@pytest.mark.parametrize("variant", sorted(v for v in VARIANTS if not v.startswith(ENCODER_DECODER_VARIANTS)))
 def test_decoder_shapes_and_windows_match_transformers(variant):
     """Defaults filled as transformers' config classes fill them, and each layer's window as its
     modeling code applies it (Llama: never; Mistral and Phi-3: every layer; Qwen and Gemma: by layer type)."""

@@ -40,7 +40,8 @@ def test_a_cached_repo_id_loads_offline_and_generates_like_its_directory(hub_cac
     (a,) = by_id.generate([source], params, use_tqdm=False)
     (b,) = by_dir.generate([source], params, use_tqdm=False)
     assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
-    assert by_id.engine.source.path == (hub_cache / "models--acme--tiny-marian" / "snapshots" / COMMIT).resolve()
+    snapshot = hub_cache / "models--acme--tiny-marian" / "snapshots" / COMMIT
+    assert by_id.engine.source.path == snapshot.resolve()
 
 
 def test_plan_reads_a_cached_repo_config(hub_cache):

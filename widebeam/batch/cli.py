@@ -11,6 +11,7 @@ import json
 import sys
 
 from widebeam.argtypes import int_at_least as _int_at_least
+from widebeam.argtypes import width_schedule
 from widebeam.batch.local import DEFAULT_MAX_IN_FLIGHT
 from widebeam.engine_args import (
     PREFIX_CACHE,
@@ -40,6 +41,8 @@ def add_batch_parser(sub, help_text: str) -> argparse.ArgumentParser:
     d = p.add_argument_group("defaults for rows that do not set them")
     d.add_argument("--beam-width", type=_int_at_least(1), default=None,
                    help="beam search over this many beams")
+    d.add_argument("--beam-width-schedule", type=width_schedule, default=None, metavar="W1,W2,...",
+                   help="beam search with these per-step widths (the last repeats)")
     d.add_argument("--max-new-tokens", type=_int_at_least(1), default=None)
     d.add_argument("--temperature", type=float, default=None, help="sampling rows only; 0 is greedy")
     d.add_argument("--top-p", type=float, default=None)
@@ -70,7 +73,8 @@ def add_batch_parser(sub, help_text: str) -> argparse.ArgumentParser:
 
 
 def defaults_from(args: argparse.Namespace) -> dict:
-    names = ("beam_width", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "length_penalty")
+    names = ("beam_width", "beam_width_schedule", "max_new_tokens", "temperature", "top_p", "top_k", "seed",
+             "length_penalty")
     defaults = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     if args.default_catalogue is not None:
         defaults["catalogue"] = args.default_catalogue

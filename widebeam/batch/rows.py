@@ -25,8 +25,10 @@ PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 BEAM_FIELDS = {f.name for f in dataclasses.fields(BeamSearchParams)}
 # Fields a CSV cell carries as JSON text (a list or an object), parsed before validation.
-INTEGER_FIELDS = {"seed", "max_new_tokens", "top_k", "beam_width", "min_new_tokens", "num_return_sequences"}
-JSON_FIELDS = {"messages", "prompt_token_ids", "stop", "stop_token_ids", "allowed_sequences"}
+INTEGER_FIELDS = {"seed", "max_new_tokens", "top_k", "beam_width", "min_new_tokens", "num_return_sequences",
+                  "forced_bos_token_id"}
+JSON_FIELDS = {"messages", "prompt_token_ids", "stop", "stop_token_ids", "allowed_sequences",
+               "decoder_prefix"}
 
 
 @dataclass
@@ -75,10 +77,10 @@ def parse_row(raw: Any, index: int, defaults: Mapping[str, Any]) -> BatchRow:
 
 def make_params(values: Mapping[str, Any], defaults: Mapping[str, Any] | None = None
                 ) -> SamplingParams | BeamSearchParams:
-    """`BeamSearchParams` when `use_beam_search` or a `beam_width` above 1 (the row's, else the
-    defaults'), else `SamplingParams`. The defaults fill the fields of that kind the row leaves
-    out (a default `temperature` does not reach a beam row); a row field the kind lacks is an
-    error naming it."""
+    """`BeamSearchParams` when `use_beam_search`, a `beam_width` above 1 or a `beam_width_schedule`
+    (the row's, else the defaults'), else `SamplingParams`. The defaults fill the fields of that kind
+    the row leaves out (a default `temperature` does not reach a beam row); a row field the kind
+    lacks is an error naming it."""
     defaults = dict(defaults or {})
     values = dict(values)
     use_beams = values.pop("use_beam_search", defaults.pop("use_beam_search", None))
@@ -91,7 +93,8 @@ def make_params(values: Mapping[str, Any], defaults: Mapping[str, Any] | None = 
     if width is not None and (isinstance(width, bool) or not isinstance(width, int)):
         raise InvalidParameterError("beam_width", "beam_width must be an integer >= 1, got {value!r}",
                                     value=width)
-    beams = use_beams if use_beams is not None else (width or 1) > 1
+    schedule = values.get("beam_width_schedule", defaults.get("beam_width_schedule"))
+    beams = use_beams if use_beams is not None else ((width or 1) > 1 or schedule is not None)
     known = BEAM_FIELDS if beams else SAMPLING_FIELDS
     values = {**{k: v for k, v in defaults.items() if k in known}, **values}
     unknown = sorted(set(values) - known)
@@ -105,6 +108,13 @@ def make_params(values: Mapping[str, Any], defaults: Mapping[str, Any] | None = 
         # a table column with gaps holds floats (pandas): 3.0 means 3
         if isinstance(values[name], float) and values[name].is_integer():
             values[name] = int(values[name])
+    if isinstance(values.get("beam_width_schedule"), str):  # a table cell: "64,256,1024"
+        try:
+            values["beam_width_schedule"] = [int(w) for w in values["beam_width_schedule"].split(",")]
+        except ValueError:
+            raise InvalidParameterError("beam_width_schedule", "beam_width_schedule must be comma-separated "
+                                        "integer widths, got {value!r}",
+                                        value=values["beam_width_schedule"]) from None
     for name in ("stop", "stop_token_ids"):
         if isinstance(values.get(name), str) and name == "stop":
             values[name] = (values[name],)

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from widebeam.beam.scores import divided_scores, hypothesis_score, length_normalizer
+from widebeam.beam.tree import SearchTree
 from widebeam.params import BeamSearchParams
 
 # HF's running score of its dummy prompt copies (all but copy 0), reproduced on the first step's candidates.
@@ -94,6 +95,7 @@ class _Finished:
     extra_token: int | None  # a final token that has no node of its own
     finish_reason: str
     extra_annotation: object = None  # the extra token's annotation
+    tree_id: int = -1  # its node in the search tree (return_tree)
 
 
 class BeamSearchState:
@@ -133,14 +135,17 @@ class BeamSearchState:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         self.params = params
-        self.beam_width = params.beam_width
+        # With a schedule, step k runs w_k beams (`params.width_at_step`); the finished hypotheses
+        # kept and the stopping rule follow the final width, the one results come from.
+        self.beam_width = params.final_beam_width
         self.max_new_tokens = max_new_tokens
         eos = set() if params.ignore_eos else {int(t) for t in eos_token_ids}
         eos.update(params.stop_token_ids)
         self.eos_token_ids = frozenset(eos)
         self._eos_sorted = sorted(eos)
         self._eos_by_device: dict[torch.device, torch.Tensor] = {}
-        self._num_candidates = max(2, 1 + len(eos)) * self.beam_width
+        self._candidates_per_beam = max(2, 1 + len(eos))
+        self._num_candidates = self._candidates_per_beam * self.beam_width
         self._length_penalty = float(params.length_penalty)
         self._early_stopping = params.early_stopping
         # Token tree: node i holds one generated token and the node before it (_NO_NODE: the prompt).
@@ -153,6 +158,8 @@ class BeamSearchState:
         self._generated = 0
         self._finished: list[_Finished] = []  # best first, at most beam_width
         self._done = False
+        # return_tree: every kept candidate (beam/tree.py); None, and no per-step work, when off.
+        self.tree = SearchTree(self.beam_width, self._length_penalty) if params.return_tree else None
 
     # -- read-only views ---------------------------------------------------------------------------------
 
@@ -210,7 +217,8 @@ class BeamSearchState:
         if lp.dtype != torch.float32:
             lp = lp.float()
         device = lp.device
-        width = self.beam_width
+        width = self.params.width_at_step(self._generated + 1)  # this step's (scheduled) width
+        self._num_candidates = self._candidates_per_beam * width
         mask_eos = (mask_min_length_eos and bool(self._eos_sorted)
                     and self._generated < self.params.min_new_tokens)
 
@@ -281,6 +289,9 @@ class BeamSearchState:
             annotations = annotations[len(new_finished):]
             if self._node_annotation is None:
                 self._node_annotation = [None] * len(self._node_token)
+        if self.tree is not None:
+            self.tree.record_step(generated, new_finished, [self._live_nodes[p] for p in out_parents],
+                                  out_tokens, new_scores)
         self._merge_finished(new_finished)
 
         if last or not out_tokens:
@@ -321,6 +332,9 @@ class BeamSearchState:
             score = hypothesis_score(self._live_scores[i], self._generated, self._length_penalty)
             if score > _IMPOSSIBLE:
                 new_finished.append(_Finished(score, self._live_scores[i], self._live_nodes[i], None, "stop"))
+        if self.tree is not None:
+            for entry in new_finished:
+                self.tree.finish_node(entry)
         self._merge_finished(new_finished)
         chosen_set = set(chosen)
         keep = [i for i in range(num_live) if i not in chosen_set]
@@ -354,7 +368,12 @@ class BeamSearchState:
             live = [_Finished(hypothesis_score(score, self._generated, self._length_penalty), score, node,
                               None, "length") for score, node in zip(self._live_scores, self._live_nodes)]
             live.sort(key=lambda f: f.score, reverse=True)
+            if self.tree is not None:
+                for entry in live[:wanted - len(entries)]:
+                    self.tree.finish_node(entry)
             entries = sorted(entries + live[:wanted - len(entries)], key=lambda f: f.score, reverse=True)
+        if self.tree is not None:
+            self.tree.set_ranks([entry.tree_id for entry in entries])
         return [self._hypothesis(entry) for entry in entries]
 
     # -- internals ---------------------------------------------------------------------------------------
@@ -428,7 +447,7 @@ class BeamSearchState:
     def _should_stop(self, best_possible: float | None) -> bool:
         """HF's stopping rule, checked after each step with the best live beam's optimistic score."""
         full = len(self._finished) >= self.beam_width
-        if full and (self._early_stopping is True or self.beam_width == 1):
+        if full and (self._early_stopping is True or self.params.beam_width == 1):
             # beam_width 1 is HF's greedy search (generate(num_beams=1)): the first EOS ends it.
             return True
         if best_possible is None:

@@ -7,6 +7,7 @@ on the last allowed step only EOS, so no beam is ever cut inside an item. Everyt
 -inf. The masks of all beams are built with tensor ops over the trie's CSR ranges (no loop over
 beams), and the log-probs of the allowed tokens only are kept. Alone in a request's list, the
 constraint offers its allowed (beam, token) pairs (`allowed`) and beam search ranks just those.
+A request's item filter (`catalogue/filters.py`) prunes those pairs inside the same walk.
 """
 
 from __future__ import annotations
@@ -51,9 +52,18 @@ class CatalogueConstraint(BeamStateFollower, StepProcessor):
         # [total] each allowed child's node id: its row's first child + its rank among them
         first_child = starts - (torch.cumsum(counts, 0) - counts)  # [rows]
         first = torch.repeat_interleave(first_child, counts, output_size=total)
-        tokens = catalogue.node_token[first + torch.arange(total, device=nodes.device)]
+        children = first + torch.arange(total, device=nodes.device)
+        item_filter = getattr(catalogue, "item_filter", None)
+        ends = catalogue.is_end[nodes]
+        if item_filter is not None:
+            # a request's filter (catalogue/filters.py): no child without an allowed item below it,
+            # no EOS after an item it excludes
+            live = item_filter.live_children(children, counts)
+            rows, children = rows[live], children[live]
+            ends = ends & item_filter.ends_allowed(nodes)
+        tokens = catalogue.node_token[children]
         if self.eos_token_ids:
-            end_rows = row_ids[catalogue.is_end[nodes]]
+            end_rows = row_ids[ends]
             eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=nodes.device)
             rows = torch.cat((rows, end_rows.repeat_interleave(eos.shape[0])))
             tokens = torch.cat((tokens, eos.repeat(end_rows.shape[0])))

@@ -29,7 +29,7 @@ class CatalogueError(ValueError):
 class Catalogue:
     def __init__(self, node_token: torch.Tensor, node_parent: torch.Tensor, child_start: torch.Tensor,
                  is_end: torch.Tensor, num_items: int, max_item_tokens: int, vocab_size: int,
-                 min_item_tokens: int | None = None):
+                 min_item_tokens: int | None = None, source_items: np.ndarray | None = None):
         self.node_token = node_token  # [num_nodes] the token that leads into each node (root: 0)
         self.node_parent = node_parent  # [num_nodes] (root: 0)
         self.child_start = child_start  # [num_nodes + 1]
@@ -40,6 +40,9 @@ class Catalogue:
         self.min_item_tokens = (_shallowest_end(node_parent, is_end) if min_item_tokens is None
                                 else min_item_tokens)
         self.vocab_size = vocab_size
+        # Host-side [items given] int32: the i-th item given -> its rank in trie (depth-first) order,
+        # what per-request filters index (catalogue/filters.py); None: items are named in trie order.
+        self.source_items = source_items
         # [num_nodes - 1] parent * vocab + token of nodes 1.., strictly increasing
         self.child_keys = node_parent[1:] * vocab_size + node_token[1:]
 
@@ -62,7 +65,7 @@ class Catalogue:
             return self
         return Catalogue(self.node_token.to(device), self.node_parent.to(device), self.child_start.to(device),
                          self.is_end.to(device), self.num_items, self.max_item_tokens, self.vocab_size,
-                         self.min_item_tokens)
+                         self.min_item_tokens, self.source_items)
 
     # -- building -------------------------------------------------------------------------------------
     @classmethod
@@ -118,9 +121,12 @@ class Catalogue:
         # children of p: nodes whose parent is p (nodes 1.. have non-decreasing parents)
         child_start = torch.searchsorted(node_parent_t[1:].contiguous(), torch.arange(num_nodes + 1)) + 1
         num_items = int(np.concatenate(is_end).sum())
+        # sorted rows are the items in trie order, a duplicate right after its first copy
+        source_items = np.empty(array.shape[0], dtype=np.int32)
+        source_items[order] = np.cumsum(different) - 1
         return cls(node_token_t.to(device), node_parent_t.to(device), child_start.to(device),
                    torch.from_numpy(np.concatenate(is_end)).to(device), num_items, int(lengths.max()),
-                   vocab_size, int(lengths.min()))
+                   vocab_size, int(lengths.min()), source_items)
 
     # -- reading ----------------------------------------------------------------------------------------
     def children(self, node: int) -> list[int]:

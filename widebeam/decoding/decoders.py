@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from widebeam.beam.group import GroupBeamSearchState
 from widebeam.beam.search import BeamSearchState, Hypothesis
 from widebeam.decoding.context import StepContext, TokenHistory, drop_rows
 from widebeam.decoding.logprobs import PromptLogprobs, token_logprobs
@@ -177,7 +178,9 @@ class BeamDecoder:
         self.params = params
         self.processors = step_processors(processors)
         self.history = TokenHistory(prompt_token_ids) if self.processors else None
-        self.search = BeamSearchState(params, max_new_tokens, eos_token_ids)
+        # groups of diverse beams (transformers 4.46's group beam search) or one search
+        search_class = GroupBeamSearchState if params.num_beam_groups > 1 else BeamSearchState
+        self.search = search_class(params, max_new_tokens, eos_token_ids)
         self.prompt_logprobs = _prompt_logprobs(params, prompt_token_ids)
 
     @property

@@ -12,7 +12,7 @@ from __future__ import annotations
 from widebeam.decoding.decoders import Advance, BeamDecoder, SamplingDecoder
 from widebeam.decoding.stop import held_back_chars, stop_string_cut
 from widebeam.detokenizer import IncrementalDetokenizer
-from widebeam.logprobs import with_token_text
+from widebeam.logprobs import token_text_of, with_token_text
 from widebeam.outputs import CompletionOutput, RequestDelta
 
 
@@ -57,6 +57,9 @@ class SampledStream:
             self._unsent = self._unsent[safe_end:]
         return set()
 
+    def tree(self) -> None:
+        """A sampled sequence has no search tree."""
+
     def completions(self) -> list[CompletionOutput]:
         decoder = self.decoder
         logprobs = with_token_text(decoder.logprobs, self.tokenizer)
@@ -85,6 +88,13 @@ class BeamStream:
         if stopped:
             self.decoder.stop(stopped)
         return set(stopped)
+
+    def tree(self) -> dict | None:
+        """The search tree with each token's text (`return_tree`), after `completions` ranked it."""
+        tree = self.decoder.search.tree
+        if tree is None:
+            return None
+        return tree.to_dict(token_text_of(self.tokenizer) if self.tokenizer is not None else None)
 
     def completions(self) -> list[CompletionOutput]:
         completions = []

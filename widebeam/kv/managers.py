@@ -26,6 +26,8 @@ from widebeam.kv.budget import (
     cross_attention_blocks,
     full_attention_blocks,
     max_new_tokens_that_fit,
+    scheduled_blocks,
+    scheduled_sliding_window_blocks,
     sliding_window_blocks,
 )
 from widebeam.kv.spec import CrossAttentionSpec, FullAttentionSpec, PoolSpec, SlidingWindowSpec
@@ -222,6 +224,10 @@ class FullAttentionManager(PoolManager):
     """Self-attention over the whole sequence: blocks are kept until the beam is released."""
 
     def required_blocks(self, request: KVRequest) -> int:
+        if request.beam_width_schedule:
+            r = request
+            return scheduled_blocks(r.prompt_tokens, r.max_new_tokens, r.beam_width_schedule,
+                                    self.tokens_per_block, None, r.refeeds_after_preemption)
         return full_attention_blocks(
             request.prompt_tokens,
             request.max_new_tokens,
@@ -233,6 +239,8 @@ class FullAttentionManager(PoolManager):
     def fit_hints(self, request: KVRequest) -> dict[str, int | None]:
         capacity, t = self.capacity_blocks(), self.tokens_per_block
         p, d = request.prompt_tokens, request.extra_tokens
+        if request.beam_width_schedule:
+            return _schedule_hints(self, request, capacity)
         return {
             "max_new_tokens_that_fit": max_new_tokens_that_fit(capacity, p, request.beam_width, t, d),
             "beam_width_that_fits": beam_width_that_fits(capacity, p, request.max_new_tokens, t, d),
@@ -347,6 +355,11 @@ class SlidingWindowManager(FullAttentionManager):
 
     def required_blocks(self, request: KVRequest) -> int:
         r = request
+        if r.beam_width_schedule:
+            return scheduled_sliding_window_blocks(r.prompt_tokens, r.max_new_tokens, r.beam_width_schedule,
+                                                   self.tokens_per_block, self.window_tokens,
+                                                   self.prefill_chunk_tokens, r.cached_prompt_tokens,
+                                                   r.refeeds_after_preemption)
         return sliding_window_blocks(r.prompt_tokens, r.max_new_tokens, r.beam_width, self.tokens_per_block,
                                      self.window_tokens, self.prefill_chunk_tokens, r.extra_tokens,
                                      r.refeed_tokens, r.cached_prompt_tokens)
@@ -354,6 +367,8 @@ class SlidingWindowManager(FullAttentionManager):
     def fit_hints(self, request: KVRequest) -> dict[str, int | None]:
         # the bound is monotone in N and W; `replace` keeps D and R (`refeed_tokens`) as requested
         capacity = self.capacity_blocks()
+        if request.beam_width_schedule:
+            return _schedule_hints(self, request, capacity)
 
         def fits_new_tokens(n: int) -> bool:
             return self.required_blocks(replace(request, max_new_tokens=n)) <= capacity
@@ -399,6 +414,17 @@ class SlidingWindowManager(FullAttentionManager):
         if any(i < len(table.block_ids) and table.block_ids[i] == DROPPED for i in needed):
             raise BlockStateError(f"cannot truncate to {num_tokens} tokens: the window already released "
                                   "blocks those tokens' queries would see")
+
+
+def _schedule_hints(manager: PoolManager, request: KVRequest, capacity: int) -> dict[str, int | None]:
+    """A schedule's hints: the largest N below the one asked for (the bound grows with N: every step's
+    term is kept, and it costs O(N), so the search stays below the request's); no single width answers
+    for a schedule."""
+    def fits_new_tokens(n: int) -> bool:
+        return manager.required_blocks(replace(request, max_new_tokens=n)) <= capacity
+
+    return {"max_new_tokens_that_fit": _largest(fits_new_tokens, 0, request.max_new_tokens),
+            "beam_width_that_fits": None}
 
 
 def _largest(fits, lo: int, hi: int) -> int:

@@ -14,7 +14,7 @@ from widebeam.kv.spec import CrossAttentionSpec, FullAttentionSpec, PoolSpec, Sl
 CROSS_POOL = "cross"
 # Model types with an encoder and a decoder: the decoder's self-attention K/V go in "self", the
 # encoder output's K/V (one copy per decoder layer) in CROSS_POOL.
-ENCODER_DECODER_TYPES = ("marian",)
+ENCODER_DECODER_TYPES = ("marian", "m2m100", "bart", "mbart")
 
 BUILTIN_CONFIGS: dict[str, dict] = {
     "smollm2-135m-instruct": {
@@ -114,6 +114,11 @@ class ModelArch:
     mlp_bias: bool = False
     norms_per_layer: int = 2  # hidden-size norms in each decoder layer (Gemma 3 has four)
     qk_norm: bool = False  # a head_dim-sized norm on q and one on k in each layer
+    # Encoder-decoder stacks (BART family): rows of a stored position table, LayerNorms outside the
+    # layers (layernorm_embedding, the final layer_norm) in each stack, and a final_logits_bias.
+    learned_position_rows: int = 0
+    norms_per_stack: int = 0
+    final_logits_bias: bool = True
 
     @property
     def is_encoder_decoder(self) -> bool:
@@ -139,7 +144,8 @@ class ModelArch:
 
     def _encoder_decoder_params(self) -> int:
         """Marian/BART-style: biased projections, LayerNorms (weight + bias), one shared embedding
-        matrix, a final logits bias; sinusoidal positions are computed, not stored."""
+        matrix, a final logits bias where the family has one; sinusoidal positions are computed, not
+        stored, learned ones (BART) are a table per stack."""
         h = self.hidden_size
         attention = 4 * (h * h + h)
         layer_norm = 2 * h
@@ -149,8 +155,10 @@ class ModelArch:
 
         encoder = self.num_encoder_layers * (attention + ffn(self.encoder_intermediate_size) + 2 * layer_norm)
         decoder = self.num_layers * (2 * attention + ffn(self.intermediate_size) + 3 * layer_norm)
-        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + self.vocab_size
-        return embeddings + encoder + decoder
+        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        embeddings += self.vocab_size if self.final_logits_bias else 0
+        stacks = 2 * (self.learned_position_rows * h + self.norms_per_stack * layer_norm)
+        return embeddings + encoder + decoder + stacks
 
     def weight_bytes(self, dtype: str) -> int:
         return self.num_params * dtype_bytes(dtype)

@@ -29,6 +29,7 @@ from torch.nn import functional as F
 from widebeam.model.attention_metadata import (
     AttentionMetadata,
     DecodeGroup,
+    PositionBias,
     build_decode_groups,
     sequence_keys,
 )
@@ -64,7 +65,8 @@ class AttentionBackend:
         raise NotImplementedError
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, position_bias: PositionBias | None = None) -> torch.Tensor:
+        """`position_bias` (optional): added per head to the scaled scores before the mask."""
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -106,13 +108,15 @@ class ReferenceBackend(AttentionBackend):
     def plan(self, meta: AttentionMetadata, device: torch.device) -> None:
         meta.sequences = [sequence_keys(meta, i, device) for i in range(meta.num_seqs)]
 
-    def forward(self, q, k_cache, v_cache, meta, scale):
+    def forward(self, q, k_cache, v_cache, meta, scale, position_bias=None):
         out = torch.empty_like(q)
         group = q.shape[1] // k_cache.shape[1]
         for seq in meta.sequences:
             k = _gather(k_cache, seq.key_slots).repeat_interleave(group, dim=1).float()  # [S, H, d]
             v = _gather(v_cache, seq.key_slots).repeat_interleave(group, dim=1).float()
             scores = torch.einsum("qhd,shd->hqs", q[seq.start:seq.end].float(), k) * scale
+            if position_bias is not None:
+                scores = scores + position_bias.sequence(seq)
             scores = scores.masked_fill(~seq.mask[None], float("-inf"))
             out[seq.start:seq.end] = torch.einsum("hqs,shd->qhd", torch.softmax(scores, dim=-1),
                                                   v).to(q.dtype)
@@ -132,42 +136,62 @@ class SdpaBackend(AttentionBackend):
         meta.sequences = [sequence_keys(meta, i, device) for i in range(meta.num_seqs)
                           if lens[i] > 1 or meta.tree(i)]
 
-    def forward(self, q, k_cache, v_cache, meta, scale):
+    def forward(self, q, k_cache, v_cache, meta, scale, position_bias=None):
         out = torch.empty_like(q)
         for group in meta.decode_groups:
             rows = q.index_select(0, group.token_index)
-            out.index_copy_(0, group.token_index, _attend_group(rows, k_cache, v_cache, group, scale))
+            out.index_copy_(0, group.token_index,
+                            _attend_group(rows, k_cache, v_cache, group, scale, position_bias))
         for seq in meta.sequences:
             k = _gather(k_cache, seq.key_slots).transpose(0, 1)[None]  # [1, KV, S, d]
             v = _gather(v_cache, seq.key_slots).transpose(0, 1)[None]
-            mask = None if seq.causal else seq.mask[None, None]
+            causal = seq.causal and position_bias is None
+            mask = None if causal else seq.mask[None, None]
+            if position_bias is not None:  # the bias rides in the float mask: -inf where hidden
+                mask = _biased_mask(position_bias.sequence(seq), seq.mask, q.dtype)[None]
             # PyTorch's fused kernel (flash attention on CPU): no [H, Q, S] score tensor in memory.
             out[seq.start:seq.end] = F.scaled_dot_product_attention(
-                q[seq.start:seq.end].transpose(0, 1)[None], k, v, attn_mask=mask, is_causal=seq.causal,
+                q[seq.start:seq.end].transpose(0, 1)[None], k, v, attn_mask=mask, is_causal=causal,
                 scale=scale, enable_gqa=True,
             )[0].transpose(0, 1)
         return out
 
 
+def _biased_mask(bias: torch.Tensor, visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An additive SDPA mask: the bias [H, ..., S] where `visible` (broadcast to it), -inf elsewhere."""
+    return bias.masked_fill(~visible, float("-inf")).to(dtype)
+
+
+def _heads_as_rows(bias: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[H, B, K] -> [KV, B, G, K]: head h = kv * G + g, as the grouped product lays its rows out."""
+    num_heads, batch, num_keys = bias.shape
+    return bias.view(num_kv_heads, num_heads // num_kv_heads, batch, num_keys).transpose(1, 2)
+
+
 def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup,
-                  scale: float) -> torch.Tensor:
+                  scale: float, position_bias: PositionBias | None = None) -> torch.Tensor:
     """One decode group: q [B, H, d] -> [B, H, d]; the prefix is read once for all B queries.
 
     The prefix's scores for every beam and grouped head are one [KV, B*G, d] x [KV, d, P] product.
     The two parts are merged by log-sum-exp (shared running max, summed exponentials), so no
     [B, P + S] score tensor is concatenated. Products run in the cache dtype; the exponentials and
-    the merge in float32.
+    the merge in float32. A position bias is added to both parts' scores before the merge.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group_size = num_heads // num_kv_heads
     rows = batch * group_size
+    if group.key_ranges is not None and position_bias is None:
+        return _attend_in_place(q, k_cache, v_cache, group.key_ranges, scale)
     if not group.prefix_tokens:
         # Nothing shared: each row attends its own keys, which PyTorch's fused kernel does best.
         k = _gather(k_cache, group.suffix_slots).transpose(1, 2)  # [B, KV, S, d]
         v = _gather(v_cache, group.suffix_slots).transpose(1, 2)
-        return F.scaled_dot_product_attention(q[:, :, None, :], k, v,
-                                              attn_mask=group.suffix_mask[:, None, None, :],
+        mask = group.suffix_mask[:, None, None, :]
+        if position_bias is not None:  # [H, B, S] -> [B, H, 1, S]
+            mask = _biased_mask(position_bias.group_suffix(group).transpose(0, 1)[:, :, None, :], mask,
+                                q.dtype)
+        return F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask,
                                               scale=scale, enable_gqa=True)[:, :, 0, :]
     # [KV, B*G, d]: the heads of one KV head, for every beam, as the rows of one matrix. The scale
     # goes on q (B x H x d numbers), not on the scores (B x H x (P + S)).
@@ -178,10 +202,16 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     # [KV, B, G, d] x [KV, B, d, S] -> [KV, B, G, S]; padding keys at -inf
     suffix_scores = torch.matmul(q_rows.view(num_kv_heads, batch, group_size, head_dim),
                                  k_suffix.transpose(-1, -2))
+    if position_bias is not None:
+        suffix_bias = _heads_as_rows(position_bias.group_suffix(group), num_kv_heads)  # [KV, B, G, S]
+        suffix_scores = suffix_scores.float() + suffix_bias
     suffix_scores = (suffix_scores.float().masked_fill_(group.suffix_hidden, float("-inf"))
                      .view(num_kv_heads, rows, -1))
     k_prefix = _gather(k_cache, group.prefix_slots)  # [P, KV, d]
     prefix_scores = torch.bmm(q_rows, k_prefix.permute(1, 2, 0)).float()  # [KV, B*G, P]
+    if position_bias is not None:
+        prefix_scores += _heads_as_rows(position_bias.group_prefix(group), num_kv_heads).reshape(
+            num_kv_heads, rows, -1)
     row_max = torch.maximum(prefix_scores.amax(dim=-1, keepdim=True),
                             suffix_scores.amax(dim=-1, keepdim=True))
     prefix_weights = (prefix_scores - row_max).exp_()  # float32
@@ -196,6 +226,20 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     out /= denominator  # [KV, B*G, d]
     return (out.view(num_kv_heads, batch, group_size, head_dim).transpose(0, 1)
             .reshape(batch, num_heads, head_dim).to(q.dtype))
+
+
+def _attend_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     key_ranges: list[tuple[int, int]], scale: float) -> torch.Tensor:
+    """A few loose rows whose keys each fill one run of consecutive slots (width 1): q [B, H, d] ->
+    [B, H, d], each row against a view of the cache, so nothing is gathered, padded or masked
+    (1.8x faster than the gathered batch for one row of 544 keys: no copy of its K/V per layer)."""
+    out = torch.empty_like(q)
+    for row, (first_slot, num_keys) in enumerate(key_ranges):
+        k = k_cache[first_slot:first_slot + num_keys].transpose(0, 1)[None]  # [1, KV, S, d], a view
+        v = v_cache[first_slot:first_slot + num_keys].transpose(0, 1)[None]
+        out[row] = F.scaled_dot_product_attention(q[row, :, None, :][None], k, v, scale=scale,
+                                                  enable_gqa=True)[0, :, 0, :]
+    return out
 
 
 def _kv_major(x: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,9 @@ class SequenceKeys:
     key_slots: torch.Tensor  # [S] slots of positions key_start .. seq_len-1, in order
     mask: torch.Tensor  # [Q, S] True = may attend
     causal: bool  # the mask is exactly lower-triangular and square (a prefill from position 0, no window cut)
+    # Host tensors the layout was built from, kept (not copied) for a position bias to read:
+    query_positions: torch.Tensor | None = None  # [Q] each query's position
+    key_positions: torch.Tensor | None = None  # [S] each key's position
 
 
 @dataclass
@@ -55,6 +58,16 @@ class DecodeGroup:
     suffix_mask: torch.Tensor  # [B, S] True = a real key of the row (padding is False)
     suffix_hidden: torch.Tensor  # [B, 1, S] ~suffix_mask, shaped to mask [B, G, S] scores
     prefix_tokens: int
+    # Loose rows (nothing shared) whose keys each sit in one run of consecutive slots: (first slot,
+    # number of keys) per row, read through a view of the cache instead of gathered; None otherwise.
+    key_ranges: list[tuple[int, int]] | None = None
+    # Host tensors the group was built from, kept (not copied) for a position bias to read:
+    seq_lens: torch.Tensor | None = None  # [B] each row's length; its query sits at seq_len - 1
+    suffix_positions: torch.Tensor | None = None  # [B, S] each row's own keys' positions (padding: any)
+
+
+# Loose rows read in place one by one up to this many; past it one padded batch (a gather) is faster.
+MAX_IN_PLACE_ROWS = 4
 
 
 @dataclass
@@ -143,7 +156,7 @@ def sequence_keys(meta: AttentionMetadata, seq_index: int, device: torch.device)
         mask &= diff < meta.sliding_window
     causal = key_start == 0 and end - start == seq_len and (meta.sliding_window is None
                                                             or meta.sliding_window >= seq_len)
-    return SequenceKeys(start, end, slots.to(device), mask.to(device), causal)
+    return SequenceKeys(start, end, slots.to(device), mask.to(device), causal, query_positions, positions)
 
 
 def _tree_sequence_keys(meta: AttentionMetadata, seq_index: int, parents: list[int],
@@ -174,7 +187,8 @@ def _tree_sequence_keys(meta: AttentionMetadata, seq_index: int, parents: list[i
     if meta.sliding_window is not None:
         diff = position_of[query_index][:, None] - position_of[key_index][None, :]
         mask &= (diff >= 0) & (diff < meta.sliding_window)
-    return SequenceKeys(start, end, slots.to(device), mask.to(device), causal=False)
+    return SequenceKeys(start, end, slots.to(device), mask.to(device), causal=False,
+                        query_positions=position_of[first_query:], key_positions=position_of[key_start:])
 
 
 def build_decode_groups(meta: AttentionMetadata, device: torch.device) -> list[DecodeGroup]:
@@ -249,4 +263,63 @@ def _group(meta: AttentionMetadata, members: list[int], prefix_tokens: int,
         suffix_mask=suffix_mask.to(device),
         suffix_hidden=(~suffix_mask)[:, None, :].to(device),
         prefix_tokens=prefix_tokens,
+        key_ranges=_key_ranges(own_blocks, starts, ends, t) if prefix_tokens == 0 else None,
+        seq_lens=end_t,
+        suffix_positions=suffix_positions,
     )
+
+
+def _key_ranges(own_blocks: list[list[int]], starts: list[int], ends: list[int],
+                tokens_per_block: int) -> list[tuple[int, int]] | None:
+    """(first slot, keys) per row when every row's own blocks are consecutive ids (one slot run: a
+    request's blocks mostly come off the free list in order), else None; only for a few rows."""
+    if len(own_blocks) > MAX_IN_PLACE_ROWS:
+        return None
+    ranges = []
+    for blocks, start, end in zip(own_blocks, starts, ends):
+        if any(b != blocks[0] + j for j, b in enumerate(blocks)):
+            return None
+        ranges.append((blocks[0] * tokens_per_block + start % tokens_per_block, end - start))
+    return ranges
+
+
+# -- an additive bias per head as a function of positions (T5's relative position bias) -----------
+class PositionBias:
+    """An additive attention bias per head, `fn(query_positions, key_positions) -> [H, *shape]` for
+    broadcastable long tensors (T5: a learned value per head and relative-position bucket).
+
+    A model makes one per stack and forward pass and hands it to every layer of the stack; the bias
+    of each sequence (or decode group) is computed by the first layer that asks and reused by the
+    others, as T5 computes it once in the first layer. Positions come from the host tensors the
+    metadata was built from, moved to `device` only here, so a pass without a bias pays nothing.
+    The bias is added to the scaled scores, before the mask and the softmax.
+    """
+
+    def __init__(self, fn, device: torch.device):
+        self.fn, self.device = fn, device
+        self._by_part: dict[tuple[int, str], tuple[object, torch.Tensor]] = {}
+
+    def _memo(self, part: object, kind: str, make) -> torch.Tensor:
+        key = (id(part), kind)
+        if key not in self._by_part:
+            self._by_part[key] = (part, make())  # holding `part` keeps its id unique for this pass
+        return self._by_part[key][1]
+
+    def _positions(self, positions: torch.Tensor) -> torch.Tensor:
+        return positions.to(device=self.device, dtype=torch.long)
+
+    def sequence(self, seq: SequenceKeys) -> torch.Tensor:
+        """[H, Q, S] float32 for one sequence's queries and keys."""
+        return self._memo(seq, "seq", lambda: self.fn(self._positions(seq.query_positions)[:, None],
+                                                      self._positions(seq.key_positions)[None, :]).float())
+
+    def group_prefix(self, group: DecodeGroup) -> torch.Tensor:
+        """[H, B, P] float32: each row's query against the shared prefix keys 0 .. P-1."""
+        return self._memo(group, "prefix", lambda: self.fn(
+            self._positions(group.seq_lens - 1)[:, None],
+            torch.arange(group.prefix_tokens, device=self.device)[None, :]).float())
+
+    def group_suffix(self, group: DecodeGroup) -> torch.Tensor:
+        """[H, B, S] float32: each row's query against its own (padded) keys."""
+        return self._memo(group, "suffix", lambda: self.fn(
+            self._positions(group.seq_lens - 1)[:, None], self._positions(group.suffix_positions)).float())

@@ -19,8 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from widebeam.model import configs_bart
 from widebeam.model import family_configs as fc
 from widebeam.model.arch import BUILTIN_CONFIGS, ConfigError, ModelArch, UnsupportedModelError
+from widebeam.model.configs_t5 import parse_t5
 from widebeam.model.hub import cached_repo_file, hub_cache_dir, looks_like_repo_id
 
 
@@ -109,6 +111,10 @@ FAMILIES: tuple[Family, ...] = (
     Family("marian", ("marian",), fc.parse_marian, "widebeam.model.registry:build_marian"),
     Family("qwen3", ("qwen3",), fc.parse_qwen3, _DECODER),
     Family("phi3", ("phi3",), fc.parse_phi3, _DECODER, layouts={"phi3": PHI3_LAYOUT}),
+    Family("t5", ("t5", "mt5"), parse_t5, "widebeam.model.t5:build_t5"),
+    Family("m2m100", ("m2m_100",), configs_bart.parse_m2m100, "widebeam.model.registry:build_seq2seq"),
+    Family("bart", ("bart",), configs_bart.parse_bart, "widebeam.model.registry:build_seq2seq"),
+    Family("mbart", ("mbart",), configs_bart.parse_mbart, "widebeam.model.registry:build_seq2seq"),
 )
 SUPPORTED_MODEL_TYPES = tuple(t for family in FAMILIES for t in family.model_types)
 _BY_MODEL_TYPE = {t: family for family in FAMILIES for t in family.model_types}

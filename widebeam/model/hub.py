@@ -18,6 +18,8 @@ import os
 import re
 from pathlib import Path
 
+from widebeam.errors import ModelNotFoundError
+
 log = logging.getLogger(__name__)
 
 # owner/name as the hub spells them; a path that exists is never taken for one
@@ -59,8 +61,6 @@ def resolve_repo_id(repo_id: str) -> Path:
     import httpx
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-
-    from widebeam.model.loader import ModelNotFoundError
 
     cache = hub_cache_dir()
     try:

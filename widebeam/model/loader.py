@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from widebeam.defaults import DEFAULT_MODEL
-from widebeam.errors import WidebeamError
+from widebeam.errors import ModelFormatError, ModelNotFoundError, WidebeamError
 from widebeam.model.hub import looks_like_repo_id, resolve_repo_id
 
 log = logging.getLogger(__name__)
@@ -56,14 +56,6 @@ _ACCEPTED_FORMS = (
     f"an alias ({', '.join(ALIASES)}), a directory holding config.json and *.safetensors, "
     "a path to a .gguf file, or a Hugging Face repo id (owner/name)"
 )
-
-
-class ModelNotFoundError(WidebeamError, FileNotFoundError):
-    """The `model=` string names nothing widebeam can find; the message says what would fit."""
-
-
-class ModelFormatError(WidebeamError, ValueError):
-    """The model's files exist but cannot be used as they are (pickle-only, bad checksum, bad GGUF)."""
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from widebeam.model.attention_metadata import AttentionMetadata
+from widebeam.model.attention_metadata import AttentionMetadata, PositionBias
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -31,9 +31,13 @@ class PagedAttention(nn.Module):
         self.scale = scale
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                position_bias: PositionBias | None = None) -> torch.Tensor:
+        """`position_bias`: an additive bias per head by (query, key) position (T5), or None."""
         write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
-        return meta.backend.forward(q, kv_cache[0], kv_cache[1], meta, self.scale)
+        if position_bias is None:  # the call every other family makes, unchanged
+            return meta.backend.forward(q, kv_cache[0], kv_cache[1], meta, self.scale)
+        return meta.backend.forward(q, kv_cache[0], kv_cache[1], meta, self.scale, position_bias)
 
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"

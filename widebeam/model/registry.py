@@ -6,6 +6,8 @@ meta device, fills it from safetensors and moves it to the device.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from widebeam.defaults import DEFAULT_LINEAR_BACKEND, DTYPES, FLOAT_DTYPES
@@ -42,13 +44,15 @@ def build_model(config: dict) -> torch.nn.Module:
     return parsed.family.build(parsed)
 
 
-def build_marian(parsed: ParsedConfig) -> torch.nn.Module:
-    from widebeam.model.marian import MarianConfig, MarianMTModel
+def build_seq2seq(parsed: ParsedConfig) -> torch.nn.Module:
+    """A BART-shaped encoder-decoder (Marian, M2M100/NLLB, BART, mBART): the family's settings are
+    the switches of bart_family.Seq2SeqConfig (Marian's settings leave the rest at its defaults)."""
+    from widebeam.model.bart_family import Seq2SeqConfig, Seq2SeqLM
 
-    settings = parsed.settings
-    return MarianMTModel(MarianConfig(arch=parsed.arch, encoder_heads=settings.encoder_heads,
-                                      activation=settings.activation, embed_scale=settings.embed_scale,
-                                      decoder_start_token_id=settings.decoder_start_token_id))
+    return Seq2SeqLM(Seq2SeqConfig(arch=parsed.arch, **dataclasses.asdict(parsed.settings)))
+
+
+build_marian = build_seq2seq  # the name the family table used before the BART family joined
 
 
 def load_model(source: ModelSource, dtype: str, device: torch.device,

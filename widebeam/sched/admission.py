@@ -27,13 +27,17 @@ class Admission:
 
 def admit_check(cache: KVCache, max_seq_len: int, prompt_len: int, max_new_tokens: int | None,
                 beam_width: int = 1, encoder_tokens: int = 0, max_encoder_tokens: int = 0,
-                extra_tokens: int = 0, refeed_tokens: int = 0, key: PrefixKey | None = None) -> Admission:
+                extra_tokens: int = 0, refeed_tokens: int = 0, key: PrefixKey | None = None,
+                beam_width_schedule: tuple[int, ...] = (),
+                refeeds_after_preemption: bool = False) -> Admission:
     """Validate lengths against `max_seq_len` (and an encoder-decoder request's source, of
     `encoder_tokens`, against the model's `max_encoder_tokens`), then every pool's budget, the
     cross pool's `ceil(E/T)` included; raise if it can never run. `extra_tokens` (D) and
     `refeed_tokens` are what speculative decoding adds per sequence (see kv/budget.py). With the
     prompt's prefix `key`, pinned prefix blocks it shares count as held and its prefill starts after
-    them (they are always there)."""
+    them (they are always there). A `beam_width_schedule` (per-step widths, `beam_width` its widest)
+    is counted by its own worst case (kv/budget.py: `scheduled_blocks`); `refeeds_after_preemption`
+    when a preemption may resume it by re-feeding every beam."""
     if prompt_len < 1:
         raise InvalidParameterError("prompt", "prompt is empty: give at least one token")
     if max_encoder_tokens and encoder_tokens > max_encoder_tokens:
@@ -59,5 +63,7 @@ def admit_check(cache: KVCache, max_seq_len: int, prompt_len: int, max_new_token
     pinned = cache.pinned_hit(key)
     kv_request = KVRequest(prompt_len, max_new_tokens, beam_width, extra_tokens=extra_tokens,
                            refeed_tokens=refeed_tokens, encoder_tokens=encoder_tokens,
-                           cached_prompt_tokens=pinned.num_tokens)
+                           cached_prompt_tokens=pinned.num_tokens,
+                           beam_width_schedule=tuple(beam_width_schedule),
+                           refeeds_after_preemption=refeeds_after_preemption)
     return Admission(max_new_tokens, kv_request, cache.check_fits(kv_request, pinned.credit_blocks))

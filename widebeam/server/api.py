@@ -6,6 +6,8 @@ Handlers never touch the engine: they talk to the `EngineLoop` (engine_loop.py),
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import hmac
 import json
 import logging
@@ -25,6 +27,7 @@ from widebeam.server import schemas as s
 from widebeam.server.engine_loop import EngineLoop, Group
 from widebeam.server.metrics import CONTENT_TYPE, ServerMetrics
 from widebeam.server.render import ChoiceRenderer
+from widebeam.server.ui_routes import add_ui_routes, is_ui_path
 
 log = logging.getLogger("widebeam.server")
 
@@ -50,13 +53,15 @@ class GuardMiddleware:
             return await _send_error(send, 400, f"{num_authorization} Authorization headers: send exactly "
                                      "one ('Authorization: Bearer <key>')",
                                      code="duplicate_authorization_header")
-        if self.api_key and scope["path"] != "/health":
-            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
-                return await _send_error(send, 401,
-                                         "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                                         code="invalid_api_key",
-                                         extra_headers=[(b"www-authenticate", b"Bearer")])
+        presented = _presented_key(headers.get(b"authorization", b""))
+        if self.api_key and scope["path"] != "/health" and not hmac.compare_digest(presented, self.api_key):
+            # A browser opening the web page is asked for the key (HTTP Basic, the key as password)
+            # and then sends it with the page's own calls; API clients send Bearer.
+            challenge = b'Basic realm="widebeam"' if is_ui_path(scope["path"]) else b"Bearer"
+            return await _send_error(send, 401,
+                                     "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                     code="invalid_api_key",
+                                     extra_headers=[(b"www-authenticate", challenge)])
         too_large = (f"request body exceeds the server's limit of {self.max_request_bytes} bytes "
                      "(widebeam serve --max-request-bytes)")
         length = headers.get(b"content-length")
@@ -87,6 +92,20 @@ class GuardMiddleware:
             return replay.pop(0) if replay else await receive()
 
         return await self.app(scope, replay_receive, send)
+
+
+def _presented_key(authorization: bytes) -> bytes:
+    """The key in an Authorization header: `Bearer KEY`, or `Basic base64(user:KEY)` (any user: what a
+    browser sends for the web page); empty when there is none."""
+    scheme, _, token = authorization.partition(b" ")
+    if scheme.lower() == b"bearer":
+        return token.strip()
+    if scheme.lower() == b"basic":
+        try:
+            return base64.b64decode(token.strip(), validate=True).partition(b":")[2]
+        except (binascii.Error, ValueError):
+            return b""
+    return b""
 
 
 async def _send_error(send, status: int, message: str, code: str | None = None, extra_headers=()):
@@ -124,9 +143,12 @@ _ERROR_RESPONSES = {status: {"model": s.ErrorResponse, "description": text} for 
 
 def create_app(engine, *, model_name: str, api_key: str | None = None,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               model_aliases: tuple[str, ...] = ()) -> FastAPI:
+               model_aliases: tuple[str, ...] = (), ui: bool = True,
+               plan_model: str | None = None) -> FastAPI:
     """`model_aliases`: other names a request's `model` may give for the served model (the `--model`
-    it was started with, a path's last part); /v1/models lists `model_name` only."""
+    it was started with, a path's last part); /v1/models lists `model_name` only. `ui`: serve the web
+    page at `/` (server/ui_routes.py; its JSON endpoints are there either way); `plan_model`: the
+    served model as `widebeam plan` reads it, offered first by the plan panel."""
     from widebeam import __version__
 
     metrics = ServerMetrics(lambda: loop.snapshot)
@@ -166,6 +188,8 @@ def create_app(engine, *, model_name: str, api_key: str | None = None,
     async def _internal(request, exc: Exception):
         log.exception("unhandled error")
         return JSONResponse(s.error_body("internal server error", "server_error"), status_code=500)
+
+    add_ui_routes(app, loop, model_name=model_name, plan_model=plan_model, ui=ui)
 
     @app.get("/health")
     async def health():
@@ -242,6 +266,9 @@ def create_app(engine, *, model_name: str, api_key: str | None = None,
         body = {"id": call_id, "object": "chat.completion" if chat else "text_completion", "created": s.now(),
                 "model": model_name, "choices": choices,
                 "usage": s.usage(prompt_tokens, completion_tokens, cached_tokens)}
+        trees = render.search_trees(outputs)
+        if trees is not None:
+            body["search_trees"] = trees
         prompt_logprobs = render.chat_prompt_logprobs(outputs)
         if prompt_logprobs is not None:
             body["prompt_logprobs"] = prompt_logprobs
@@ -297,7 +324,7 @@ def create_app(engine, *, model_name: str, api_key: str | None = None,
                         chunks.append(render.closing_chunk(choice_index(k, j), output, completion,
                                                            prompt_texts[k // plan.requests_per_prompt],
                                                            plan.beam))
-                    yield event(chunks)
+                    yield event(chunks, **({"search_tree": output.tree} if plan.return_tree else {}))
                 else:
                     complete = True
                     if include_usage:

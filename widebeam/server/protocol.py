@@ -14,7 +14,7 @@ from pydantic import BaseModel
 
 from widebeam.errors import InvalidParameterError, RequestTooLargeError
 from widebeam.outputs import CompletionOutput, RequestOutput
-from widebeam.params import BeamSearchParams, SamplingParams
+from widebeam.params import DEFAULT_BEAM_WIDTH, BeamSearchParams, SamplingParams
 from widebeam.server.schemas import (
     MAX_INLINE_ITEM_TOKENS,
     MAX_INLINE_ITEMS,
@@ -29,7 +29,7 @@ from widebeam.server.schemas import (
 MAX_ENGINE_REQUESTS_PER_CALL = 128
 KV_CAPACITY_CODE = "kv_cache_capacity_exceeded"
 MAX_TOKEN_ID = 2**31 - 1
-CATALOGUE_FIELDS = ("catalogue", "allowed_sequences")
+CATALOGUE_FIELDS = ("catalogue", "allowed_sequences", "catalogue_subset", "allowed_items", "excluded_items")
 
 
 log = logging.getLogger("widebeam.server")
@@ -48,6 +48,11 @@ class Plan:
     num_top_logprobs: int | None = None  # alternatives per token in the response; None: no logprobs
     echo: bool = False  # completions: the prompt (and its log-probs) before each choice
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs in the response
+
+    @property
+    def return_tree(self) -> bool:
+        """Beam search asked for its search tree (`return_tree`)."""
+        return self.beam and self.params[0].return_tree
 
     @property
     def requests_per_prompt(self) -> int:
@@ -130,9 +135,12 @@ def _sampling_plan(req, max_tokens, stop, stop_token_ids, max_tokens_name: str, 
     for name in CATALOGUE_FIELDS:
         if _given(req, name):
             raise invalid(name, f"{name} constrains beam search: add use_beam_search: true")
-    for name in ("beam_width", "length_penalty", "early_stopping"):
+    for name in ("beam_width", "beam_width_schedule", "length_penalty", "early_stopping", "num_beam_groups",
+                 "diversity_penalty"):
         if _given(req, name):
             raise invalid(name, f"{name} applies only to beam search: add use_beam_search: true")
+    if req.return_tree:  # a sample has no search tree
+        raise invalid("return_tree", "return_tree applies only to beam search: add use_beam_search: true")
     num_samples = req.best_of if _given(req, "best_of") else req.n
     if num_samples < req.n:
         raise invalid("best_of", f"best_of ({num_samples}) must be >= n ({req.n})")
@@ -168,7 +176,14 @@ def _beam_plan(req, max_tokens, stop, stop_token_ids, max_tokens_name: str, extr
                       f"best_of ({req.best_of}) and beam_width ({req.beam_width}) differ; give one")
     width_field = "beam_width" if _given(req, "beam_width") else "best_of" if _given(req, "best_of") else "n"
     width = getattr(req, width_field)
-    if req.n > width:
+    schedule = req.beam_width_schedule
+    if schedule is not None:
+        # n beams come from the schedule's last width; a width field beside it must be its widest
+        # step (BeamSearchParams says so, naming the field)
+        width_field = "beam_width_schedule" if width_field == "n" else width_field
+        width = (req.beam_width if _given(req, "beam_width")
+                 else req.best_of if _given(req, "best_of") else DEFAULT_BEAM_WIDTH)
+    elif req.n > width:
         raise invalid("n", f"n ({req.n}) must be <= the beams searched ({width_field}={width})")
     allowed_sequences = _inline_catalogue(req.allowed_sequences)
     if ((_given(req, "catalogue") or allowed_sequences is not None)
@@ -181,7 +196,10 @@ def _beam_plan(req, max_tokens, stop, stop_token_ids, max_tokens_name: str, extr
         early_stopping=False if req.early_stopping is None else req.early_stopping,
         num_return_sequences=req.n, min_new_tokens=req.min_tokens, stop_token_ids=stop_token_ids, stop=stop,
         ignore_eos=req.ignore_eos, catalogue=req.catalogue, allowed_sequences=allowed_sequences,
-        _width_field=width_field, _max_tokens_name=max_tokens_name, **_penalties(req), **extra)
+        beam_width_schedule=schedule, catalogue_subset=req.catalogue_subset, allowed_items=req.allowed_items,
+        excluded_items=req.excluded_items, num_beam_groups=req.num_beam_groups or 1,
+        diversity_penalty=req.diversity_penalty or 0.0, return_tree=req.return_tree, _width_field=width_field,
+        _max_tokens_name=max_tokens_name, **_penalties(req), **extra)
     return Plan([params], beam=True, n=req.n, width_field=width_field)
 
 

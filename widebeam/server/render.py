@@ -82,6 +82,12 @@ class ChoiceRenderer:
         self._offsets[index] = len(prompt_text)
         return s.chunk_choice(self.chat, index, prompt_text, None)
 
+    def search_trees(self, outputs: list[RequestOutput]) -> list[dict] | None:
+        """`return_tree`: one search tree per prompt (a beam request per prompt), else None."""
+        if not self.plan.return_tree:
+            return None
+        return [output.tree for output in outputs]
+
     def chat_prompt_logprobs(self, outputs: list[RequestOutput]) -> list | None:
         """vLLM's top-level `prompt_logprobs` of a chat response (one prompt)."""
         if not self.chat or self.plan.prompt_logprobs is None or not outputs:

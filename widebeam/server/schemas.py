@@ -5,6 +5,8 @@ handlers write. Turning a request into engine parameters is protocol.py's.
 Beam search rides on the OpenAI fields: `use_beam_search: true`, `n` beams returned, `best_of` or
 `beam_width` beams searched (default `n`), `length_penalty`, `early_stopping`, `stop`,
 `stop_token_ids`, `min_tokens`, `max_tokens`. Each beam choice carries its `beam_score`.
+`beam_width_schedule` (a list of per-step widths, the last repeating) replaces a fixed width; `n`
+beams come from its last width. `num_beam_groups` with `diversity_penalty`: diverse beam search.
 
 Generative retrieval (catalogue-constrained beams) adds `catalogue` (the name of one the server
 registered, `widebeam serve --catalogue NAME=PATH`) or an inline `allowed_sequences` (token-id lists,
@@ -12,6 +14,8 @@ at most `MAX_INLINE_ITEMS` items of at most `MAX_INLINE_ITEM_TOKENS` tokens), bo
 `use_beam_search`: every returned choice is then one item (its text), and `max_tokens` defaults to
 the longest item plus its end-of-sequence token. A `max_tokens` below the shortest item plus its EOS,
 a `min_tokens` past the longest item, or any `stop` / `stop_token_ids` is a 400 naming the field.
+Per-request item filters over a catalogue: `catalogue_subset` (a subset registered beside it),
+`allowed_items` / `excluded_items` (item indices); no returned item lies outside them.
 """
 
 from __future__ import annotations
@@ -81,6 +85,9 @@ class _GenerationFields(BaseModel):
     stream_options: StreamOptions | None = None
     use_beam_search: bool = False
     beam_width: int | None = Field(None, ge=1, description="beams searched (same as best_of); default n")
+    beam_width_schedule: list[int] | None = Field(
+        None, description="beam search only: the width of each step ([64, 256, 1024]: step 1 keeps 64 "
+                          "beams, step 2 256, then 1024; the last repeats); n <= its last width")
     length_penalty: float | None = Field(None, description="beam search only; default 1.0")
     early_stopping: bool | Literal["never"] | None = Field(None,
                                                            description="beam search only; default false")
@@ -89,6 +96,16 @@ class _GenerationFields(BaseModel):
     catalogue: str | None = Field(None, description="beam search only: constrain every beam to the items of "
                                                     "this registered catalogue (widebeam serve --catalogue "
                                                     "NAME=PATH); each choice is one item")
+    num_beam_groups: int | None = Field(None, ge=1, description="beam search only: diverse beam search over "
+                                                                "this many groups (divides the beams)")
+    diversity_penalty: float | None = Field(None, ge=0, description="beam search with num_beam_groups > 1: "
+                                                                    "the Hamming diversity penalty")
+    catalogue_subset: str | None = Field(None, description="beam search with `catalogue` only: return only "
+                                                           "items of this subset registered beside it")
+    allowed_items: list[int] | None = Field(None, description="beam search with a catalogue only: the only "
+                                                              "item indices that may come back")
+    excluded_items: list[int] | None = Field(None, description="beam search with a catalogue only: item "
+                                                               "indices that never come back")
     allowed_sequences: list[list[int]] | None = Field(
         None,
         description=f"beam search only: an inline catalogue, token-id lists (at most {MAX_INLINE_ITEMS} "
@@ -106,6 +123,10 @@ class _GenerationFields(BaseModel):
     # tokens. `forced_bos_token_id`: the first generated token (HF's; only without a decoder_prefix).
     decoder_prefix: str | list[int] | None = None
     forced_bos_token_id: int | None = Field(None, ge=0)
+    # widebeam's extension: the beam search tree (widebeam/beam/tree.py, docs/ui.md) in the response's
+    # `search_trees` (one per prompt), or in a stream's closing event of each prompt as `search_tree`
+    return_tree: bool = Field(False, description="beam search only: return the search tree (every "
+                                                 "candidate each step kept) in `search_trees`")
     # vLLM's extension: each prompt token's log-prob and its `prompt_logprobs` most likely alternatives
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # OpenAI fields accepted only at their neutral values.

@@ -27,6 +27,7 @@ from widebeam.engine_args import (
     add_engine_arguments,
     catalogue_error_message,
     catalogue_spec,
+    catalogue_subset_spec,
     catalogues_kwargs,
 )
 from widebeam.engine_args import engine_kwargs as engine_kwargs_from
@@ -100,11 +101,18 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="on SIGTERM or SIGINT, new requests get 503 and those in flight get this long to "
                         "finish before they are aborted with an error; then the server exits 0 "
                         f"(default {DEFAULT_SHUTDOWN_TIMEOUT_S:g})")
+    p.add_argument("--no-ui", action="store_true",
+                   help="do not serve the web page at / (the search explorer, capacity and plan panels; "
+                        "docs/ui.md)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     p.add_argument("--catalogue", type=catalogue_spec, action="append", default=[], metavar="NAME=PATH",
                    help="register a catalogue for generative retrieval under NAME (requests send "
                         "\"catalogue\": NAME with use_beam_search): a .jsonl (token-id lists or strings), "
                         ".npy or .parquet file; its bytes come off the KV budget (repeatable)")
+    p.add_argument("--catalogue-subset", type=catalogue_subset_spec, action="append", default=[],
+                   metavar="NAME:SUBSET=PATH",
+                   help="a named subset of catalogue NAME's item indices (.npy, or integers in a text or "
+                        "JSON file): requests send \"catalogue_subset\": SUBSET (repeatable)")
     add_engine_arguments(p, [*SPECULATIVE, *PREFIX_CACHE, *SCHEDULING])
     r = p.add_argument_group("replicas on Ray Serve (pip install 'widebeam[ray]')")
     r.add_argument("--replicas", type=_int_at_least(1), default=None,
@@ -128,7 +136,8 @@ def add_serve_parser(subparsers, help_text: str):
     """
     p = subparsers.add_parser("serve", help=help_text,
                               description="OpenAI-compatible HTTP server: /v1/completions, "
-                                          "/v1/chat/completions, /v1/models, /health, /metrics.")
+                                          "/v1/chat/completions, /v1/models, /health, /metrics, and a "
+                                          "web page at / (--no-ui: none).")
     add_serve_arguments(p)
     p.set_defaults(func=lambda args, parser=None: run_serve(args))
     return p
@@ -164,7 +173,8 @@ def run_serve(args: argparse.Namespace) -> int:
     except argparse.ArgumentTypeError as exc:
         return _fail(f"argument --pin-prefix: {exc}")
     app_kwargs = {"model_name": args.served_model_name or args.model, "api_key": api_key,
-                  "max_request_bytes": args.max_request_bytes, "model_aliases": model_aliases(args.model)}
+                  "max_request_bytes": args.max_request_bytes, "model_aliases": model_aliases(args.model),
+                  "ui": not args.no_ui, "plan_model": args.model}
     warning = exposure_warning(args.host, api_key)
     if args.replicas or args.min_replicas is not None or args.max_replicas is not None or args.ray_address:
         return _serve_on_ray(args, engine_kwargs, app_kwargs, warning)

@@ -1,20 +1,40 @@
-"""How many nodes a request drafts next round.
+"""How many nodes a request drafts next round: only while drafting is faster than not drafting.
 
 Drafted nodes cost whether or not they are accepted: the target scores every one (rows of its
-verify pass) and a draft model runs a pass per tree level. A request whose drafts are rarely
-accepted (free text under prompt lookup, wide beams leaving the drafted tree) then runs slower than
-without speculation, so such a request stops drafting for a while and probes again after 1, 2, 4
-... 16 rounds. Output never depends on this: a round without drafts is a plain decode step.
+verify pass) and a draft model runs a pass per tree level. What pays is tokens per second, so each
+request weighs both sides of it, measured on its own rounds (its own shape: width, context, drafter):
+
+- a drafting round takes `draft_round_s` and advances `1 + gained_steps` steps (both exponential
+  averages of its recent drafting rounds);
+- a plain round takes `plain_round_s` and advances one step (measured on the request's plain rounds:
+  the first after `_PROBE_PLAIN_AFTER` drafting rounds, then one every `_REFRESH_PLAIN_EVERY`, and every
+  round it spends backing off).
+
+It drafts while `(1 + gained_steps) / draft_round_s >= (1 + _MARGIN) / plain_round_s`, and also needs
+`gained_steps >= MIN_GAINED_STEPS` (before both times are known, and as a floor: a draft that is
+almost never accepted is not worth its rows even when the host is idle). Otherwise it stops drafting
+and probes again after 1, 2, 4 ... 16 rounds; a probe that pays resumes full drafting. The times are
+the engine step's wall time, taken only from steps that ran rounds alone (a step that also ran
+prompt chunks says nothing about a round). Output never depends on this: a round without drafts is a
+plain decode step.
 """
 
 from __future__ import annotations
 
-# Keep drafting while the recent rounds gained at least this many steps beyond the one every
-# round takes (an exponential average): below it, the rejected nodes cost more than the steps saved
-# (benchmarks/speculative.py, W=4 prompt lookup at 1.27 steps per round: 0.58x).
+# A floor on accepted steps per drafting round (an exponential average): below it the rejected nodes
+# cost more than the steps saved (benchmarks/speculative.py, W=4 prompt lookup at 1.27 steps per
+# round: 0.58x).
 MIN_GAINED_STEPS = 0.5
+# Drafting must beat plain decoding by this much: within it, timing noise would flip the choice.
+_MARGIN = 0.03
 _SMOOTHING = 0.3
 _MAX_BACKOFF_ROUNDS = 16
+_PROBE_PLAIN_AFTER = 2  # drafting rounds before the first plain round is measured
+_REFRESH_PLAIN_EVERY = 32  # drafting rounds between plain measurements (the context grows)
+
+
+def _average(old: float | None, new: float) -> float:
+    return new if old is None else old + _SMOOTHING * (new - old)
 
 
 class DraftLength:
@@ -22,23 +42,49 @@ class DraftLength:
         self.max_nodes = max_nodes
         self.adaptive = adaptive
         self.gained_steps = 1.0  # optimistic: a new request drafts in full
+        self.draft_round_s: float | None = None
+        self.plain_round_s: float | None = None
         self._skip_rounds = 0
         self._backoff_rounds = 1
+        self._drafting_rounds_since_plain = 0
 
     def next_num_nodes(self) -> int:
-        """D, or 0 while the request is backing off."""
+        """D, or 0 while backing off or measuring a plain round."""
+        if not self.adaptive:
+            return self.max_nodes
         if self._skip_rounds > 0:
             self._skip_rounds -= 1
             return 0
+        if self.draft_round_s is not None:  # timed rounds: compare with a timed plain round
+            due = _PROBE_PLAIN_AFTER if self.plain_round_s is None else _REFRESH_PLAIN_EVERY
+            if self._drafting_rounds_since_plain >= due:
+                return 0  # one plain round, measured
         return self.max_nodes
 
-    def record(self, num_nodes: int, num_steps: int) -> None:
-        """A round drafted up to `num_nodes` nodes per sequence and took `num_steps` steps."""
-        if not self.adaptive or num_nodes == 0:
+    def record(self, num_nodes: int, num_steps: int, round_s: float | None = None) -> None:
+        """A round drafted up to `num_nodes` nodes per sequence and took `num_steps` steps, in
+        `round_s` seconds (None: not timed, e.g. the step also ran prompt chunks)."""
+        if not self.adaptive:
             return
+        if num_nodes == 0:
+            self._drafting_rounds_since_plain = 0
+            if round_s is not None:
+                self.plain_round_s = _average(self.plain_round_s, round_s)
+            return
+        self._drafting_rounds_since_plain += 1
         self.gained_steps += _SMOOTHING * ((num_steps - 1) - self.gained_steps)
-        if self.gained_steps >= MIN_GAINED_STEPS:
+        if round_s is not None:
+            self.draft_round_s = _average(self.draft_round_s, round_s)
+        if self.pays():
             self._backoff_rounds = 1
             return
         self._skip_rounds = self._backoff_rounds
         self._backoff_rounds = min(2 * self._backoff_rounds, _MAX_BACKOFF_ROUNDS)
+
+    def pays(self) -> bool:
+        """Whether drafting is expected to beat plain decoding (see the module docstring)."""
+        if self.gained_steps < MIN_GAINED_STEPS:
+            return False
+        if self.draft_round_s is None or self.plain_round_s is None:
+            return True
+        return (1 + self.gained_steps) * self.plain_round_s >= (1 + _MARGIN) * self.draft_round_s

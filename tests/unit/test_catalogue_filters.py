@@ -1,0 +1,217 @@
+"""Per-request item filters over a registered catalogue (widebeam/catalogue/filters.py): every
+node's item range against a brute-force walk; through the engine on a tiny model, no returned item
+outside the filter, results equal to registering the filtered items as a catalogue of their own and
+searching that, an exhausted filter returning fewer results, named subsets, excluded items, the
+per-request memory in stats(), and errors naming the parameter."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from widebeam.catalogue.filters import node_item_ranges
+from widebeam.catalogue.trie import Catalogue
+from widebeam.errors import InvalidParameterError
+from widebeam.llm import LLM
+from widebeam.params import BeamSearchParams
+
+EOS = 2
+
+
+def random_items(rng, num_items, vocab=128, lengths=(2, 3, 4)):
+    return [list(rng.integers(3, vocab, size=int(rng.choice(lengths)))) for _ in range(num_items)]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_node_ranges_cover_exactly_the_items_below(seed):
+    rng = np.random.default_rng(seed)
+    items = random_items(rng, 200, vocab=12, lengths=(1, 2, 3, 4))
+    items += items[:10]  # duplicates share one trie item
+    catalogue = Catalogue.from_sequences(items, 12)
+    first, end = node_item_ranges(catalogue)
+    # trie items in order: the distinct items sorted
+    distinct = sorted({tuple(int(t) for t in item) for item in items})
+    assert catalogue.num_items == len(distinct)
+    for i, item in enumerate(items):
+        assert distinct[catalogue.source_items[i]] == tuple(int(t) for t in item)
+
+    def path(node):
+        tokens = []
+        while node:
+            tokens.append(int(catalogue.node_token[node]))
+            node = int(catalogue.node_parent[node])
+        return tuple(reversed(tokens))
+
+    for node in range(catalogue.num_nodes):
+        prefix = path(node)
+        below = [k for k, item in enumerate(distinct) if item[:len(prefix)] == prefix]
+        assert list(range(int(first[node]), int(end[node]))) == below
+        if catalogue.is_end[node]:
+            assert distinct[int(first[node])] == prefix
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_llama_dir):
+    rng = np.random.default_rng(0)
+    items = random_items(rng, 400)
+    subset = sorted(rng.choice(len(items), size=40, replace=False).tolist())
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", kv_cache_memory="8MiB", max_beam_width=16)
+    llm.register_catalogue("shop", items, subsets={"store_17": subset, "tiny": subset[:3]})
+    return llm, items, subset
+
+
+def beams(output):
+    return [(b.token_ids[:-1], b.score) for b in output.outputs]
+
+
+def test_filtered_search_equals_searching_the_filtered_catalogue(setup):
+    llm, items, _subset = setup
+    rng = np.random.default_rng(1)
+    prompts = [{"prompt_token_ids": rng.integers(3, 128, size=6).tolist()} for _ in range(6)]
+    allowed_sets = [sorted(rng.choice(len(items), size=40, replace=False).tolist()) for _ in prompts]
+    for prompt, allowed in zip(prompts, allowed_sets):
+        llm.register_catalogue("sub", [items[i] for i in allowed])
+        (filtered,) = llm.generate([prompt], BeamSearchParams(beam_width=8, catalogue="shop",
+                                                              allowed_items=allowed), use_tqdm=False)
+        (sub,) = llm.generate([prompt], BeamSearchParams(beam_width=8, catalogue="sub"), use_tqdm=False)
+        allowed_items = {tuple(items[i]) for i in allowed}
+        assert len(filtered.outputs) == 8
+        for tokens, _ in beams(filtered):
+            assert tuple(tokens) in allowed_items
+        got, want = beams(filtered), beams(sub)
+        assert [t for t, _ in got] == [t for t, _ in want]
+        for (_, a), (_, b) in zip(got, want):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-5)
+
+
+def test_no_item_outside_the_filter_over_many_requests(setup):
+    llm, items, subset = setup
+    rng = np.random.default_rng(2)
+    prompts = [{"prompt_token_ids": rng.integers(3, 128, size=5).tolist()} for _ in range(20)]
+    outputs = llm.generate(prompts, BeamSearchParams(beam_width=16, catalogue="shop",
+                                                     catalogue_subset="store_17"), use_tqdm=False)
+    allowed = {tuple(items[i]) for i in subset}
+    returned = [tuple(b.token_ids[:-1]) for out in outputs for b in out.outputs]
+    assert len(returned) == 20 * 16 and all(item in allowed for item in returned)
+    # and unfiltered, most of them would have come from elsewhere: the filter is what kept them inside
+    (free,) = llm.generate(prompts[:1], BeamSearchParams(beam_width=16, catalogue="shop"), use_tqdm=False)
+    assert sum(tuple(b.token_ids[:-1]) not in allowed for b in free.outputs) >= 8
+
+
+def test_exhausted_filter_returns_fewer_and_only_allowed(setup):
+    llm, items, subset = setup
+    prompt = {"prompt_token_ids": [5, 9, 33]}
+    (out,) = llm.generate([prompt], BeamSearchParams(beam_width=8, catalogue="shop", catalogue_subset="tiny"),
+                          use_tqdm=False)
+    assert sorted(tuple(b.token_ids[:-1]) for b in out.outputs) == sorted(tuple(items[i]) for i in subset[:3])
+    (none,) = llm.generate([prompt], BeamSearchParams(beam_width=4, catalogue="shop", allowed_items=[]),
+                           use_tqdm=False)
+    assert none.outputs == []
+
+
+def test_excluded_items_are_the_complement(setup):
+    llm, items, subset = setup
+    prompt = {"prompt_token_ids": [7, 7, 40, 41]}
+    rest = [i for i in range(len(items)) if i not in set(subset)]
+    params = BeamSearchParams(beam_width=8, catalogue="shop")
+    (excluded,) = llm.generate([prompt], params.replace(excluded_items=rest), use_tqdm=False)
+    (allowed,) = llm.generate([prompt], params.replace(allowed_items=subset), use_tqdm=False)
+    assert beams(excluded) == beams(allowed)
+
+
+def test_filter_memory_is_in_stats_while_the_request_lives(setup):
+    llm, _items, _subset = setup
+    engine = llm.engine
+    engine.add_request("f", {"prompt_token_ids": [5, 6]},
+                       BeamSearchParams(beam_width=4, catalogue="shop", catalogue_subset="store_17"))
+    stats = engine.stats()["catalogue_filters"]
+    num_items = engine.catalogues["shop"].num_items
+    # a bitmap and one int32 per 64 items: 1.5 bits per item, and one more word of padding
+    assert stats["live_filters"] == 1
+    assert num_items * 3 / 16 <= stats["filter_bytes"] <= num_items * 3 / 16 + 24
+    assert stats["index_bytes"] > 0
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats()["catalogue_filters"] == {**stats, "live_filters": 0, "filter_bytes": 0}
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"allowed_items": [1, 2]}, "allowed_items"),
+    ({"catalogue": "shop", "allowed_items": [1, -2]}, "allowed_items"),
+    ({"catalogue": "shop", "excluded_items": ["a"]}, "excluded_items"),
+    ({"catalogue_subset": "store_17"}, "catalogue_subset"),
+])
+def test_param_errors_name_the_parameter(kwargs, param):
+    with pytest.raises(InvalidParameterError) as error:
+        BeamSearchParams(**kwargs)
+    assert error.value.param == param
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"allowed_items": [400]}, "allowed_items"),
+    ({"excluded_items": [10**6]}, "excluded_items"),
+    ({"catalogue_subset": "store_99"}, "catalogue_subset"),
+])
+def test_engine_errors_name_the_parameter(setup, kwargs, param):
+    llm = setup[0]
+    with pytest.raises(InvalidParameterError) as error:
+        llm.generate([{"prompt_token_ids": [5]}], BeamSearchParams(catalogue="shop", **kwargs),
+                     use_tqdm=False)
+    assert error.value.param == param
+
+
+def test_http_filter_fields_reach_the_engine():
+    from widebeam.server.protocol import plan_request
+    from widebeam.server.schemas import ApiError, CompletionRequest
+
+    plan = plan_request(CompletionRequest(prompt="x", use_beam_search=True, n=2, catalogue="shop",
+                                          catalogue_subset="store_17", excluded_items=[3, 4]))
+    (params,) = plan.params
+    assert params.catalogue_subset == "store_17" and params.excluded_items.tolist() == [3, 4]
+    with pytest.raises(ApiError) as error:
+        plan_request(CompletionRequest(prompt="x", catalogue_subset="store_17"))
+    assert error.value.param == "catalogue_subset"
+
+
+@pytest.mark.parametrize("num_items, seed", [(1, 0), (31, 1), (32, 2), (33, 3), (200, 4), (1000, 5)])
+def test_bitmap_counts_equal_the_prefix_sum(num_items, seed):
+    from widebeam.catalogue.filters import ItemFilter
+
+    rng = np.random.default_rng(seed)
+    catalogue = Catalogue.from_sequences([[i // 100 + 3, i % 100 + 3] for i in range(num_items)], 128)
+    allowed = rng.random(catalogue.num_items) < 0.3
+    item_filter = ItemFilter(catalogue, allowed)
+    expected = np.concatenate(([0], np.cumsum(allowed)))
+    index = torch.arange(catalogue.num_items + 1)
+    assert item_filter.allowed_before(index).tolist() == expected.tolist()
+    assert item_filter.nbytes <= catalogue.num_items * 3 / 16 + 24
+    children = torch.arange(1, catalogue.num_nodes)  # the children of every node, end to end
+    counts = catalogue.child_start[1:] - catalogue.child_start[:-1]
+    assert torch.equal(item_filter.live_children(children, counts), item_filter.live(children))
+
+
+def test_serve_flags_register_subsets_from_files(tiny_llama_dir, tmp_path):
+    """`widebeam serve --catalogue shop=PATH --catalogue-subset shop:few=PATH`: the engine's catalogue
+    has the subset, read from a text file of item indices."""
+    import argparse
+
+    from widebeam.engine_args import catalogue_spec, catalogue_subset_spec, catalogues_kwargs
+
+    items = tmp_path / "items.jsonl"
+    items.write_text("\n".join(json.dumps([10 + i, 20 + i]) for i in range(50)) + "\n")
+    few = tmp_path / "few.txt"
+    few.write_text("[3, 7, 11]")
+    args = argparse.Namespace(catalogue=[catalogue_spec(f"shop={items}")],
+                              catalogue_subset=[catalogue_subset_spec(f"shop:few={few}")])
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", kv_cache_memory="4MiB", max_beam_width=8,
+              **catalogues_kwargs(args))
+    params = BeamSearchParams(beam_width=8, catalogue="shop", catalogue_subset="few")
+    (out,) = llm.generate([{"prompt_token_ids": [5, 6]}], params, use_tqdm=False)
+    assert sorted(b.token_ids[:-1] for b in out.outputs) == [[13, 23], [17, 27], [21, 31]]
+    with pytest.raises(argparse.ArgumentTypeError):
+        catalogues_kwargs(argparse.Namespace(catalogue=[], catalogue_subset=[("nope", "few", str(few))]))
+    with pytest.raises(argparse.ArgumentTypeError):
+        catalogue_subset_spec(f"shop={few}")
