@@ -252,6 +252,11 @@ class Sides:
                 from widebeam.model.int8_linear import quantize_int8
 
                 self.hf = quantize_int8(self.hf, torch.device("cpu"))
+                for name, module in self.hf.named_modules():
+                    if name.endswith(".wo"):
+                        # transformers' T5 feed-forward reads `wo.weight.dtype` to cast its input, and
+                        # skips the cast for int8: an empty int8 tensor says so (Int8Linear has no weight)
+                        module.weight = torch.empty(0, dtype=torch.int8)
         self.ct2 = None
         if "ctranslate2" in self.sides:
             from widebeam.bench_ct2 import CT2TranslatorPeer
@@ -368,8 +373,11 @@ def profile_widebeam(llm, sources, width: int, new_tokens: int, top: int = 8) ->
     import cProfile
     import pstats
 
+    from widebeam.params import BeamSearchParams
+
+    params = BeamSearchParams(beam_width=width, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
     profiler = cProfile.Profile()
-    profiler.runcall(run_widebeam, llm, sources, width, new_tokens)
+    profiler.runcall(llm.generate, [{"prompt_token_ids": s} for s in sources], params, use_tqdm=False)
     # (file, line, name) -> (primitive calls, calls, own time, cumulative time, callers)
     stats = pstats.Stats(profiler).stats
     ranked = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:top]
