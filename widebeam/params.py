@@ -219,7 +219,7 @@ MAX_DIVERSITY_PENALTY = 1e4  # subtracted from float32 log-probs: far past any u
 
 def _check_groups(params) -> None:
     """`num_beam_groups` divides `beam_width`; `diversity_penalty` > 0 exactly when it is above 1
-    (transformers' rules); no schedule, stop strings or log-probs beside groups."""
+    (transformers' rules); no schedule, stop strings, log-probs or search tree beside groups."""
     groups = params.num_beam_groups
     _require(_is_int(groups) and 1 <= groups <= params.beam_width and params.beam_width % groups == 0,
              "num_beam_groups", "must be an integer in [1, {beam_width}] dividing {beam_width} ({width}), "
@@ -232,7 +232,8 @@ def _check_groups(params) -> None:
              "got {value!r}", value=penalty)
     if groups > 1:
         for name, off in (("beam_width_schedule", params.beam_width_schedule is None),
-                          ("stop", not params.stop), ("logprobs", params.logprobs is None)):
+                          ("stop", not params.stop), ("logprobs", params.logprobs is None),
+                          ("return_tree", not params.return_tree)):
             _require(off, name, "is not supported with {num_beam_groups} > 1")
 
 
