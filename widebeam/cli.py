@@ -117,6 +117,16 @@ def _add_generate(sub, help_text: str) -> None:
                    help="generative retrieval: beam search constrained to this file's items (.jsonl of token "
                         "ids or strings, .npy, .parquet); implies beam search (--beam-width default "
                         f"{GENERATE_CATALOGUE_BEAM_WIDTH}); each beam ends with its item")
+    o = g.add_argument_group("decoding options (docs/decoding-options.md)")
+    o.add_argument("--no-repeat-ngram-size", type=_int_at_least(0), default=0, metavar="N",
+                   help="no n-gram of N tokens twice (transformers' no_repeat_ngram_size; 0: off)")
+    o.add_argument("--bad-words-ids", type=_token_ids, action="append", default=[], metavar="ID,ID,...",
+                   help="a token sequence never generated (repeatable; transformers' bad_words_ids)")
+    o.add_argument("--max-input-length", type=_int_at_least(1), default=None, metavar="N",
+                   help="truncate the prompt (an encoder-decoder's source: its first N tokens) instead "
+                        "of refusing it")
+    o.add_argument("--patience", type=float, default=1.0,
+                   help="beam search: stop once beam_width * patience hypotheses finished (CTranslate2's)")
     t = g.add_argument_group("encoder-decoder models (translation)")
     t.add_argument("--target-prefix", default=None, metavar="TEXT",
                    help="the decoder starts from these tokens after its start token (NLLB: a target "
@@ -190,15 +200,20 @@ def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     if args.target_prefix is not None and args.target_prefix_ids is not None:
         parser.error("argument --target-prefix: give --target-prefix or --target-prefix-ids, not both")
     start = {"decoder_prefix": args.target_prefix or args.target_prefix_ids or (),
-             "forced_bos_token_id": args.forced_bos_token_id}
+             "forced_bos_token_id": args.forced_bos_token_id,
+             "no_repeat_ngram_size": args.no_repeat_ngram_size, "bad_words_ids": tuple(args.bad_words_ids),
+             "max_input_length": args.max_input_length}
     try:
         if args.beam_width is not None:
             early_stopping = {"true": True, "false": False, "never": "never"}[args.early_stopping]
             params = BeamSearchParams(beam_width=args.beam_width, max_new_tokens=max_new_tokens,
                                       length_penalty=args.length_penalty, early_stopping=early_stopping,
                                       num_return_sequences=args.num_return_sequences, stop=tuple(args.stop),
-                                      catalogue=CLI_CATALOGUE if catalogue is not None else None, **start)
+                                      catalogue=CLI_CATALOGUE if catalogue is not None else None,
+                                      patience=args.patience, **start)
         else:
+            if args.patience != 1.0:
+                parser.error("argument --patience: applies to beam search: add --beam-width")
             params = SamplingParams(max_new_tokens=max_new_tokens, temperature=args.temperature,
                                     top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=tuple(args.stop),
                                     **start)

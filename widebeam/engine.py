@@ -28,7 +28,13 @@ from widebeam.model.runner import SequenceInput
 from widebeam.outputs import RequestDelta
 from widebeam.params import BeamSearchParams, SamplingParams
 from widebeam.pinning import pin_prefixes, pin_token_ids
-from widebeam.prompts import chat_prompt, read_generation_settings, split_prompt, tokenize_prompt
+from widebeam.prompts import (
+    chat_prompt,
+    read_generation_settings,
+    split_prompt,
+    tokenize_prompt,
+    truncate_prompt,
+)
 from widebeam.request import Request
 from widebeam.sched.admission import admit_check
 from widebeam.sched.preemption import make_scheduler
@@ -142,6 +148,8 @@ class LLMEngine:
                     "item; each ends with the end-of-sequence token), got {value}",
                     limit=catalogue.max_item_tokens, value=params.min_new_tokens)
             text, token_ids = tokenize_prompt(prompt, self.tokenizer, self.arch.vocab_size)
+            token_ids = truncate_prompt(token_ids, params.max_input_length, self.decoder_start_token_id)
+            self._check_banned_ids(params)
             encoder_token_ids, token_ids = split_prompt(token_ids, params.decoder_prefix, self.tokenizer,
                                                         self.arch.vocab_size, self.decoder_start_token_id)
             forced_bos_token_id = self._forced_bos_token_id(params)
@@ -172,6 +180,14 @@ class LLMEngine:
         self._requests[request_id] = request
         self.scheduler.add(request)
         return list(request.source_token_ids)
+
+    def _check_banned_ids(self, params: SamplingParams | BeamSearchParams) -> None:
+        """`bad_words_ids` within the vocabulary (params.py checked their shape)."""
+        for sequence in params.bad_words_ids:
+            if any(t >= self.arch.vocab_size for t in sequence):
+                raise InvalidParameterError("bad_words_ids", "{bad_words_ids} must hold token ids in "
+                                            "[0, {vocab_size}), got {value!r}",
+                                            vocab_size=self.arch.vocab_size, value=list(sequence))
 
     def _forced_bos_token_id(self, params: SamplingParams | BeamSearchParams) -> int | None:
         """The request's, else the model's; as in HF, only for an encoder-decoder decoder that starts

@@ -47,6 +47,19 @@ def tokenize_prompt(prompt: str | dict | list[int], tokenizer,
     return prompt, token_ids
 
 
+def truncate_prompt(token_ids: list[int], max_input_length: int | None,
+                    decoder_start_token_id: int | None) -> list[int]:
+    """The prompt cut to `max_input_length` tokens (None: unchanged; a longer prompt is then refused at
+    admission). An encoder-decoder's source keeps its first tokens, as CTranslate2's `max_input_length`
+    truncates; a decoder-only prompt keeps its last, the ones its continuation follows (vLLM's
+    `truncate_prompt_tokens`). Special tokens the tokenizer added count as tokens."""
+    if max_input_length is None or len(token_ids) <= max_input_length:
+        return token_ids
+    if decoder_start_token_id is not None:
+        return token_ids[:max_input_length]
+    return token_ids[-max_input_length:]
+
+
 def split_prompt(token_ids: list[int], decoder_prefix: tuple[int, ...] | str, tokenizer, vocab_size: int,
                  decoder_start_token_id: int | None) -> tuple[list[int] | None, list[int]]:
     """(the encoder's source or None, the decoder's prompt). An encoder-decoder model encodes the

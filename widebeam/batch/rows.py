@@ -25,8 +25,9 @@ PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 BEAM_FIELDS = {f.name for f in dataclasses.fields(BeamSearchParams)}
 # Fields a CSV cell carries as JSON text (a list or an object), parsed before validation.
-INTEGER_FIELDS = {"seed", "max_new_tokens", "top_k", "beam_width", "min_new_tokens", "num_return_sequences"}
-JSON_FIELDS = {"messages", "prompt_token_ids", "stop", "stop_token_ids", "allowed_sequences"}
+INTEGER_FIELDS = {"seed", "max_new_tokens", "top_k", "beam_width", "min_new_tokens", "num_return_sequences",
+                  "no_repeat_ngram_size", "max_input_length"}
+JSON_FIELDS = {"messages", "prompt_token_ids", "stop", "stop_token_ids", "allowed_sequences", "bad_words_ids"}
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """A request's decoder and its logits processors, built in transformers' order.
 
 The order is HF's, the caller's processors after the engine's and a forced EOS last (it has the last
-word): penalties (repetition as early as in HF, then presence / frequency as in vLLM), min_new_tokens,
+word): penalties (repetition as early as in HF, then presence / frequency as in vLLM), n-gram and
+multi-token bans (`no_repeat_ngram_size`, `bad_words_ids`: decoding/bans.py), min_new_tokens,
 suppressed tokens, a catalogue, a grammar, the caller's, a forced BOS (first token), a forced EOS.
 """
 
@@ -11,6 +12,7 @@ from collections.abc import Iterable, Sequence
 
 from widebeam.catalogue.constraint import CatalogueConstraint
 from widebeam.catalogue.trie import Catalogue
+from widebeam.decoding.bans import BadWords, NoRepeatNGram
 from widebeam.decoding.decoders import BeamDecoder, SamplingDecoder
 from widebeam.decoding.penalties import TokenPenalties
 from widebeam.decoding.processors import (
@@ -36,6 +38,10 @@ def build_processors(params: SamplingParams | BeamSearchParams, max_new_tokens: 
     if TokenPenalties.wanted(params.repetition_penalty, params.presence_penalty, params.frequency_penalty):
         processors.append(TokenPenalties(params.repetition_penalty, params.presence_penalty,
                                          params.frequency_penalty))
+    if params.no_repeat_ngram_size:
+        processors.append(NoRepeatNGram(params.no_repeat_ngram_size))
+    if params.bad_words_ids:
+        processors.append(BadWords(params.bad_words_ids, set(eos_token_ids) | set(params.stop_token_ids)))
     if isinstance(params, SamplingParams) and params.min_new_tokens:
         # beam search bans EOS before min_new_tokens itself, on its candidates
         banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))

@@ -115,7 +115,9 @@ def plan_request(req: _GenerationFields) -> Plan:
     if _given(req, "stream_options") and not req.stream:
         raise invalid("stream_options", "stream_options needs stream: true")
     extra = {"logprobs": num_top, "prompt_logprobs": num_prompt_top, "response_format": req.response_format,
-             "decoder_prefix": req.decoder_prefix or (), "forced_bos_token_id": req.forced_bos_token_id}
+             "decoder_prefix": req.decoder_prefix or (), "forced_bos_token_id": req.forced_bos_token_id,
+             "no_repeat_ngram_size": req.no_repeat_ngram_size or 0, "bad_words_ids": req.bad_words_ids or (),
+             "max_input_length": req.max_input_length}
     if req.use_beam_search:
         plan = _beam_plan(req, max_tokens, stop, stop_token_ids, max_tokens_name, extra)
     else:
@@ -130,7 +132,7 @@ def _sampling_plan(req, max_tokens, stop, stop_token_ids, max_tokens_name: str, 
     for name in CATALOGUE_FIELDS:
         if _given(req, name):
             raise invalid(name, f"{name} constrains beam search: add use_beam_search: true")
-    for name in ("beam_width", "length_penalty", "early_stopping"):
+    for name in ("beam_width", "length_penalty", "early_stopping", "patience"):
         if _given(req, name):
             raise invalid(name, f"{name} applies only to beam search: add use_beam_search: true")
     num_samples = req.best_of if _given(req, "best_of") else req.n
@@ -181,7 +183,8 @@ def _beam_plan(req, max_tokens, stop, stop_token_ids, max_tokens_name: str, extr
         early_stopping=False if req.early_stopping is None else req.early_stopping,
         num_return_sequences=req.n, min_new_tokens=req.min_tokens, stop_token_ids=stop_token_ids, stop=stop,
         ignore_eos=req.ignore_eos, catalogue=req.catalogue, allowed_sequences=allowed_sequences,
-        _width_field=width_field, _max_tokens_name=max_tokens_name, **_penalties(req), **extra)
+        patience=1.0 if req.patience is None else req.patience, _width_field=width_field,
+        _max_tokens_name=max_tokens_name, **_penalties(req), **extra)
     return Plan([params], beam=True, n=req.n, width_field=width_field)
 
 

@@ -106,6 +106,14 @@ class _GenerationFields(BaseModel):
     # tokens. `forced_bos_token_id`: the first generated token (HF's; only without a decoder_prefix).
     decoder_prefix: str | list[int] | None = None
     forced_bos_token_id: int | None = Field(None, ge=0)
+    # Decoding options translation users set (docs/decoding-options.md): transformers' n-gram and
+    # multi-token bans, CTranslate2's prompt truncation and (beam search only) patience.
+    no_repeat_ngram_size: int | None = Field(None, ge=0, description="no n-gram of this size twice; 0: off")
+    bad_words_ids: list[list[int]] | None = Field(None, description="token sequences never generated")
+    max_input_length: int | None = Field(None, ge=1, description="truncate the prompt to this many tokens "
+                                                                 "instead of refusing it")
+    patience: float | None = Field(None, ge=1, description="beam search only: stop once beam_width * "
+                                                           "patience hypotheses finished (CTranslate2's)")
     # vLLM's extension: each prompt token's log-prob and its `prompt_logprobs` most likely alternatives
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # OpenAI fields accepted only at their neutral values.
