@@ -20,13 +20,14 @@ from widebeam.decoding.decoders import StepScores
 from widebeam.decoding.factory import build_request_decoder
 from widebeam.decoding.logprobs import execute_step
 from widebeam.decoding.processors import LogitsProcessor
+from widebeam.decoding.scoring import ScoringDecoder
 from widebeam.decoding.stream import output_stream
 from widebeam.defaults import DEFAULT_MODEL
 from widebeam.device import default_device
 from widebeam.errors import InvalidParameterError
 from widebeam.model.runner import SequenceInput
 from widebeam.outputs import RequestDelta
-from widebeam.params import BeamSearchParams, SamplingParams
+from widebeam.params import BeamSearchParams, SamplingParams, ScoreParams
 from widebeam.pinning import pin_prefixes, pin_token_ids
 from widebeam.prompts import (
     chat_prompt,
@@ -104,7 +105,7 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | dict | list[int],
-                    params: SamplingParams | BeamSearchParams | None = None,
+                    params: SamplingParams | BeamSearchParams | ScoreParams | None = None,
                     logits_processors: Sequence[LogitsProcessor] = ()) -> list[int]:
         """Validate and queue a request; raise at once if it can never run (nothing is queued then).
         Returns the prompt token ids as the engine counts them (an encoder-decoder's source).
@@ -113,18 +114,29 @@ class LLMEngine:
         (`fn(scores [rows, vocab], num_generated_tokens)`, in place; see decoding/processors.py). One
         that raises fails this request alone: the step reports it and goes on for the others."""
         params = params or SamplingParams()
+        scoring = isinstance(params, ScoreParams)
         if request_id in self._requests:
             raise InvalidParameterError("request_id", "{request_id} {value!r} is already in use",
                                         value=request_id)
         try:
-            if not isinstance(params, (SamplingParams, BeamSearchParams)):
-                raise InvalidParameterError("params", "expected SamplingParams or BeamSearchParams, "
-                                            "got {value!r}", value=params)
+            if not isinstance(params, (SamplingParams, BeamSearchParams, ScoreParams)):
+                raise InvalidParameterError("params", "expected SamplingParams, BeamSearchParams or "
+                                            "ScoreParams, got {value!r}", value=params)
+            if scoring:
+                params = params.tokenized(self.tokenizer, self.arch.vocab_size)
             out_of_vocab = [t for t in params.stop_token_ids if t >= self.arch.vocab_size]
             if out_of_vocab:
                 raise InvalidParameterError("stop_token_ids", "{stop_token_ids} must hold token ids in "
                                             "[0, {vocab_size}), got {value!r}",
                                             vocab_size=self.arch.vocab_size, value=out_of_vocab[0])
+            if scoring and logits_processors:
+                raise InvalidParameterError("logits_processors", "scoring reads the model's raw log-probs: "
+                                            "{logits_processors} cannot apply")
+            if scoring and params.beam_width > self.max_beam_width:
+                raise InvalidParameterError(
+                    "continuations", "{continuations} fork {value} rows at one position, more than the "
+                    "engine's max_beam_width ({limit}): score them in groups (LLM.score does)",
+                    value=params.beam_width, limit=self.max_beam_width)
             if params.beam_width > self.max_beam_width:
                 raise InvalidParameterError(
                     "beam_width",
@@ -164,15 +176,18 @@ class LLMEngine:
         except ValueError:
             self._num_rejected += 1
             raise
-        decoder = build_request_decoder(params, admission.max_new_tokens, self.eos_token_ids,
-                                        prompt_token_ids=token_ids, catalogue=catalogue,
-                                        suppress_token_ids=self.suppress_token_ids,
-                                        forced_eos_token_id=self.forced_eos_token_id,
-                                        grammar=self.grammars.constraint(params.response_format),
-                                        extra_processors=logits_processors,
-                                        forced_bos_token_id=forced_bos_token_id)
+        if scoring:  # forced rows along the continuations, raw log-probs: no processor, no forced token
+            decoder = ScoringDecoder(params)
+        else:
+            decoder = build_request_decoder(params, admission.max_new_tokens, self.eos_token_ids,
+                                            prompt_token_ids=token_ids, catalogue=catalogue,
+                                            suppress_token_ids=self.suppress_token_ids,
+                                            forced_eos_token_id=self.forced_eos_token_id,
+                                            grammar=self.grammars.constraint(params.response_format),
+                                            extra_processors=logits_processors,
+                                            forced_bos_token_id=forced_bos_token_id)
         draft_length = None
-        if self.speculative:
+        if self.speculative and not scoring:  # forced rows: nothing to draft
             draft_length = DraftLength(self.num_draft_tokens, self.speculative.adaptive)
         kv = self.cache.new_request(key, len(encoder_token_ids or ()))
         request = Request(request_id, text, token_ids, admission, kv, decoder,
