@@ -34,9 +34,10 @@ def client(marian):
 
 
 def test_score_text_continuations_of_one_source(client, marian):
-    llm, hf, tokenizer = marian
+    _, hf, tokenizer = marian
     continuations = ["the cat", "the dog", "a cat sat", "hello world", "the cat sat"]  # 5 > max_beam_width
-    response = client.post("/v1/score", json={"prompt": "the quick brown fox", "continuations": continuations})
+    response = client.post("/v1/score", json={"prompt": "the quick brown fox",
+                                              "continuations": continuations})
     assert response.status_code == 200, response.text
     body = response.json()
     assert body["object"] == "score" and len(body["data"]) == len(continuations)
