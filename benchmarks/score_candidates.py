@@ -9,7 +9,8 @@ shared CPU the transformers side is timed on `--hf-candidates` of them and extra
 cost is the same for every candidate: one pass of 1,027 tokens); the values of those candidates are
 compared with widebeam's (max |difference| reported, 1e-4 expected).
 
-    python benchmarks/score_candidates.py [--hf-candidates 20] [--out benchmarks/results/score_candidates.json]
+    python benchmarks/score_candidates.py [--hf-candidates 20] \
+        [--out benchmarks/results/score_candidates.json]
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--candidates", type=int, default=1000)
     parser.add_argument("--candidate-tokens", type=int, default=3)
-    parser.add_argument("--hf-candidates", type=int, default=20, help="candidates transformers scores (timed)")
+    parser.add_argument("--hf-candidates", type=int, default=20,
+                        help="candidates transformers scores (timed)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
