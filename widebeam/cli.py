@@ -134,6 +134,8 @@ def _add_generate(sub, help_text: str) -> None:
                         "special tokens")
     t.add_argument("--target-prefix-ids", type=_token_ids, default=None, metavar="ID,ID,...",
                    help="the same as token ids")
+    t.add_argument("--prefix-bias-beta", type=float, default=0.0, metavar="BETA",
+                   help="beam search: the target prefix becomes a soft bias in (0, 1) (CTranslate2's)")
     t.add_argument("--forced-bos-token-id", type=_int_at_least(0), default=None, metavar="ID",
                    help="the first generated token (mBART-50 / NLLB as transformers' forced_bos_token_id)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
@@ -210,10 +212,13 @@ def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
                                       length_penalty=args.length_penalty, early_stopping=early_stopping,
                                       num_return_sequences=args.num_return_sequences, stop=tuple(args.stop),
                                       catalogue=CLI_CATALOGUE if catalogue is not None else None,
-                                      patience=args.patience, **start)
+                                      patience=args.patience, prefix_bias_beta=args.prefix_bias_beta,
+                                      **start)
         else:
-            if args.patience != 1.0:
-                parser.error("argument --patience: applies to beam search: add --beam-width")
+            for flag, value, off in (("--patience", args.patience, 1.0),
+                                     ("--prefix-bias-beta", args.prefix_bias_beta, 0.0)):
+                if value != off:
+                    parser.error(f"argument {flag}: applies to beam search: add --beam-width")
             params = SamplingParams(max_new_tokens=max_new_tokens, temperature=args.temperature,
                                     top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=tuple(args.stop),
                                     **start)

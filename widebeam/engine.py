@@ -31,6 +31,7 @@ from widebeam.params import BeamSearchParams, SamplingParams, ScoreParams
 from widebeam.pinning import pin_prefixes, pin_token_ids
 from widebeam.prompts import (
     chat_prompt,
+    prefix_token_ids,
     read_generation_settings,
     split_prompt,
     tokenize_prompt,
@@ -162,8 +163,13 @@ class LLMEngine:
             text, token_ids = tokenize_prompt(prompt, self.tokenizer, self.arch.vocab_size)
             token_ids = truncate_prompt(token_ids, params.max_input_length, self.decoder_start_token_id)
             self._check_banned_ids(params)
-            encoder_token_ids, token_ids = split_prompt(token_ids, params.decoder_prefix, self.tokenizer,
+            # a soft prefix (prefix_bias_beta) is generated under a bias, not given: the decoder starts bare
+            soft_prefix = getattr(params, "prefix_bias_beta", 0.0) > 0.0
+            hard_prefix = () if soft_prefix else params.decoder_prefix
+            encoder_token_ids, token_ids = split_prompt(token_ids, hard_prefix, self.tokenizer,
                                                         self.arch.vocab_size, self.decoder_start_token_id)
+            if soft_prefix:
+                soft_prefix = prefix_token_ids(params.decoder_prefix, self.tokenizer, self.arch.vocab_size)
             forced_bos_token_id = self._forced_bos_token_id(params)
             # prompt log-probs compute every token: no prefix reuse for them
             caching = self.cache.enable_prefix_caching and params.prompt_logprobs is None
@@ -185,7 +191,8 @@ class LLMEngine:
                                             forced_eos_token_id=self.forced_eos_token_id,
                                             grammar=self.grammars.constraint(params.response_format),
                                             extra_processors=logits_processors,
-                                            forced_bos_token_id=forced_bos_token_id)
+                                            forced_bos_token_id=forced_bos_token_id,
+                                            soft_prefix=soft_prefix or ())
         draft_length = None
         if self.speculative and not scoring:  # forced rows: nothing to draft
             draft_length = DraftLength(self.num_draft_tokens, self.speculative.adaptive)

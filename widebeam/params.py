@@ -154,6 +154,10 @@ def _check_combinations(params) -> None:
                  "a ban can leave no valid continuation")
     if not isinstance(params, BeamSearchParams):
         return
+    if params.prefix_bias_beta:
+        _require(bool(params.decoder_prefix), "prefix_bias_beta", "needs a {decoder_prefix} to bias towards")
+        _require(params.forced_bos_token_id is None, "prefix_bias_beta", "and {forced_bos_token_id} exclude "
+                 "each other: the soft prefix says what comes first")
     if params.patience != 1.0:
         _require(params.beam_width > 1, "patience", "needs {beam_width} > 1: beam_width 1 is greedy "
                  "search, which the first end-of-sequence token ends")
@@ -327,6 +331,9 @@ class BeamSearchParams:
     # CTranslate2's patience (arXiv 2204.05424): the search keeps round(beam_width * patience) finished
     # hypotheses and stops only once that many finished (1.0: transformers' search, unchanged).
     patience: float = 1.0
+    # CTranslate2's soft target prefix: with beta in (0, 1) the decoder_prefix is not given but favoured,
+    # step t's distribution becoming (1 - beta) p + beta onehot(prefix[t]) (0 = off: a hard prefix).
+    prefix_bias_beta: float = 0.0
     # Structured output: every beam inside the grammar, its matcher forked with the beam.
     response_format: object = field(default=None, compare=False)
 
@@ -386,6 +393,9 @@ class BeamSearchParams:
                  "must be a number in [1, {limit}] (1 = off), got {value!r}", limit=MAX_PATIENCE,
                  value=self.patience)
         _as_float(self, "patience")
+        _require(_is_number(self.prefix_bias_beta) and 0.0 <= self.prefix_bias_beta < 1.0, "prefix_bias_beta",
+                 "must be a number in [0, 1) (0 = off), got {value!r}", value=self.prefix_bias_beta)
+        _as_float(self, "prefix_bias_beta")
         _check_decoder_start(self)
         _check_bans(self)
         _check_max_input_length(self)

@@ -29,6 +29,8 @@ def test_openai_extra_fields_reach_the_params():
 
 @pytest.mark.parametrize("fields, param", [
     ({"patience": 2.0}, "patience"),  # sampling
+    ({"prefix_bias_beta": 0.5, "decoder_prefix": [3]}, "prefix_bias_beta"),  # sampling
+    ({"use_beam_search": True, "n": 1, "beam_width": 2, "prefix_bias_beta": 0.5}, "prefix_bias_beta"),
     ({"use_beam_search": True, "n": 1, "beam_width": 1, "patience": 2.0}, "patience"),  # greedy
     ({"bad_words_ids": [[]]}, "bad_words_ids"),
     ({"no_repeat_ngram_size": 2, "response_format": {"type": "json_object"}}, "no_repeat_ngram_size"),
@@ -55,9 +57,10 @@ def test_batch_rows_take_the_options_as_json_cells():
 def test_generate_flags_parse():
     args = build_parser("generate").parse_args(["generate", "hi", "--no-repeat-ngram-size", "2",
                                                 "--bad-words-ids", "4,5", "--bad-words-ids", "9",
-                                                "--max-input-length", "16", "--patience", "2"])
-    assert (args.no_repeat_ngram_size, args.bad_words_ids, args.max_input_length, args.patience) == (
-        2, [(4, 5), (9,)], 16, 2.0)
+                                                "--max-input-length", "16", "--patience", "2",
+                                                "--prefix-bias-beta", "0.5"])
+    assert (args.no_repeat_ngram_size, args.bad_words_ids, args.max_input_length, args.patience,
+            args.prefix_bias_beta) == (2, [(4, 5), (9,)], 16, 2.0, 0.5)
 
 
 def test_the_options_run_together(tiny_llama_dir):

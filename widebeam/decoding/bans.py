@@ -1,5 +1,6 @@
 """Bans that read the history: `no_repeat_ngram_size` and multi-token `bad_words_ids`, as transformers
-defines them (`NoRepeatNGramLogitsProcessor`, `NoBadWordsLogitsProcessor`).
+defines them (`NoRepeatNGramLogitsProcessor`, `NoBadWordsLogitsProcessor`); and CTranslate2's soft
+prefix (`PrefixBias`), which reads the step only.
 
 Both are stateless: each step they read the live rows' token ids (`StepContext.history`: the decoder's
 prompt + each row's own generated tokens, moved with the beams), so they follow every reorder without
@@ -78,3 +79,25 @@ class BadWords(StepProcessor):
             matching = (ids[:, None, -prefix_len:] == prefixes).all(dim=-1)  # [rows, k]
             rows, which = torch.nonzero(matching, as_tuple=True)
             scores[rows, last_tokens[which]] = float("-inf")
+
+
+class PrefixBias(StepProcessor):
+    """CTranslate2's soft target prefix (`prefix_bias_beta`, arXiv 1912.03393 section 4.2): while fewer
+    than len(prefix) tokens were generated, every row's distribution at step t becomes
+    (1 - beta) * p + beta * onehot(prefix[t]): the prefix token's log-prob log((1 - beta) p + beta), every
+    other token's log(1 - beta) + log p. The rows are log-softmaxed first (beam search hands log-probs
+    already; greedy hands logits), so the result is a normalised distribution whatever comes in."""
+
+    def __init__(self, prefix: Sequence[int], beta: float):
+        self.prefix = list(prefix)
+        self.beta = float(beta)
+
+    def process(self, scores: torch.Tensor, context: StepContext) -> None:
+        step = context.num_generated_tokens
+        if step >= len(self.prefix):
+            return
+        logprobs = torch.log_softmax(scores, dim=-1)
+        token = self.prefix[step]
+        biased = torch.log((1.0 - self.beta) * logprobs[:, token].exp() + self.beta)
+        scores.copy_(logprobs + torch.log1p(torch.tensor(-self.beta, dtype=scores.dtype)))
+        scores[:, token] = biased

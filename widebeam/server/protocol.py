@@ -132,7 +132,7 @@ def _sampling_plan(req, max_tokens, stop, stop_token_ids, max_tokens_name: str, 
     for name in CATALOGUE_FIELDS:
         if _given(req, name):
             raise invalid(name, f"{name} constrains beam search: add use_beam_search: true")
-    for name in ("beam_width", "length_penalty", "early_stopping", "patience"):
+    for name in ("beam_width", "length_penalty", "early_stopping", "patience", "prefix_bias_beta"):
         if _given(req, name):
             raise invalid(name, f"{name} applies only to beam search: add use_beam_search: true")
     num_samples = req.best_of if _given(req, "best_of") else req.n
@@ -183,7 +183,8 @@ def _beam_plan(req, max_tokens, stop, stop_token_ids, max_tokens_name: str, extr
         early_stopping=False if req.early_stopping is None else req.early_stopping,
         num_return_sequences=req.n, min_new_tokens=req.min_tokens, stop_token_ids=stop_token_ids, stop=stop,
         ignore_eos=req.ignore_eos, catalogue=req.catalogue, allowed_sequences=allowed_sequences,
-        patience=1.0 if req.patience is None else req.patience, _width_field=width_field,
+        patience=1.0 if req.patience is None else req.patience,
+        prefix_bias_beta=req.prefix_bias_beta or 0.0, _width_field=width_field,
         _max_tokens_name=max_tokens_name, **_penalties(req), **extra)
     return Plan([params], beam=True, n=req.n, width_field=width_field)
 

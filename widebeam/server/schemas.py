@@ -114,6 +114,8 @@ class _GenerationFields(BaseModel):
                                                                  "instead of refusing it")
     patience: float | None = Field(None, ge=1, description="beam search only: stop once beam_width * "
                                                            "patience hypotheses finished (CTranslate2's)")
+    prefix_bias_beta: float | None = Field(None, ge=0, lt=1, description="beam search only: the "
+                                           "decoder_prefix becomes a soft bias (CTranslate2's); 0: off")
     # vLLM's extension: each prompt token's log-prob and its `prompt_logprobs` most likely alternatives
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # OpenAI fields accepted only at their neutral values.
