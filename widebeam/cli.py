@@ -136,6 +136,11 @@ def _add_generate(sub, help_text: str) -> None:
                    help="the same as token ids")
     t.add_argument("--prefix-bias-beta", type=float, default=0.0, metavar="BETA",
                    help="beam search: the target prefix becomes a soft bias in (0, 1) (CTranslate2's)")
+    t.add_argument("--return-alternatives", action="store_true",
+                   help="beam search: the --beam-width most likely tokens after the target prefix, each "
+                        "continued greedily (CTranslate2's autocompletion)")
+    t.add_argument("--min-alternative-expansion-prob", type=float, default=0.0, metavar="P",
+                   help="with --return-alternatives: drop alternatives less likely than P")
     t.add_argument("--forced-bos-token-id", type=_int_at_least(0), default=None, metavar="ID",
                    help="the first generated token (mBART-50 / NLLB as transformers' forced_bos_token_id)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
@@ -213,10 +218,13 @@ def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
                                       num_return_sequences=args.num_return_sequences, stop=tuple(args.stop),
                                       catalogue=CLI_CATALOGUE if catalogue is not None else None,
                                       patience=args.patience, prefix_bias_beta=args.prefix_bias_beta,
+                                      return_alternatives=args.return_alternatives,
+                                      min_alternative_expansion_prob=args.min_alternative_expansion_prob,
                                       **start)
         else:
             for flag, value, off in (("--patience", args.patience, 1.0),
-                                     ("--prefix-bias-beta", args.prefix_bias_beta, 0.0)):
+                                     ("--prefix-bias-beta", args.prefix_bias_beta, 0.0),
+                                     ("--return-alternatives", args.return_alternatives, False)):
                 if value != off:
                     parser.error(f"argument {flag}: applies to beam search: add --beam-width")
             params = SamplingParams(max_new_tokens=max_new_tokens, temperature=args.temperature,

@@ -158,6 +158,15 @@ def _check_combinations(params) -> None:
         _require(bool(params.decoder_prefix), "prefix_bias_beta", "needs a {decoder_prefix} to bias towards")
         _require(params.forced_bos_token_id is None, "prefix_bias_beta", "and {forced_bos_token_id} exclude "
                  "each other: the soft prefix says what comes first")
+    if params.min_alternative_expansion_prob:
+        _require(params.return_alternatives, "min_alternative_expansion_prob", "needs {return_alternatives}")
+    if params.return_alternatives:
+        # no beam search runs: the alternatives are expanded once, then each goes on greedily
+        for name, off in (("patience", 1.0), ("prefix_bias_beta", 0.0), ("early_stopping", False)):
+            _require(getattr(params, name) == off, name, "does not apply with {return_alternatives}: no beam "
+                     "search runs (each alternative is continued greedily)")
+        _require(not params.constrained, "return_alternatives", "and {catalogue} exclude each other: a "
+                 "catalogue search returns items, not alternatives at one position")
     if params.patience != 1.0:
         _require(params.beam_width > 1, "patience", "needs {beam_width} > 1: beam_width 1 is greedy "
                  "search, which the first end-of-sequence token ends")
@@ -334,6 +343,11 @@ class BeamSearchParams:
     # CTranslate2's soft target prefix: with beta in (0, 1) the decoder_prefix is not given but favoured,
     # step t's distribution becoming (1 - beta) p + beta onehot(prefix[t]) (0 = off: a hard prefix).
     prefix_bias_beta: float = 0.0
+    # CTranslate2's return_alternatives (decoding/alternatives.py): the beam_width most likely tokens at the
+    # first free position (after the decoder prefix), those of probability >= min_alternative_expansion_prob
+    # (the best always), each continued greedily; returned in the order of that token's probability.
+    return_alternatives: bool = False
+    min_alternative_expansion_prob: float = 0.0
     # Structured output: every beam inside the grammar, its matcher forked with the beam.
     response_format: object = field(default=None, compare=False)
 
@@ -396,6 +410,12 @@ class BeamSearchParams:
         _require(_is_number(self.prefix_bias_beta) and 0.0 <= self.prefix_bias_beta < 1.0, "prefix_bias_beta",
                  "must be a number in [0, 1) (0 = off), got {value!r}", value=self.prefix_bias_beta)
         _as_float(self, "prefix_bias_beta")
+        _require(isinstance(self.return_alternatives, bool), "return_alternatives",
+                 "must be true or false, got {value!r}", value=self.return_alternatives)
+        threshold = self.min_alternative_expansion_prob
+        _require(_is_number(threshold) and 0.0 <= threshold <= 1.0, "min_alternative_expansion_prob",
+                 "must be a probability in [0, 1], got {value!r}", value=threshold)
+        _as_float(self, "min_alternative_expansion_prob")
         _check_decoder_start(self)
         _check_bans(self)
         _check_max_input_length(self)

@@ -25,11 +25,19 @@ def test_openai_extra_fields_reach_the_params():
     (params,) = plan.params
     assert isinstance(params, BeamSearchParams)
     assert (params.patience, params.bad_words_ids) == (1.5, ((7, 8),))
+    plan = plan_request(CompletionRequest(prompt="hi", use_beam_search=True, n=3, decoder_prefix=[4],
+                                          return_alternatives=True, min_alternative_expansion_prob=0.1,
+                                          prefix_bias_beta=None))
+    (params,) = plan.params
+    assert (params.return_alternatives, params.min_alternative_expansion_prob) == (True, 0.1)
 
 
 @pytest.mark.parametrize("fields, param", [
     ({"patience": 2.0}, "patience"),  # sampling
     ({"prefix_bias_beta": 0.5, "decoder_prefix": [3]}, "prefix_bias_beta"),  # sampling
+    ({"return_alternatives": True}, "return_alternatives"),  # sampling
+    ({"use_beam_search": True, "n": 2, "min_alternative_expansion_prob": 0.2},
+     "min_alternative_expansion_prob"),
     ({"use_beam_search": True, "n": 1, "beam_width": 2, "prefix_bias_beta": 0.5}, "prefix_bias_beta"),
     ({"use_beam_search": True, "n": 1, "beam_width": 1, "patience": 2.0}, "patience"),  # greedy
     ({"bad_words_ids": [[]]}, "bad_words_ids"),

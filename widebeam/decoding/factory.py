@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 
 from widebeam.catalogue.constraint import CatalogueConstraint
 from widebeam.catalogue.trie import Catalogue
+from widebeam.decoding.alternatives import AlternativesDecoder
 from widebeam.decoding.bans import BadWords, NoRepeatNGram, PrefixBias
 from widebeam.decoding.decoders import BeamDecoder, SamplingDecoder
 from widebeam.decoding.penalties import TokenPenalties
@@ -81,4 +82,6 @@ def build_request_decoder(params: SamplingParams | BeamSearchParams, max_new_tok
                                   catalogue=catalogue, grammar=grammar, extra_processors=extra_processors,
                                   forced_bos_token_id=forced_bos_token_id, soft_prefix=soft_prefix)
     decoder_class = BeamDecoder if isinstance(params, BeamSearchParams) else SamplingDecoder
+    if getattr(params, "return_alternatives", False):
+        decoder_class = AlternativesDecoder
     return decoder_class(params, max_new_tokens, eos_token_ids, processors, prompt_token_ids)

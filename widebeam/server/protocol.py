@@ -132,7 +132,8 @@ def _sampling_plan(req, max_tokens, stop, stop_token_ids, max_tokens_name: str, 
     for name in CATALOGUE_FIELDS:
         if _given(req, name):
             raise invalid(name, f"{name} constrains beam search: add use_beam_search: true")
-    for name in ("beam_width", "length_penalty", "early_stopping", "patience", "prefix_bias_beta"):
+    for name in ("beam_width", "length_penalty", "early_stopping", "patience", "prefix_bias_beta",
+                 "return_alternatives", "min_alternative_expansion_prob"):
         if _given(req, name):
             raise invalid(name, f"{name} applies only to beam search: add use_beam_search: true")
     num_samples = req.best_of if _given(req, "best_of") else req.n
@@ -184,7 +185,8 @@ def _beam_plan(req, max_tokens, stop, stop_token_ids, max_tokens_name: str, extr
         num_return_sequences=req.n, min_new_tokens=req.min_tokens, stop_token_ids=stop_token_ids, stop=stop,
         ignore_eos=req.ignore_eos, catalogue=req.catalogue, allowed_sequences=allowed_sequences,
         patience=1.0 if req.patience is None else req.patience,
-        prefix_bias_beta=req.prefix_bias_beta or 0.0, _width_field=width_field,
+        prefix_bias_beta=req.prefix_bias_beta or 0.0, return_alternatives=bool(req.return_alternatives),
+        min_alternative_expansion_prob=req.min_alternative_expansion_prob or 0.0, _width_field=width_field,
         _max_tokens_name=max_tokens_name, **_penalties(req), **extra)
     return Plan([params], beam=True, n=req.n, width_field=width_field)
 

@@ -116,6 +116,9 @@ class _GenerationFields(BaseModel):
                                                            "patience hypotheses finished (CTranslate2's)")
     prefix_bias_beta: float | None = Field(None, ge=0, lt=1, description="beam search only: the "
                                            "decoder_prefix becomes a soft bias (CTranslate2's); 0: off")
+    return_alternatives: bool | None = Field(None, description="beam search only: the n best continuations "
+                                             "differing at the first position after decoder_prefix")
+    min_alternative_expansion_prob: float | None = Field(None, ge=0, le=1)
     # vLLM's extension: each prompt token's log-prob and its `prompt_logprobs` most likely alternatives
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # OpenAI fields accepted only at their neutral values.
