@@ -29,7 +29,8 @@ def engines(tiny_llama_dir, tmp_path_factory):
     draft = tmp_path_factory.mktemp("noisy-draft")
     save_noisy_copy(tiny_llama_dir, draft, noise=0.02)
     return {"plain": LLM(str(tiny_llama_dir), **ENGINE),
-            "draft": LLM(str(tiny_llama_dir), speculative_model=str(draft), num_speculative_tokens=3, **ENGINE),
+            "draft": LLM(str(tiny_llama_dir), speculative_model=str(draft), num_speculative_tokens=3,
+                         **ENGINE),
             "ngram": LLM(str(tiny_llama_dir), speculative_method="ngram", num_speculative_tokens=3, **ENGINE)}
 
 
