@@ -83,3 +83,17 @@ def test_the_options_run_together(tiny_llama_dir):
     assert out.prompt_token_ids == [5, 6, 7]
     for beam in out.outputs:  # no token twice in prompt + beam
         assert len(set(beam.token_ids) | {5, 6, 7}) == len(beam.token_ids) + 3
+
+
+def test_bans_work_inside_a_catalogue(tiny_llama_dir):
+    """A catalogue with a ban: the banned item is never returned, the others are (whole, EOS-ended)."""
+    from widebeam.llm import LLM
+
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", kv_cache_memory="4MiB", max_beam_width=4)
+    items = [[10, 11, 12], [10, 13], [14, 15], [16]]
+    params = BeamSearchParams(beam_width=4, allowed_sequences=items)
+    (plain,) = llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+    assert sorted(b.token_ids[:-1] for b in plain.outputs) == sorted(items)
+    (banned,) = llm.generate([{"prompt_token_ids": [5, 6, 7]}], params.replace(bad_words_ids=[[10, 11]]),
+                             use_tqdm=False)
+    assert sorted(b.token_ids[:-1] for b in banned.outputs) == sorted(items[1:])
