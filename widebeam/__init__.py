@@ -19,7 +19,7 @@ _LAZY = {
     "LLMEngine": "widebeam.engine",
     "SamplingParams": "widebeam.params",
     "BeamSearchParams": "widebeam.params",
-    "ScoreParams": "widebeam.params",
+    "ScoreParams": "widebeam.score_params",
 }
 
 

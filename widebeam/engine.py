@@ -27,7 +27,7 @@ from widebeam.device import default_device
 from widebeam.errors import InvalidParameterError
 from widebeam.model.runner import SequenceInput
 from widebeam.outputs import RequestDelta
-from widebeam.params import BeamSearchParams, SamplingParams, ScoreParams
+from widebeam.params import BeamSearchParams, SamplingParams
 from widebeam.pinning import pin_prefixes, pin_token_ids
 from widebeam.prompts import (
     chat_prompt,
@@ -41,6 +41,7 @@ from widebeam.request import Request
 from widebeam.sched.admission import admit_check
 from widebeam.sched.preemption import make_scheduler
 from widebeam.sched.scheduler import SchedulerOutput
+from widebeam.score_params import ScoreParams
 from widebeam.speculative.policy import DraftLength
 from widebeam.speculative.round import SequenceRound
 from widebeam.startup import allocate_pools, lay_out_pools, load_workers

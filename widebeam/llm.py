@@ -9,7 +9,8 @@ from widebeam.defaults import DEFAULT_MODEL
 from widebeam.engine import LLMEngine
 from widebeam.errors import InvalidParameterError
 from widebeam.outputs import RequestOutput, ScoreOutput
-from widebeam.params import BeamSearchParams, SamplingParams, ScoreParams
+from widebeam.params import BeamSearchParams, SamplingParams
+from widebeam.score_params import ScoreParams
 from widebeam.scoring import score_groups, score_outputs
 
 

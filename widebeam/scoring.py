@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from widebeam.errors import InvalidParameterError
 from widebeam.outputs import RequestOutput, ScoreOutput
-from widebeam.params import ScoreParams
+from widebeam.score_params import ScoreParams
 
 
 @dataclass(frozen=True)

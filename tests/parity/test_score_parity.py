@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, MarianMTModel
 
 from widebeam.errors import InvalidParameterError
 from widebeam.llm import LLM
-from widebeam.params import ScoreParams
+from widebeam.score_params import ScoreParams
 
 ENGINE = {"dtype": "float32", "device": "cpu", "tokens_per_block": 4, "kv_cache_memory": "16MiB",
           "max_num_batched_tokens": 64}

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 
 from widebeam.batch.rows import BatchRow
 from widebeam.outputs import RequestOutput
-from widebeam.params import ScoreParams
+from widebeam.score_params import ScoreParams
 
 DEFAULT_MAX_IN_FLIGHT = 256
 

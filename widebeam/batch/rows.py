@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from widebeam.errors import InvalidParameterError
-from widebeam.params import BeamSearchParams, SamplingParams, ScoreParams
+from widebeam.params import BeamSearchParams, SamplingParams
+from widebeam.score_params import ScoreParams
 
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}

@@ -20,7 +20,7 @@ import torch
 from widebeam.beam.search import Hypothesis
 from widebeam.decoding.decoders import Advance
 from widebeam.decoding.logprobs import token_logprobs
-from widebeam.params import ScoreParams
+from widebeam.score_params import ScoreParams
 
 
 class ScoringDecoder:
