@@ -113,6 +113,6 @@ class BeamStream:
 
 def output_stream(decoder: SamplingDecoder | BeamDecoder, tokenizer) -> SampledStream | BeamStream:
     """The stream of this decoder's kind (the one place that tells the kinds apart)."""
-    if isinstance(decoder, BeamDecoder):
-        return BeamStream(decoder, tokenizer)
-    return SampledStream(decoder, tokenizer)
+    if isinstance(decoder, SamplingDecoder):
+        return SampledStream(decoder, tokenizer)
+    return BeamStream(decoder, tokenizer)  # beams, or forced rows (decoding/scoring.py): whole at the end
