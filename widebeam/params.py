@@ -167,9 +167,16 @@ def _check_combinations(params) -> None:
                      "search runs (each alternative is continued greedily)")
         _require(not params.constrained, "return_alternatives", "and {catalogue} exclude each other: a "
                  "catalogue search returns items, not alternatives at one position")
+        for name, off in (("beam_width_schedule", params.beam_width_schedule is None),
+                          ("num_beam_groups", params.num_beam_groups == 1),
+                          ("return_tree", not params.return_tree)):
+            _require(off, name, "does not apply with {return_alternatives}: no beam search runs (each "
+                     "alternative is continued greedily)")
     if params.patience != 1.0:
         _require(params.beam_width > 1, "patience", "needs {beam_width} > 1: beam_width 1 is greedy "
                  "search, which the first end-of-sequence token ends")
+        _require(params.num_beam_groups == 1, "patience", "and {num_beam_groups} > 1 exclude each other: "
+                 "group beam search stops by transformers' rule per group")
 
 
 # alternatives per token at most (vLLM's default max_logprobs; OpenAI chat's top_logprobs limit)

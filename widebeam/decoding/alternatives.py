@@ -36,6 +36,8 @@ class AlternativesDecoder:
 
     batched_greedy = False
 
+    tree = None  # no beam search runs (return_tree is refused with return_alternatives)
+
     def __init__(self, params: BeamSearchParams, max_new_tokens: int, eos_token_ids: frozenset[int],
                  processors: Sequence[LogitsProcessor | StepProcessor], prompt_token_ids: Sequence[int] = ()):
         self.params = params

@@ -30,6 +30,8 @@ class ScoringDecoder:
 
     batched_greedy = False
 
+    tree = None  # forced decoding searches nothing
+
     def __init__(self, params: ScoreParams):
         self.params = params
         self.prompt_logprobs = None

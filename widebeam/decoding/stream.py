@@ -91,7 +91,7 @@ class BeamStream:
 
     def tree(self) -> dict | None:
         """The search tree with each token's text (`return_tree`), after `completions` ranked it."""
-        tree = self.decoder.search.tree
+        tree = self.decoder.tree
         if tree is None:
             return None
         return tree.to_dict(token_text_of(self.tokenizer) if self.tokenizer is not None else None)
