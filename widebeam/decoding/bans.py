@@ -96,8 +96,15 @@ class PrefixBias(StepProcessor):
         step = context.num_generated_tokens
         if step >= len(self.prefix):
             return
-        logprobs = torch.log_softmax(scores, dim=-1)
+        ids = context.history
+        generated = ids[:, ids.shape[1] - step:]
+        prefix = torch.tensor(self.prefix[:step], dtype=ids.dtype, device=ids.device)
+        rows = torch.nonzero((generated == prefix).all(dim=-1), as_tuple=True)[0]  # still on the prefix
+        if rows.numel() == 0:
+            return
+        logprobs = torch.log_softmax(scores[rows], dim=-1)
         token = self.prefix[step]
         biased = torch.log((1.0 - self.beta) * logprobs[:, token].exp() + self.beta)
-        scores.copy_(logprobs + torch.log1p(torch.tensor(-self.beta, dtype=scores.dtype)))
-        scores[:, token] = biased
+        logprobs = logprobs + torch.log1p(torch.tensor(-self.beta, dtype=scores.dtype))
+        logprobs[:, token] = biased
+        scores[rows] = logprobs
