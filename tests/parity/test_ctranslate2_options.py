@@ -45,10 +45,11 @@ class Peers:
         config.write_text(json.dumps(generation))
         converted = root / "ct2"
         ctranslate2.converters.TransformersConverter(str(path)).convert(str(converted), force=True)
-        # the model's 64 rows hold 9 past the tokenizer's 55 (CT2 names them madeupwordN): map by CT2's list
+        # the model's 64 rows hold 9 past the tokenizer's 55 (CT2 names them madeupwordN): map by its list
         self.vocab = json.loads((converted / "shared_vocabulary.json").read_text())
         self.ids = {t: i for i, t in enumerate(self.vocab)}
-        self.ct2 = ctranslate2.Translator(str(converted), device="cpu", compute_type="float32", intra_threads=1)
+        self.ct2 = ctranslate2.Translator(str(converted), device="cpu", compute_type="float32",
+                                          intra_threads=1)
         self.llm = LLM(str(path), dtype="float32", device="cpu", kv_cache_memory="16MiB", max_beam_width=16)
         words = " ".join(_SENTENCES).split()
         texts = [" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(2 + i % 6)) for i in range(50)]
@@ -65,7 +66,8 @@ class Peers:
 
     def translate(self, sources=None, **options):
         sources = self.sources if sources is None else sources
-        options.setdefault("min_decoding_length", 0)  # CT2's default 1 bans (renormalising) end tokens at once
+        # CT2's default min_decoding_length 1 bans (renormalising) end tokens at step 0: widebeam's is 0
+        options.setdefault("min_decoding_length", 0)
         return self.ct2.translate_batch([self.tokens(s) for s in sources], return_scores=True,
                                         return_end_token=True, **options)
 
@@ -106,8 +108,9 @@ def test_score_batch_is_llm_score(peers):
 
 
 def plain(peers, patience):
-    got = peers.widebeam(BeamSearchParams(beam_width=W, max_new_tokens=N, early_stopping=True, patience=patience,
-                                          num_return_sequences=W, stop_token_ids=peers.end[1:]))
+    got = peers.widebeam(BeamSearchParams(beam_width=W, max_new_tokens=N, early_stopping=True,
+                                          patience=patience, num_return_sequences=W,
+                                          stop_token_ids=peers.end[1:]))
     ct2 = peers.translate(beam_size=W, num_hypotheses=W, patience=patience, max_decoding_length=N,
                           end_token=peers.end)
     expected = [peers.hypotheses(r) for r in ct2]
@@ -153,11 +156,12 @@ def test_return_alternatives(peers):
     params = BeamSearchParams(beam_width=K, max_new_tokens=N, length_penalty=0.0, decoder_prefix=[peers.lang],
                               min_new_tokens=1, return_alternatives=True, stop_token_ids=peers.end[1:])
     got = peers.widebeam(params)
-    options = dict(target_prefix=[["fra_Latn"]] * 50, num_hypotheses=K, length_penalty=0,
-                   max_decoding_length=N + 1, return_alternatives=True, end_token=peers.end)
+    options = {"target_prefix": [["fra_Latn"]] * 50, "num_hypotheses": K, "length_penalty": 0,
+               "max_decoding_length": N + 1, "return_alternatives": True, "end_token": peers.end}
     ct2 = peers.translate(beam_size=1, **options)
     p_end = peers.end_probability()
-    expected = [[(h, s + math.log1p(-p)) for h, s in peers.hypotheses(r, strip=1)] for r, p in zip(ct2, p_end)]
+    expected = [[(h, s + math.log1p(-p)) for h, s in peers.hypotheses(r, strip=1)]
+                for r, p in zip(ct2, p_end)]
     assert_same(got, expected, score=lambda beam: beam.cumulative_logprob)
     # CT2 continues each alternative with its beam search: the alternatives' first tokens still agree
     with_beams = peers.translate(beam_size=W, **options)

@@ -35,7 +35,7 @@ class SoftPrefix(LogitsProcessor):
         step = input_ids.shape[1] - 1
         if step >= len(self.prefix):
             return scores
-        on_prefix = (input_ids[:, 1:] == torch.tensor(self.prefix[:step])).all(-1)  # a beam that left it: as is
+        on_prefix = (input_ids[:, 1:] == torch.tensor(self.prefix[:step])).all(-1)  # others: as they are
         logprobs = torch.log_softmax(scores, -1)
         out = logprobs + torch.log(torch.tensor(1 - self.beta))
         token = self.prefix[step]
