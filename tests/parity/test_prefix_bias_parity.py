@@ -1,12 +1,12 @@
 """CTranslate2's soft target prefix (`prefix_bias_beta`) on the tiny Marian, against transformers' beam
 search running the same definition as a logits processor (HF's beam search hands its processors the
-log-softmax, as CTranslate2 biases log-probs): at step t < len(prefix) the distribution becomes
-(1 - beta) p + beta onehot(prefix[t]). Sequences and scores equal to 1e-4 at W in {1, 4, 16}; a beta
-near 1 reproduces the hard prefix's tokens, a small one lets the beams leave it.
+log-softmax, as CTranslate2 biases log-probs): at step t < len(prefix) the distribution of a beam whose
+tokens are still prefix[:t] becomes (1 - beta) p + beta onehot(prefix[t]); a beam that left it is not
+biased. Sequences and scores equal to 1e-4 at W in {1, 4, 16}; a beta near 1 reproduces the hard
+prefix's tokens, a small one lets the beams leave it.
 
-CTranslate2 itself is not the oracle here: its converter's tiny Marian does not reproduce transformers'
-logits (its `score_batch` of one sequence differs by 0.03-0.4 per token even with the decoder start
-token set to transformers' pad), so hypotheses cannot be compared with it to 1e-3."""
+CTranslate2 itself is the oracle in tests/parity/test_ctranslate2_options.py (a tiny NLLB); its
+converter's tiny Marian does not reproduce transformers' logits."""
 
 from __future__ import annotations
 
@@ -35,11 +35,12 @@ class SoftPrefix(LogitsProcessor):
         step = input_ids.shape[1] - 1
         if step >= len(self.prefix):
             return scores
+        on_prefix = (input_ids[:, 1:] == torch.tensor(self.prefix[:step])).all(-1)  # others: as they are
         logprobs = torch.log_softmax(scores, -1)
         out = logprobs + torch.log(torch.tensor(1 - self.beta))
         token = self.prefix[step]
         out[:, token] = torch.log((1 - self.beta) * logprobs[:, token].exp() + self.beta)
-        return out
+        return torch.where(on_prefix[:, None], out, scores)
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,12 @@ on its own by greedy search (no competition between alternatives) until an end t
 an autocompletion menu shows), each scored as a beam is: its cumulative log-prob (of the processed rows,
 as beam search scores) over `generated_len ** length_penalty`.
 
-Where this differs from CTranslate2 (its `decode_alternatives` in `src/decoding.cc`, not readable in
-this session; the definition above follows its documentation): CTranslate2 continues each alternative
-with its configured search (`beam_size`), this decoder greedily, which is CTranslate2's with
-`beam_size=1`; and CTranslate2 returns `num_hypotheses` alternatives, here `beam_width` are expanded and
-`num_return_sequences` returned.
+Where this differs from CTranslate2 (its `decode_alternatives` in `src/decoding.cc`; measured in
+tests/parity/test_ctranslate2_options.py, docs/decoding-options.md): CTranslate2 continues each
+alternative with its configured search (`beam_size`), this decoder greedily, which is CTranslate2's with
+`beam_size=1`; it draws the first tokens with the end tokens banned before the log-softmax (renormalised),
+and returns `num_hypotheses` alternatives, here `beam_width` are expanded and `num_return_sequences`
+returned.
 """
 
 from __future__ import annotations

@@ -83,10 +83,12 @@ class BadWords(StepProcessor):
 
 class PrefixBias(StepProcessor):
     """CTranslate2's soft target prefix (`prefix_bias_beta`, arXiv 1912.03393 section 4.2): while fewer
-    than len(prefix) tokens were generated, every row's distribution at step t becomes
-    (1 - beta) * p + beta * onehot(prefix[t]): the prefix token's log-prob log((1 - beta) p + beta), every
-    other token's log(1 - beta) + log p. The rows are log-softmaxed first (beam search hands log-probs
-    already; greedy hands logits), so the result is a normalised distribution whatever comes in."""
+    than len(prefix) tokens were generated, the distribution at step t of every row whose generated tokens
+    are still prefix[:t] becomes (1 - beta) * p + beta * onehot(prefix[t]): the prefix token's log-prob
+    log((1 - beta) p + beta), every other token's log(1 - beta) + log p. A row that left the prefix is not
+    biased (CTranslate2's `beams_diverged_from_prefix`; it tracks that per beam slot, here per row's own
+    tokens, which is the same at width 1). The biased rows are log-softmaxed first (beam search hands
+    log-probs already; greedy hands logits), so the result is a normalised distribution whatever comes in."""
 
     def __init__(self, prefix: Sequence[int], beta: float):
         self.prefix = list(prefix)
@@ -96,8 +98,15 @@ class PrefixBias(StepProcessor):
         step = context.num_generated_tokens
         if step >= len(self.prefix):
             return
-        logprobs = torch.log_softmax(scores, dim=-1)
+        ids = context.history
+        generated = ids[:, ids.shape[1] - step:]  # the prompt (decoder start) before them is not biased
+        prefix = torch.tensor(self.prefix[:step], dtype=ids.dtype, device=ids.device)
+        rows = torch.nonzero((generated == prefix).all(dim=-1), as_tuple=True)[0]  # still on the prefix
+        if rows.numel() == 0:
+            return
+        logprobs = torch.log_softmax(scores[rows], dim=-1)
         token = self.prefix[step]
         biased = torch.log((1.0 - self.beta) * logprobs[:, token].exp() + self.beta)
-        scores.copy_(logprobs + torch.log1p(torch.tensor(-self.beta, dtype=scores.dtype)))
-        scores[:, token] = biased
+        logprobs = logprobs + torch.log1p(torch.tensor(-self.beta, dtype=scores.dtype))
+        logprobs[:, token] = biased
+        scores[rows] = logprobs
