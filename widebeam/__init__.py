@@ -10,7 +10,8 @@ Vocabulary: a *block* holds `tokens_per_block` (T) *slots*; a *pool* is the bloc
 from widebeam.errors import RequestTooLargeError
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "BeamSearchParams", "LLMEngine", "RequestTooLargeError", "SamplingParams", "__version__"]
+__all__ = ["LLM", "BeamSearchParams", "LLMEngine", "RequestTooLargeError", "SamplingParams", "ScoreParams",
+           "__version__"]
 
 # The engine pulls in torch and transformers; `widebeam plan` should not pay for that.
 _LAZY = {
@@ -18,6 +19,7 @@ _LAZY = {
     "LLMEngine": "widebeam.engine",
     "SamplingParams": "widebeam.params",
     "BeamSearchParams": "widebeam.params",
+    "ScoreParams": "widebeam.score_params",
 }
 
 

@@ -127,6 +127,16 @@ def _add_generate(sub, help_text: str) -> None:
                    help="generative retrieval: beam search constrained to this file's items (.jsonl of token "
                         "ids or strings, .npy, .parquet); implies beam search (--beam-width default "
                         f"{GENERATE_CATALOGUE_BEAM_WIDTH}); each beam ends with its item")
+    o = g.add_argument_group("decoding options (docs/decoding-options.md)")
+    o.add_argument("--no-repeat-ngram-size", type=_int_at_least(0), default=0, metavar="N",
+                   help="no n-gram of N tokens twice (transformers' no_repeat_ngram_size; 0: off)")
+    o.add_argument("--bad-words-ids", type=_token_ids, action="append", default=[], metavar="ID,ID,...",
+                   help="a token sequence never generated (repeatable; transformers' bad_words_ids)")
+    o.add_argument("--max-input-length", type=_int_at_least(1), default=None, metavar="N",
+                   help="truncate the prompt (an encoder-decoder's source: its first N tokens) instead "
+                        "of refusing it")
+    o.add_argument("--patience", type=float, default=1.0,
+                   help="beam search: stop once beam_width * patience hypotheses finished (CTranslate2's)")
     t = g.add_argument_group("encoder-decoder models (translation)")
     t.add_argument("--target-prefix", default=None, metavar="TEXT",
                    help="the decoder starts from these tokens after its start token (NLLB: a target "
@@ -134,6 +144,13 @@ def _add_generate(sub, help_text: str) -> None:
                         "special tokens")
     t.add_argument("--target-prefix-ids", type=_token_ids, default=None, metavar="ID,ID,...",
                    help="the same as token ids")
+    t.add_argument("--prefix-bias-beta", type=float, default=0.0, metavar="BETA",
+                   help="beam search: the target prefix becomes a soft bias in (0, 1) (CTranslate2's)")
+    t.add_argument("--return-alternatives", action="store_true",
+                   help="beam search: the --beam-width most likely tokens after the target prefix, each "
+                        "continued greedily (CTranslate2's autocompletion)")
+    t.add_argument("--min-alternative-expansion-prob", type=float, default=0.0, metavar="P",
+                   help="with --return-alternatives: drop alternatives less likely than P")
     t.add_argument("--forced-bos-token-id", type=_int_at_least(0), default=None, metavar="ID",
                    help="the first generated token (mBART-50 / NLLB as transformers' forced_bos_token_id)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
@@ -214,7 +231,9 @@ def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     if args.target_prefix is not None and args.target_prefix_ids is not None:
         parser.error("argument --target-prefix: give --target-prefix or --target-prefix-ids, not both")
     start = {"decoder_prefix": args.target_prefix or args.target_prefix_ids or (),
-             "forced_bos_token_id": args.forced_bos_token_id}
+             "forced_bos_token_id": args.forced_bos_token_id,
+             "no_repeat_ngram_size": args.no_repeat_ngram_size, "bad_words_ids": tuple(args.bad_words_ids),
+             "max_input_length": args.max_input_length}
     try:
         if args.beam_width is not None:
             early_stopping = {"true": True, "false": False, "never": "never"}[args.early_stopping]
@@ -223,8 +242,17 @@ def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
                                       length_penalty=args.length_penalty, early_stopping=early_stopping,
                                       num_return_sequences=args.num_return_sequences, stop=tuple(args.stop),
                                       catalogue=CLI_CATALOGUE if catalogue is not None else None,
-                                      return_tree=args.tree, **start)
+                                      return_tree=args.tree, patience=args.patience,
+                                      prefix_bias_beta=args.prefix_bias_beta,
+                                      return_alternatives=args.return_alternatives,
+                                      min_alternative_expansion_prob=args.min_alternative_expansion_prob,
+                                      **start)
         else:
+            for flag, value, off in (("--patience", args.patience, 1.0),
+                                     ("--prefix-bias-beta", args.prefix_bias_beta, 0.0),
+                                     ("--return-alternatives", args.return_alternatives, False)):
+                if value != off:
+                    parser.error(f"argument {flag}: applies to beam search: add --beam-width")
             params = SamplingParams(max_new_tokens=max_new_tokens, temperature=args.temperature,
                                     top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=tuple(args.stop),
                                     **start)

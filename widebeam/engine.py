@@ -22,6 +22,7 @@ from widebeam.decoding.decoders import StepScores
 from widebeam.decoding.factory import build_request_decoder
 from widebeam.decoding.logprobs import execute_step
 from widebeam.decoding.processors import LogitsProcessor
+from widebeam.decoding.scoring import ScoringDecoder
 from widebeam.decoding.stream import output_stream
 from widebeam.defaults import DEFAULT_MODEL
 from widebeam.device import default_device
@@ -30,11 +31,19 @@ from widebeam.model.runner import SequenceInput
 from widebeam.outputs import RequestDelta
 from widebeam.params import BeamSearchParams, SamplingParams
 from widebeam.pinning import pin_prefixes, pin_token_ids
-from widebeam.prompts import chat_prompt, read_generation_settings, split_prompt, tokenize_prompt
+from widebeam.prompts import (
+    chat_prompt,
+    prefix_token_ids,
+    read_generation_settings,
+    split_prompt,
+    tokenize_prompt,
+    truncate_prompt,
+)
 from widebeam.request import Request
 from widebeam.sched.admission import admit_check
 from widebeam.sched.preemption import make_scheduler
 from widebeam.sched.scheduler import SchedulerOutput
+from widebeam.score_params import ScoreParams
 from widebeam.speculative.policy import DraftLength
 from widebeam.speculative.round import SequenceRound
 from widebeam.startup import allocate_pools, lay_out_pools, load_workers
@@ -106,7 +115,7 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | dict | list[int],
-                    params: SamplingParams | BeamSearchParams | None = None,
+                    params: SamplingParams | BeamSearchParams | ScoreParams | None = None,
                     logits_processors: Sequence[LogitsProcessor] = ()) -> list[int]:
         """Validate and queue a request; raise at once if it can never run (nothing is queued then).
         Returns the prompt token ids as the engine counts them (an encoder-decoder's source).
@@ -115,18 +124,29 @@ class LLMEngine:
         (`fn(scores [rows, vocab], num_generated_tokens)`, in place; see decoding/processors.py). One
         that raises fails this request alone: the step reports it and goes on for the others."""
         params = params or SamplingParams()
+        scoring = isinstance(params, ScoreParams)
         if request_id in self._requests:
             raise InvalidParameterError("request_id", "{request_id} {value!r} is already in use",
                                         value=request_id)
         try:
-            if not isinstance(params, (SamplingParams, BeamSearchParams)):
-                raise InvalidParameterError("params", "expected SamplingParams or BeamSearchParams, "
-                                            "got {value!r}", value=params)
+            if not isinstance(params, (SamplingParams, BeamSearchParams, ScoreParams)):
+                raise InvalidParameterError("params", "expected SamplingParams, BeamSearchParams or "
+                                            "ScoreParams, got {value!r}", value=params)
+            if scoring:
+                params = params.tokenized(self.tokenizer, self.arch.vocab_size)
             out_of_vocab = [t for t in params.stop_token_ids if t >= self.arch.vocab_size]
             if out_of_vocab:
                 raise InvalidParameterError("stop_token_ids", "{stop_token_ids} must hold token ids in "
                                             "[0, {vocab_size}), got {value!r}",
                                             vocab_size=self.arch.vocab_size, value=out_of_vocab[0])
+            if scoring and logits_processors:
+                raise InvalidParameterError("logits_processors", "scoring reads the model's raw log-probs: "
+                                            "{logits_processors} cannot apply")
+            if scoring and params.beam_width > self.max_beam_width:
+                raise InvalidParameterError(
+                    "continuations", "{continuations} fork {value} rows at one position, more than the "
+                    "engine's max_beam_width ({limit}): score them in groups (LLM.score does)",
+                    value=params.beam_width, limit=self.max_beam_width)
             if params.beam_width > self.max_beam_width:
                 raise InvalidParameterError(
                     "beam_width",
@@ -155,8 +175,15 @@ class LLMEngine:
                     "item; each ends with the end-of-sequence token), got {value}",
                     limit=catalogue.max_item_tokens, value=params.min_new_tokens)
             text, token_ids = tokenize_prompt(prompt, self.tokenizer, self.arch.vocab_size)
-            encoder_token_ids, token_ids = split_prompt(token_ids, params.decoder_prefix, self.tokenizer,
+            token_ids = truncate_prompt(token_ids, params.max_input_length, self.decoder_start_token_id)
+            self._check_banned_ids(params)
+            # a soft prefix (prefix_bias_beta) is generated under a bias, not given: the decoder starts bare
+            soft_prefix = getattr(params, "prefix_bias_beta", 0.0) > 0.0
+            hard_prefix = () if soft_prefix else params.decoder_prefix
+            encoder_token_ids, token_ids = split_prompt(token_ids, hard_prefix, self.tokenizer,
                                                         self.arch.vocab_size, self.decoder_start_token_id)
+            if soft_prefix:
+                soft_prefix = prefix_token_ids(params.decoder_prefix, self.tokenizer, self.arch.vocab_size)
             forced_bos_token_id = self._forced_bos_token_id(params)
             # prompt log-probs compute every token: no prefix reuse for them
             caching = self.cache.enable_prefix_caching and params.prompt_logprobs is None
@@ -170,15 +197,19 @@ class LLMEngine:
         except ValueError:
             self._num_rejected += 1
             raise
-        decoder = build_request_decoder(params, admission.max_new_tokens, self.eos_token_ids,
-                                        prompt_token_ids=token_ids, catalogue=catalogue,
-                                        suppress_token_ids=self.suppress_token_ids,
-                                        forced_eos_token_id=self.forced_eos_token_id,
-                                        grammar=self.grammars.constraint(params.response_format),
-                                        extra_processors=logits_processors,
-                                        forced_bos_token_id=forced_bos_token_id)
+        if scoring:  # forced rows along the continuations, raw log-probs: no processor, no forced token
+            decoder = ScoringDecoder(params)
+        else:
+            decoder = build_request_decoder(params, admission.max_new_tokens, self.eos_token_ids,
+                                            prompt_token_ids=token_ids, catalogue=catalogue,
+                                            suppress_token_ids=self.suppress_token_ids,
+                                            forced_eos_token_id=self.forced_eos_token_id,
+                                            grammar=self.grammars.constraint(params.response_format),
+                                            extra_processors=logits_processors,
+                                            forced_bos_token_id=forced_bos_token_id,
+                                            soft_prefix=soft_prefix or ())
         draft_length = None
-        if self.speculative:
+        if self.speculative and not scoring:  # forced rows: nothing to draft
             draft_length = DraftLength(self.num_draft_tokens, self.speculative.adaptive)
         kv = self.cache.new_request(key, len(encoder_token_ids or ()))
         request = Request(request_id, text, token_ids, admission, kv, decoder,
@@ -186,6 +217,14 @@ class LLMEngine:
         self._requests[request_id] = request
         self.scheduler.add(request)
         return list(request.source_token_ids)
+
+    def _check_banned_ids(self, params: SamplingParams | BeamSearchParams) -> None:
+        """`bad_words_ids` within the vocabulary (params.py checked their shape)."""
+        for sequence in params.bad_words_ids:
+            if any(t >= self.arch.vocab_size for t in sequence):
+                raise InvalidParameterError("bad_words_ids", "{bad_words_ids} must hold token ids in "
+                                            "[0, {vocab_size}), got {value!r}",
+                                            vocab_size=self.arch.vocab_size, value=list(sequence))
 
     def _forced_bos_token_id(self, params: SamplingParams | BeamSearchParams) -> int | None:
         """The request's, else the model's; as in HF, only for an encoder-decoder decoder that starts

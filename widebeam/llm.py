@@ -8,8 +8,10 @@ from collections.abc import Sequence
 from widebeam.defaults import DEFAULT_MODEL
 from widebeam.engine import LLMEngine
 from widebeam.errors import InvalidParameterError
-from widebeam.outputs import RequestOutput
+from widebeam.outputs import RequestOutput, ScoreOutput
 from widebeam.params import BeamSearchParams, SamplingParams
+from widebeam.score_params import ScoreParams
+from widebeam.scoring import score_groups, score_outputs
 
 
 class LLM:
@@ -35,8 +37,22 @@ class LLM:
         with named `subsets` of its item indices for `BeamSearchParams(catalogue_subset=...)`."""
         return self.engine.register_catalogue(name, source, subsets)
 
-    def generate(self, prompts, params: SamplingParams | BeamSearchParams
-                 | Sequence[SamplingParams | BeamSearchParams] | None = None,
+    def score(self, prompts, continuations, decoder_prefix=(), max_input_length: int | None = None,
+              use_tqdm: bool = False) -> list[ScoreOutput]:
+        """The log-prob of each continuation after its prompt, token by token and summed (the model's raw
+        log-softmax: transformers' log-softmax of the forced sequence, CTranslate2's `score_batch`).
+        `prompts`: one prompt for all continuations, or one per continuation; `continuations`:
+        token-id lists or texts (tokenized without special tokens). Continuations of one prompt share
+        its computation: it is prefilled once and they fork from it as beams do (widebeam/scoring.py).
+        Encoder-decoder models: the prompt is the source, the continuation follows the decoder's start
+        token and `decoder_prefix`."""
+        groups = score_groups(prompts, continuations, self.engine.max_beam_width, decoder_prefix,
+                              max_input_length)
+        outputs = self.generate([g.prompt for g in groups], [g.params for g in groups], use_tqdm=use_tqdm)
+        return score_outputs(groups, outputs)
+
+    def generate(self, prompts, params: SamplingParams | BeamSearchParams | ScoreParams
+                 | Sequence[SamplingParams | BeamSearchParams | ScoreParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in the order of `prompts`. `params`: one for all
         prompts, or a list of one per prompt (they run together in the same steps).

@@ -65,3 +65,14 @@ class RequestDelta:
     error: str | None = None
     # Sampled requests with `logprobs=k`: the entries of `new_token_ids`, one each (no decoded_token).
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+@dataclass
+class ScoreOutput:
+    """The log-probs of one given continuation after its prompt (`LLM.score`): one per token, under the
+    model's raw log-softmax, and their sum."""
+
+    prompt_token_ids: list[int]  # as the engine counted the prompt (an encoder-decoder's source)
+    token_ids: list[int]  # the continuation
+    token_logprobs: list[float]
+    logprob: float  # the sum of token_logprobs

@@ -12,6 +12,8 @@ GREEDY_TEMPERATURE = 1e-5  # below this, sampling is argmax
 # Scores divide by generated_len ** length_penalty: within this range they stay finite for any length
 # an engine allows (float64 up to 2**1024 > (2**20) ** 10), where HF's own arithmetic overflows beyond it.
 MAX_ABS_LENGTH_PENALTY = 10.0
+# patience keeps round(beam_width * patience) finished hypotheses: a bound keeps that list small
+MAX_PATIENCE = 16.0
 
 
 def _check_response_format(params) -> None:
@@ -115,6 +117,68 @@ def _check_decoder_start(params) -> None:
              value=params.forced_bos_token_id)
 
 
+def _check_bans(params) -> None:
+    """`no_repeat_ngram_size`: 0 (off) or the n-gram length no row may repeat; `bad_words_ids`: token
+    sequences that may never appear (transformers' semantics, decoding/bans.py), each non-empty."""
+    _require(_is_int(params.no_repeat_ngram_size) and params.no_repeat_ngram_size >= 0,
+             "no_repeat_ngram_size", "must be an integer >= 0 (0 = off), got {value!r}",
+             value=params.no_repeat_ngram_size)
+    value = params.bad_words_ids
+    if value is None:
+        value = ()
+    _require(isinstance(value, (list, tuple)), "bad_words_ids",
+             "must be a list of token-id lists, got {value!r}", value=value)
+    sequences = []
+    for sequence in value:
+        _require(isinstance(sequence, (list, tuple)) and len(sequence) > 0
+                 and all(_is_int(t) and t >= 0 for t in sequence), "bad_words_ids",
+                 "must hold non-empty lists of token ids >= 0, got {value!r}", value=sequence)
+        sequences.append(tuple(sequence))
+    object.__setattr__(params, "bad_words_ids", tuple(sequences))
+
+
+def _check_max_input_length(params) -> None:
+    """`max_input_length`: None (off: a prompt too long is refused) or the most prompt tokens kept."""
+    _require(params.max_input_length is None
+             or (_is_int(params.max_input_length) and params.max_input_length >= 1),
+             "max_input_length", "must be None (off) or an integer >= 1, got {value!r}",
+             value=params.max_input_length)
+
+
+def _check_combinations(params) -> None:
+    """The options refused together, said once: each names the option that cannot apply and why."""
+    if schema_of(params.response_format) is not None:
+        # JSON repeats its punctuation n-grams ('", "'): the grammar's only continuation may be banned
+        _require(not params.no_repeat_ngram_size, "no_repeat_ngram_size",
+                 "and {response_format} exclude each other: JSON repeats its own n-grams (\", \"), so "
+                 "a ban can leave no valid continuation")
+    if not isinstance(params, BeamSearchParams):
+        return
+    if params.prefix_bias_beta:
+        _require(bool(params.decoder_prefix), "prefix_bias_beta", "needs a {decoder_prefix} to bias towards")
+        _require(params.forced_bos_token_id is None, "prefix_bias_beta", "and {forced_bos_token_id} exclude "
+                 "each other: the soft prefix says what comes first")
+    if params.min_alternative_expansion_prob:
+        _require(params.return_alternatives, "min_alternative_expansion_prob", "needs {return_alternatives}")
+    if params.return_alternatives:
+        # no beam search runs: the alternatives are expanded once, then each goes on greedily
+        for name, off in (("patience", 1.0), ("prefix_bias_beta", 0.0), ("early_stopping", False)):
+            _require(getattr(params, name) == off, name, "does not apply with {return_alternatives}: no beam "
+                     "search runs (each alternative is continued greedily)")
+        _require(not params.constrained, "return_alternatives", "and {catalogue} exclude each other: a "
+                 "catalogue search returns items, not alternatives at one position")
+        for name, off in (("beam_width_schedule", params.beam_width_schedule is None),
+                          ("num_beam_groups", params.num_beam_groups == 1),
+                          ("return_tree", not params.return_tree)):
+            _require(off, name, "does not apply with {return_alternatives}: no beam search runs (each "
+                     "alternative is continued greedily)")
+    if params.patience != 1.0:
+        _require(params.beam_width > 1, "patience", "needs {beam_width} > 1: beam_width 1 is greedy "
+                 "search, which the first end-of-sequence token ends")
+        _require(params.num_beam_groups == 1, "patience", "and {num_beam_groups} > 1 exclude each other: "
+                 "group beam search stops by transformers' rule per group")
+
+
 # alternatives per token at most (vLLM's default max_logprobs; OpenAI chat's top_logprobs limit)
 MAX_LOGPROBS = 20
 
@@ -165,6 +229,14 @@ class SamplingParams:
     # HF `forced_bos_token_id`: the first generated token (mBART-50 / NLLB target language), scored 0.
     # None: the model's generation config's. Only without a decoder_prefix, as in HF.
     forced_bos_token_id: int | None = None
+    # Bans read each row's history (decoding/bans.py, transformers' semantics): no n-gram of this many
+    # tokens twice (0 = off); token sequences never generated (the last token of one is banned where the
+    # rest was just generated).
+    no_repeat_ngram_size: int = 0
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    # Truncate the prompt to this many tokens instead of refusing it (None = off): an encoder-decoder's
+    # source keeps its first tokens (CTranslate2's max_input_length), a decoder-only prompt its last.
+    max_input_length: int | None = None
     # Structured output: OpenAI's response_format (widebeam/structured/: JSON mode, JSON schema).
     response_format: object = field(default=None, compare=False)
 
@@ -197,6 +269,9 @@ class SamplingParams:
         _check_logprobs(self)
         _check_response_format(self)
         _check_decoder_start(self)
+        _check_bans(self)
+        _check_max_input_length(self)
+        _check_combinations(self)
 
     @property
     def greedy(self) -> bool:
@@ -219,7 +294,7 @@ MAX_DIVERSITY_PENALTY = 1e4  # subtracted from float32 log-probs: far past any u
 
 def _check_groups(params) -> None:
     """`num_beam_groups` divides `beam_width`; `diversity_penalty` > 0 exactly when it is above 1
-    (transformers' rules); no schedule, stop strings or log-probs beside groups."""
+    (transformers' rules); no schedule, stop strings, log-probs or search tree beside groups."""
     groups = params.num_beam_groups
     _require(_is_int(groups) and 1 <= groups <= params.beam_width and params.beam_width % groups == 0,
              "num_beam_groups", "must be an integer in [1, {beam_width}] dividing {beam_width} ({width}), "
@@ -232,7 +307,8 @@ def _check_groups(params) -> None:
              "got {value!r}", value=penalty)
     if groups > 1:
         for name, off in (("beam_width_schedule", params.beam_width_schedule is None),
-                          ("stop", not params.stop), ("logprobs", params.logprobs is None)):
+                          ("stop", not params.stop), ("logprobs", params.logprobs is None),
+                          ("return_tree", not params.return_tree)):
             _require(off, name, "is not supported with {num_beam_groups} > 1")
 
 
@@ -348,6 +424,25 @@ class BeamSearchParams:
     # HF `forced_bos_token_id`: the first generated token (mBART-50 / NLLB target language), scored 0.
     # None: the model's generation config's. Only without a decoder_prefix, as in HF.
     forced_bos_token_id: int | None = None
+    # Bans read each row's history (decoding/bans.py, transformers' semantics): no n-gram of this many
+    # tokens twice (0 = off); token sequences never generated (the last token of one is banned where the
+    # rest was just generated).
+    no_repeat_ngram_size: int = 0
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    # Truncate the prompt to this many tokens instead of refusing it (None = off): an encoder-decoder's
+    # source keeps its first tokens (CTranslate2's max_input_length), a decoder-only prompt its last.
+    max_input_length: int | None = None
+    # CTranslate2's patience (arXiv 2204.05424): the search keeps round(beam_width * patience) finished
+    # hypotheses and stops only once that many finished (1.0: transformers' search, unchanged).
+    patience: float = 1.0
+    # CTranslate2's soft target prefix: with beta in (0, 1) the decoder_prefix is not given but favoured,
+    # step t's distribution becoming (1 - beta) p + beta onehot(prefix[t]) (0 = off: a hard prefix).
+    prefix_bias_beta: float = 0.0
+    # CTranslate2's return_alternatives (decoding/alternatives.py): the beam_width most likely tokens at the
+    # first free position (after the decoder prefix), those of probability >= min_alternative_expansion_prob
+    # (the best always), each continued greedily; returned in the order of that token's probability.
+    return_alternatives: bool = False
+    min_alternative_expansion_prob: float = 0.0
     # Structured output: every beam inside the grammar, its matcher forked with the beam.
     response_format: object = field(default=None, compare=False)
     # The search tree (widebeam/beam/tree.py, docs/ui.md): every candidate each step kept, returned in
@@ -426,7 +521,23 @@ class BeamSearchParams:
         _check_penalties(self)
         _check_logprobs(self)
         _check_response_format(self)
+        _require(_is_number(self.patience) and 1.0 <= self.patience <= MAX_PATIENCE, "patience",
+                 "must be a number in [1, {limit}] (1 = off), got {value!r}", limit=MAX_PATIENCE,
+                 value=self.patience)
+        _as_float(self, "patience")
+        _require(_is_number(self.prefix_bias_beta) and 0.0 <= self.prefix_bias_beta < 1.0, "prefix_bias_beta",
+                 "must be a number in [0, 1) (0 = off), got {value!r}", value=self.prefix_bias_beta)
+        _as_float(self, "prefix_bias_beta")
+        _require(isinstance(self.return_alternatives, bool), "return_alternatives",
+                 "must be true or false, got {value!r}", value=self.return_alternatives)
+        threshold = self.min_alternative_expansion_prob
+        _require(_is_number(threshold) and 0.0 <= threshold <= 1.0, "min_alternative_expansion_prob",
+                 "must be a probability in [0, 1], got {value!r}", value=threshold)
+        _as_float(self, "min_alternative_expansion_prob")
         _check_decoder_start(self)
+        _check_bans(self)
+        _check_max_input_length(self)
+        _check_combinations(self)
         _require(not (self.constrained and schema_of(self.response_format) is not None), "response_format",
                  "and {catalogue} exclude each other: a catalogue already fixes every beam's tokens")
         if self.constrained:
@@ -462,3 +573,4 @@ class BeamSearchParams:
             values["beam_width"] = DEFAULT_BEAM_WIDTH  # the new schedule's widest step
         values.update(changes)
         return type(self)(**values)
+

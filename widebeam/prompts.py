@@ -47,11 +47,21 @@ def tokenize_prompt(prompt: str | dict | list[int], tokenizer,
     return prompt, token_ids
 
 
-def split_prompt(token_ids: list[int], decoder_prefix: tuple[int, ...] | str, tokenizer, vocab_size: int,
-                 decoder_start_token_id: int | None) -> tuple[list[int] | None, list[int]]:
-    """(the encoder's source or None, the decoder's prompt). An encoder-decoder model encodes the
-    prompt and starts its decoder from its start token and `decoder_prefix`; a decoder-only model
-    continues the prompt and the prefix. A text prefix is tokenized without special tokens."""
+def truncate_prompt(token_ids: list[int], max_input_length: int | None,
+                    decoder_start_token_id: int | None) -> list[int]:
+    """The prompt cut to `max_input_length` tokens (None: unchanged; a longer prompt is then refused at
+    admission). An encoder-decoder's source keeps its first tokens, as CTranslate2's `max_input_length`
+    truncates; a decoder-only prompt keeps its last, the ones its continuation follows (vLLM's
+    `truncate_prompt_tokens`). Special tokens the tokenizer added count as tokens."""
+    if max_input_length is None or len(token_ids) <= max_input_length:
+        return token_ids
+    if decoder_start_token_id is not None:
+        return token_ids[:max_input_length]
+    return token_ids[-max_input_length:]
+
+
+def prefix_token_ids(decoder_prefix: tuple[int, ...] | str, tokenizer, vocab_size: int) -> tuple[int, ...]:
+    """A decoder prefix as token ids in [0, vocab_size): text is tokenized without special tokens."""
     if isinstance(decoder_prefix, str):
         if tokenizer is None:
             raise InvalidParameterError("decoder_prefix", "this model directory has no tokenizer: pass "
@@ -61,6 +71,15 @@ def split_prompt(token_ids: list[int], decoder_prefix: tuple[int, ...] | str, to
         raise InvalidParameterError("decoder_prefix", "{decoder_prefix} must hold token ids in "
                                     "[0, {vocab_size}), got {value!r}", vocab_size=vocab_size,
                                     value=next(t for t in decoder_prefix if t >= vocab_size))
+    return tuple(decoder_prefix)
+
+
+def split_prompt(token_ids: list[int], decoder_prefix: tuple[int, ...] | str, tokenizer, vocab_size: int,
+                 decoder_start_token_id: int | None) -> tuple[list[int] | None, list[int]]:
+    """(the encoder's source or None, the decoder's prompt). An encoder-decoder model encodes the
+    prompt and starts its decoder from its start token and `decoder_prefix`; a decoder-only model
+    continues the prompt and the prefix. A text prefix is tokenized without special tokens."""
+    decoder_prefix = prefix_token_ids(decoder_prefix, tokenizer, vocab_size)
     if decoder_start_token_id is None:
         return None, [*token_ids, *decoder_prefix]
     if not token_ids:

@@ -70,6 +70,19 @@ def test_tree_under_a_json_schema(engines):
     assert output.outputs[0].text.startswith("{")
 
 
+@pytest.mark.parametrize("schedule", [(2, 8, 4), (16, 4, 4, 1)])
+def test_tree_with_a_width_schedule(engines, schedule):
+    """Each step keeps at most its scheduled width of live candidates; the tree still redraws the
+    returned hypotheses."""
+    params = BeamSearchParams(beam_width_schedule=schedule, max_new_tokens=8, return_tree=True)
+    (output,) = engines["plain"].generate([PROMPT], params, use_tqdm=False)
+    tree = _check(output)
+    for step in range(1, tree["num_steps"] + 1):
+        width = schedule[min(step, len(schedule)) - 1]
+        live = [n for n, s in enumerate(tree["step"]) if s == step and not tree["finished"][n]]
+        assert len(live) <= width
+
+
 def test_no_tree_unless_asked(engines):
     (output,) = engines["plain"].generate([PROMPT], BeamSearchParams(beam_width=2, max_new_tokens=4),
                                           use_tqdm=False)

@@ -50,6 +50,14 @@ def add_batch_parser(sub, help_text: str) -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=None)
     d.add_argument("--length-penalty", type=float, default=None, help="beam rows only")
     d.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    d.add_argument("--no-repeat-ngram-size", type=_int_at_least(0), default=None, metavar="N",
+                   help="no n-gram of N tokens twice (0: off)")
+    d.add_argument("--max-input-length", type=_int_at_least(1), default=None, metavar="N",
+                   help="truncate prompts to N tokens instead of refusing them")
+    d.add_argument("--patience", type=float, default=None, help="beam rows only (CTranslate2's patience)")
+    d.add_argument("--score", action="store_true",
+                   help="score instead of generate: each row holds a prompt and a `continuation` (or a list "
+                        "of `continuations`); its record holds each token's log-prob and their sum")
     d.add_argument("--default-catalogue", default=None, metavar="NAME",
                    help="beam rows that name none: constrain them to this --catalogue")
     e = p.add_argument_group("engine (one per replica)")
@@ -74,10 +82,14 @@ def add_batch_parser(sub, help_text: str) -> argparse.ArgumentParser:
 
 def defaults_from(args: argparse.Namespace) -> dict:
     names = ("beam_width", "beam_width_schedule", "max_new_tokens", "temperature", "top_p", "top_k", "seed",
-             "length_penalty")
+             "length_penalty", "no_repeat_ngram_size", "max_input_length", "patience")
     defaults = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     if args.default_catalogue is not None:
         defaults["catalogue"] = args.default_catalogue
+    if args.score:
+        # a scoring job: its rows are pairs; of the defaults only max_input_length applies to them
+        defaults = {"score": True, **({"max_input_length": args.max_input_length}
+                                      if args.max_input_length is not None else {})}
     if args.stop:
         defaults["stop"] = tuple(args.stop)
     return defaults

@@ -174,6 +174,6 @@ def _parquet_schema():
 
     output = pa.struct([("index", pa.int64()), ("text", pa.string()), ("token_ids", pa.list_(pa.int64())),
                         ("score", pa.float64()), ("cumulative_logprob", pa.float64()),
-                        ("finish_reason", pa.string())])
+                        ("finish_reason", pa.string()), ("token_logprobs", pa.list_(pa.float64()))])
     return pa.schema([("id", pa.string()), ("error", pa.string()), ("num_prompt_tokens", pa.int64()),
                       ("num_cached_tokens", pa.int64()), ("outputs", pa.list_(output))])

@@ -14,17 +14,22 @@ from collections.abc import Callable, Iterable
 
 from widebeam.batch.rows import BatchRow
 from widebeam.outputs import RequestOutput
+from widebeam.score_params import ScoreParams
 
 DEFAULT_MAX_IN_FLIGHT = 256
 
 
-def result_record(row_id: str, output: RequestOutput | None = None, error: str | None = None) -> dict:
+def result_record(row_id: str, output: RequestOutput | None = None, error: str | None = None,
+                  scoring: bool = False) -> dict:
     """The output record of one row: every returned sequence (beams best first) or the error."""
     outputs = []
     if output is not None:
         outputs = [{"index": c.index, "text": c.text, "token_ids": list(c.token_ids), "score": c.score,
                     "cumulative_logprob": c.cumulative_logprob, "finish_reason": c.finish_reason}
                    for c in output.outputs]
+        if scoring:  # each continuation's tokens' log-probs (their sum is its score)
+            for record, c in zip(outputs, output.outputs):
+                record["token_logprobs"] = [entry[t].logprob for t, entry in zip(c.token_ids, c.logprobs)]
     return {"id": row_id, "error": error, "outputs": outputs,
             "num_prompt_tokens": len(output.prompt_token_ids) if output is not None else None,
             "num_cached_tokens": output.num_cached_tokens if output is not None else None}
@@ -43,7 +48,7 @@ class BatchEngine:
             max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> None:
         """Run every row; `emit(record)` once per row, in completion order."""
         engine = self.llm.engine
-        in_flight: dict[str, str] = {}  # engine request id -> row id (row ids may repeat in an input)
+        in_flight: dict[str, tuple[str, bool]] = {}  # engine request id -> (row id, scoring)
         pending = iter(rows)
         exhausted = False
         while True:
@@ -60,12 +65,13 @@ class BatchEngine:
                     except ValueError as exc:  # refused at admission: nothing was queued
                         emit(result_record(row.row_id, error=f"{type(exc).__name__}: {exc}"))
                         continue
-                    in_flight[request_id] = row.row_id
+                    in_flight[request_id] = (row.row_id, isinstance(row.params, ScoreParams))
             if not in_flight:
                 return
             for delta in engine.step():
                 if delta.finished:
-                    emit(result_record(in_flight.pop(delta.request_id), delta.output, delta.error))
+                    rid, scoring = in_flight.pop(delta.request_id)
+                    emit(result_record(rid, delta.output, delta.error, scoring))
 
     def _prompt(self, row: BatchRow):
         if isinstance(row.prompt, dict) and "messages" in row.prompt:

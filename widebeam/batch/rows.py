@@ -7,6 +7,12 @@ reruns), and any parameter of `SamplingParams` / `BeamSearchParams` by its field
 rest. A malformed row becomes a `BatchRow` with `error` set: it is written out with that error, it
 never stops the job. The error names the row (its position in the input, from 0) and, when one cell is
 at fault, its column: `row 3, column beam_width: ...`.
+
+A scoring job (`widebeam batch --score`: the job's defaults hold `score: true`) reads pairs instead: each
+row holds its prompt and a `continuation` (text or token ids) or a list of `continuations`, and
+optionally `decoder_prefix` and `max_input_length`; its record holds one output per continuation with
+each token's log-prob (`token_logprobs`) and their sum (`score`). Rows with the same prompt share its
+computed blocks through the prefix cache; the continuations of one row fork from it as beams do.
 """
 
 from __future__ import annotations
@@ -20,15 +26,18 @@ from typing import Any
 
 from widebeam.errors import InvalidParameterError
 from widebeam.params import BeamSearchParams, SamplingParams
+from widebeam.score_params import ScoreParams
 
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 BEAM_FIELDS = {f.name for f in dataclasses.fields(BeamSearchParams)}
 # Fields a CSV cell carries as JSON text (a list or an object), parsed before validation.
 INTEGER_FIELDS = {"seed", "max_new_tokens", "top_k", "beam_width", "min_new_tokens", "num_return_sequences",
-                  "forced_bos_token_id"}
-JSON_FIELDS = {"messages", "prompt_token_ids", "stop", "stop_token_ids", "allowed_sequences",
-               "decoder_prefix"}
+                  "forced_bos_token_id", "no_repeat_ngram_size", "max_input_length"}
+JSON_FIELDS = {"messages", "prompt_token_ids", "stop", "stop_token_ids", "allowed_sequences", "bad_words_ids",
+               "continuations", "decoder_prefix"}
+SCORE_MODE = "score"  # the defaults' key of a scoring job
+SCORE_FIELDS = {"continuation", "continuations", "decoder_prefix", "max_input_length"}
 
 
 @dataclass
@@ -68,6 +77,8 @@ def parse_row(raw: Any, index: int, defaults: Mapping[str, Any]) -> BatchRow:
             prompt = {"prompt_token_ids": prompt}
         elif not isinstance(prompt, str):
             raise InvalidParameterError("prompt", f"prompt must be text, got {type(prompt).__name__}")
+        if defaults.get(SCORE_MODE):
+            return BatchRow(rid, prompt, score_params(values, defaults))
         return BatchRow(rid, prompt, make_params(values, defaults))
     except InvalidParameterError as exc:  # one cell is at fault: its column is the parameter's name
         return BatchRow(rid, error=f"row {index}, column {exc.param}: {type(exc).__name__}: {exc}")
@@ -123,6 +134,24 @@ def make_params(values: Mapping[str, Any], defaults: Mapping[str, Any] | None = 
     return BeamSearchParams(**values) if beams else SamplingParams(**values)
 
 
+def score_params(values: Mapping[str, Any], defaults: Mapping[str, Any]) -> ScoreParams:
+    """A scoring row's params: its `continuation` or `continuations`, the job's defaults for the rest."""
+    values = {**{k: v for k, v in defaults.items() if k in SCORE_FIELDS}, **values}
+    unknown = sorted(set(values) - SCORE_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown field(s) for scoring: {', '.join(unknown)}")
+    given = [name for name in ("continuation", "continuations") if name in values]
+    if len(given) != 1:
+        raise ValueError("give exactly one of continuation, continuations (got "
+                         f"{', '.join(given) or 'none'})")
+    continuations = values.pop(given[0])
+    if given[0] == "continuation":
+        continuations = [continuations]
+    if isinstance(values.get("max_input_length"), float) and values["max_input_length"].is_integer():
+        values["max_input_length"] = int(values["max_input_length"])
+    return ScoreParams(continuations, **values)
+
+
 def _missing(value: Any) -> bool:
     """An empty cell: None, empty text, or NaN (a gap in a Parquet or pandas column)."""
     return (value is None or (isinstance(value, str) and value == "")
@@ -134,6 +163,8 @@ def _cell(name: str, value: Any) -> Any:
     other text stays text. Prompts are always text."""
     if hasattr(value, "tolist"):  # numpy arrays and scalars from Parquet
         return value.tolist()
+    if name in ("prompt", "continuation") and isinstance(value, str) and not value.lstrip().startswith("["):
+        return value  # text, even when it reads as a number
     if name == "prompt" or not isinstance(value, str):
         return value
     text = value.strip()

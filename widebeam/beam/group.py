@@ -74,6 +74,8 @@ class GroupBeamSearchState:
     first `step` takes the prompt's single row, later ones one row per live beam (the beams of the
     groups not yet done, group by group), in `live_token_ids` order."""
 
+    tree = None  # `return_tree` is refused with groups (params.py): one tree per group is not drawn
+
     def __init__(self, params: BeamSearchParams, max_new_tokens: int, eos_token_ids: Iterable[int] = (),
                  pad_token_id: int | None = None):
         self.params = params

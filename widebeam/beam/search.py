@@ -28,6 +28,9 @@ What that algorithm does, and what this module therefore does:
 * `beam_width=1` is what HF `generate(num_beams=1)` runs: greedy search. It is the W=1 case of the above
   except that the first EOS always ends the search (the "never" rule with `length_penalty > 0` could keep
   a width-1 beam search going); the hypothesis is still scored as above (HF greedy reports no score).
+* `patience` p >= 1 (CTranslate2's, arXiv 2204.05424): every "W finished hypotheses" above becomes
+  round(W * p): that many are kept, and the search can stop only once that many finished. Which
+  candidates may finish (the top W of the K) is unchanged; p = 1 is HF's search exactly.
 """
 
 from __future__ import annotations
@@ -148,6 +151,8 @@ class BeamSearchState:
         self._num_candidates = self._candidates_per_beam * self.beam_width
         self._length_penalty = float(params.length_penalty)
         self._early_stopping = params.early_stopping
+        # finished hypotheses kept, and needed before the search may stop (patience, CTranslate2's)
+        self._num_kept = max(self.beam_width, round(self.beam_width * params.patience))
         # Token tree: node i holds one generated token and the node before it (_NO_NODE: the prompt).
         self._node_token: list[int] = []
         self._node_parent: list[int] = []
@@ -156,7 +161,7 @@ class BeamSearchState:
         self._live_scores: list[float] = [0.0]  # cumulative log-probs (float32 values)
         self._live_tokens_cache: list[list[int]] | None = None
         self._generated = 0
-        self._finished: list[_Finished] = []  # best first, at most beam_width
+        self._finished: list[_Finished] = []  # best first, at most _num_kept
         self._done = False
         # return_tree: every kept candidate (beam/tree.py); None, and no per-step work, when off.
         self.tree = SearchTree(self.beam_width, self._length_penalty) if params.return_tree else None
@@ -442,11 +447,11 @@ class BeamSearchState:
         if new_finished:
             merged = self._finished + new_finished  # stable: earlier hypotheses win ties
             merged.sort(key=lambda f: f.score, reverse=True)
-            self._finished = merged[:self.beam_width]
+            self._finished = merged[:self._num_kept]
 
     def _should_stop(self, best_possible: float | None) -> bool:
         """HF's stopping rule, checked after each step with the best live beam's optimistic score."""
-        full = len(self._finished) >= self.beam_width
+        full = len(self._finished) >= self._num_kept
         if full and (self._early_stopping is True or self.params.beam_width == 1):
             # beam_width 1 is HF's greedy search (generate(num_beams=1)): the first EOS ends it.
             return True

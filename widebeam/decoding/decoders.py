@@ -188,6 +188,11 @@ class BeamDecoder:
         return self.search.num_generated_tokens
 
     @property
+    def tree(self):
+        """The search tree (`return_tree`: beam/tree.py's `SearchTree`), or None."""
+        return self.search.tree
+
+    @property
     def done(self) -> bool:
         return self.search.done
 

@@ -91,7 +91,7 @@ class BeamStream:
 
     def tree(self) -> dict | None:
         """The search tree with each token's text (`return_tree`), after `completions` ranked it."""
-        tree = self.decoder.search.tree
+        tree = self.decoder.tree
         if tree is None:
             return None
         return tree.to_dict(token_text_of(self.tokenizer) if self.tokenizer is not None else None)
@@ -113,6 +113,6 @@ class BeamStream:
 
 def output_stream(decoder: SamplingDecoder | BeamDecoder, tokenizer) -> SampledStream | BeamStream:
     """The stream of this decoder's kind (the one place that tells the kinds apart)."""
-    if isinstance(decoder, BeamDecoder):
-        return BeamStream(decoder, tokenizer)
-    return SampledStream(decoder, tokenizer)
+    if isinstance(decoder, SamplingDecoder):
+        return SampledStream(decoder, tokenizer)
+    return BeamStream(decoder, tokenizer)  # beams, or forced rows (decoding/scoring.py): whole at the end

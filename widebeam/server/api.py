@@ -27,6 +27,7 @@ from widebeam.server import schemas as s
 from widebeam.server.engine_loop import EngineLoop, Group
 from widebeam.server.metrics import CONTENT_TYPE, ServerMetrics
 from widebeam.server.render import ChoiceRenderer
+from widebeam.server.score import add_score_route
 from widebeam.server.ui_routes import add_ui_routes, is_ui_path
 
 log = logging.getLogger("widebeam.server")
@@ -341,6 +342,8 @@ def create_app(engine, *, model_name: str, api_key: str | None = None,
                     loop.abort(group.request_ids)
 
         return generate()
+
+    add_score_route(app, engine, loop, model_name, model_aliases, _collect, _ERROR_RESPONSES)
 
     def custom_openapi():
         if app.openapi_schema is None:

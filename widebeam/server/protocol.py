@@ -120,7 +120,9 @@ def plan_request(req: _GenerationFields) -> Plan:
     if _given(req, "stream_options") and not req.stream:
         raise invalid("stream_options", "stream_options needs stream: true")
     extra = {"logprobs": num_top, "prompt_logprobs": num_prompt_top, "response_format": req.response_format,
-             "decoder_prefix": req.decoder_prefix or (), "forced_bos_token_id": req.forced_bos_token_id}
+             "decoder_prefix": req.decoder_prefix or (), "forced_bos_token_id": req.forced_bos_token_id,
+             "no_repeat_ngram_size": req.no_repeat_ngram_size or 0, "bad_words_ids": req.bad_words_ids or (),
+             "max_input_length": req.max_input_length}
     if req.use_beam_search:
         plan = _beam_plan(req, max_tokens, stop, stop_token_ids, max_tokens_name, extra)
     else:
@@ -136,7 +138,8 @@ def _sampling_plan(req, max_tokens, stop, stop_token_ids, max_tokens_name: str, 
         if _given(req, name):
             raise invalid(name, f"{name} constrains beam search: add use_beam_search: true")
     for name in ("beam_width", "beam_width_schedule", "length_penalty", "early_stopping", "num_beam_groups",
-                 "diversity_penalty"):
+                 "diversity_penalty", "patience", "prefix_bias_beta", "return_alternatives",
+                 "min_alternative_expansion_prob"):
         if _given(req, name):
             raise invalid(name, f"{name} applies only to beam search: add use_beam_search: true")
     if req.return_tree:  # a sample has no search tree
@@ -198,7 +201,10 @@ def _beam_plan(req, max_tokens, stop, stop_token_ids, max_tokens_name: str, extr
         ignore_eos=req.ignore_eos, catalogue=req.catalogue, allowed_sequences=allowed_sequences,
         beam_width_schedule=schedule, catalogue_subset=req.catalogue_subset, allowed_items=req.allowed_items,
         excluded_items=req.excluded_items, num_beam_groups=req.num_beam_groups or 1,
-        diversity_penalty=req.diversity_penalty or 0.0, return_tree=req.return_tree, _width_field=width_field,
+        diversity_penalty=req.diversity_penalty or 0.0, return_tree=req.return_tree,
+        patience=1.0 if req.patience is None else req.patience,
+        prefix_bias_beta=req.prefix_bias_beta or 0.0, return_alternatives=bool(req.return_alternatives),
+        min_alternative_expansion_prob=req.min_alternative_expansion_prob or 0.0, _width_field=width_field,
         _max_tokens_name=max_tokens_name, **_penalties(req), **extra)
     return Plan([params], beam=True, n=req.n, width_field=width_field)
 

@@ -127,6 +127,19 @@ class _GenerationFields(BaseModel):
     # `search_trees` (one per prompt), or in a stream's closing event of each prompt as `search_tree`
     return_tree: bool = Field(False, description="beam search only: return the search tree (every "
                                                  "candidate each step kept) in `search_trees`")
+    # Decoding options translation users set (docs/decoding-options.md): transformers' n-gram and
+    # multi-token bans, CTranslate2's prompt truncation and (beam search only) patience.
+    no_repeat_ngram_size: int | None = Field(None, ge=0, description="no n-gram of this size twice; 0: off")
+    bad_words_ids: list[list[int]] | None = Field(None, description="token sequences never generated")
+    max_input_length: int | None = Field(None, ge=1, description="truncate the prompt to this many tokens "
+                                                                 "instead of refusing it")
+    patience: float | None = Field(None, ge=1, description="beam search only: stop once beam_width * "
+                                                           "patience hypotheses finished (CTranslate2's)")
+    prefix_bias_beta: float | None = Field(None, ge=0, lt=1, description="beam search only: the "
+                                           "decoder_prefix becomes a soft bias (CTranslate2's); 0: off")
+    return_alternatives: bool | None = Field(None, description="beam search only: the n best continuations "
+                                             "differing at the first position after decoder_prefix")
+    min_alternative_expansion_prob: float | None = Field(None, ge=0, le=1)
     # vLLM's extension: each prompt token's log-prob and its `prompt_logprobs` most likely alternatives
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # OpenAI fields accepted only at their neutral values.
