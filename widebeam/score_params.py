@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from widebeam.errors import InvalidParameterError
-from widebeam.params import _check_decoder_start, _check_max_input_length, _is_int, _require
+from widebeam.param_checks import check_decoder_start, check_max_input_length, is_int, require
 
 
 @dataclass(frozen=True)
@@ -36,21 +36,21 @@ class ScoreParams:
 
     def __post_init__(self) -> None:
         value = self.continuations
-        _require(isinstance(value, (list, tuple)) and len(value) > 0, "continuations",
+        require(isinstance(value, (list, tuple)) and len(value) > 0, "continuations",
                  "must be a non-empty list of token-id lists or texts, got {value!r}", value=value)
         items = []
         for item in value:
             if isinstance(item, str):
-                _require(bool(item), "continuations", "must not hold an empty text")
+                require(bool(item), "continuations", "must not hold an empty text")
                 items.append(item)
                 continue
-            _require(isinstance(item, (list, tuple)) and len(item) > 0
-                     and all(_is_int(t) and t >= 0 for t in item), "continuations",
+            require(isinstance(item, (list, tuple)) and len(item) > 0
+                     and all(is_int(t) and t >= 0 for t in item), "continuations",
                      "must hold non-empty token-id lists (ids >= 0) or texts, got {value!r}", value=item)
             items.append(tuple(item))
         object.__setattr__(self, "continuations", tuple(items))
-        _check_decoder_start(self)
-        _check_max_input_length(self)
+        check_decoder_start(self)
+        check_max_input_length(self)
 
     @property
     def token_continuations(self) -> tuple[tuple[int, ...], ...]:
@@ -79,8 +79,8 @@ class ScoreParams:
                     raise InvalidParameterError("continuations", "this model directory has no tokenizer: "
                                                 "pass token ids as the {continuations}")
                 item = tuple(tokenizer.encode(item, add_special_tokens=False))
-                _require(bool(item), "continuations", "holds a text that encodes to no token")
-            _require(all(t < vocab_size for t in item), "continuations",
+                require(bool(item), "continuations", "holds a text that encodes to no token")
+            require(all(t < vocab_size for t in item), "continuations",
                      "must hold token ids in [0, {vocab_size}), got {value!r}", vocab_size=vocab_size,
                      value=list(item))
             items.append(item)

@@ -15,7 +15,7 @@ ROOT = Path(widebeam.__file__).parent
 LAYERS = [
     ("widebeam.errors", 0), ("widebeam.units", 0), ("widebeam.defaults", 0), ("widebeam.params", 0),
     ("widebeam.outputs", 0), ("widebeam.argtypes", 0), ("widebeam.memstats", 0), ("widebeam.logprobs", 0),
-    ("widebeam.structured.formats", 0), ("widebeam.score_params", 0),
+    ("widebeam.structured.formats", 0), ("widebeam.score_params", 0), ("widebeam.param_checks", 0),
     ("widebeam.kv", 1),
     ("widebeam.model", 2), ("widebeam.decoding", 2), ("widebeam.beam", 2), ("widebeam.sampling", 2),
     ("widebeam.catalogue", 2), ("widebeam.structured", 2),
@@ -26,7 +26,8 @@ LAYERS = [
     ("widebeam.engine", 4), ("widebeam.llm", 4), ("widebeam.plan", 4), ("widebeam.pinning", 4),
     ("widebeam.device", 4),
     ("widebeam.layout", 4), ("widebeam.prompts", 4), ("widebeam.startup", 4), ("widebeam.scoring", 4),
-    ("widebeam.cli", 5), ("widebeam.__main__", 5), ("widebeam.bench", 5), ("widebeam.server", 5),
+    ("widebeam.cli", 5), ("widebeam.generate_cli", 5), ("widebeam.__main__", 5), ("widebeam.bench", 5),
+    ("widebeam.server", 5),
     ("widebeam.batch", 5), ("widebeam.bench_ct2", 5),
 ]
 

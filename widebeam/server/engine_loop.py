@@ -163,17 +163,27 @@ class EngineLoop:
     async def _compile_grammars(self, entries: list) -> None:
         """Compile each `response_format` in a thread of its own before the request reaches the
         engine (whose `add_request` then finds it compiled): a slow compile holds up this call alone,
-        never the engine's steps, and past GRAMMAR_COMPILE_TIMEOUT_S it is refused. A compile that
-        times out finishes in its thread; the caps in structured/formats.py bound its cost."""
+        never the engine's steps, and past GRAMMAR_COMPILE_TIMEOUT_S of its own compile time (queueing
+        behind other compiles not counted) it is refused. A compile that times out finishes in its
+        thread; the caps in structured/formats.py bound its cost."""
         formats = {}
         for _, params in entries:
             response_format = getattr(params, "response_format", None)
             if response_format is not None:
                 formats[repr(response_format)] = response_format
+        loop = asyncio.get_running_loop()
         for response_format in formats.values():
+            began = loop.create_future()
+
+            def compile_now(response_format=response_format, began=began):
+                loop.call_soon_threadsafe(lambda: began.done() or began.set_result(None))
+                return self.engine.grammars.compile(response_format)
+
+            compiling = loop.run_in_executor(self._compile_executor, compile_now)
+            # The clock starts when this compile does: waiting behind other requests' compiles in the
+            # one worker is not this schema's cost (each of those is bounded the same way).
+            await asyncio.wait({began, compiling}, return_when=asyncio.FIRST_COMPLETED)
             try:
-                compiling = asyncio.get_running_loop().run_in_executor(
-                    self._compile_executor, self.engine.grammars.compile, response_format)
                 await asyncio.wait_for(compiling, GRAMMAR_COMPILE_TIMEOUT_S)
             except TimeoutError:
                 raise InvalidParameterError(
