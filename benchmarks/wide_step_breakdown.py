@@ -81,10 +81,10 @@ class StepTimer:
                 self._hook(module, "linears")
         original = attention_backends._attend_group
 
-        def keep_group(q, k_cache, v_cache, group, scale):
+        def keep_group(q, k_cache, v_cache, group, scale, position_bias=None):
             if group.prefix_tokens:
                 self.last_group = (q, k_cache, v_cache, group, scale)
-            return original(q, k_cache, v_cache, group, scale)
+            return original(q, k_cache, v_cache, group, scale, position_bias)
 
         self._restore = [(attention_backends, "_attend_group", original)]
         attention_backends._attend_group = keep_group
