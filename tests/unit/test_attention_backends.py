@@ -217,3 +217,28 @@ def test_scattered_or_many_rows_are_gathered():
         many.append(seq, 9)
         many.step(seq, 1)
     assert many.metadata(sdpa, None).decode_groups[0].key_ranges is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("num_beams, t", [(40, 4), (70, 16)])
+def test_wide_groups_read_the_prefix_through_the_fused_kernel(num_beams, t, dtype):
+    """A request wide enough (beams x grouped heads >= FUSED_PREFIX_MIN_ROWS) reads its shared prompt
+    through PyTorch's fused CPU kernel and merges the beams' own keys by log-sum-exp: equal to dense."""
+    from widebeam.model.attention_backends import FUSED_PREFIX_MIN_ROWS
+
+    lay = Layout(t, 2, 8, dtype, num_blocks=2000 // t + 200, seed=num_beams)
+    root = lay.new()
+    lay.append(root, 37)
+    beams = [lay.fork(root, "wide") for _ in range(num_beams)]
+    lay.seqs.remove(root)
+    for i, beam in enumerate(beams):
+        lay.append(beam, i % 5)  # own tokens of several lengths
+        lay.step(beam, 1)
+    sdpa = get_attention_backend("sdpa")
+    meta = lay.metadata(sdpa, None)
+    (group,) = meta.decode_groups
+    assert group.prefix_tokens > 0 and num_beams * 3 >= FUSED_PREFIX_MIN_ROWS
+    q = torch.randn(num_beams, 6, 8, generator=torch.Generator().manual_seed(t)).to(dtype)
+    actual = sdpa.forward(q, lay.k_cache, lay.v_cache, meta, 0.4)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(actual.double(), lay.dense(q, 0.4, None), atol=tol, rtol=tol)

@@ -35,6 +35,10 @@ from widebeam.model.attention_metadata import (
 )
 
 DEFAULT_ATTENTION_BACKEND = "sdpa"
+# Decode groups of at least this many query rows (beams x grouped heads) read the shared prefix through
+# the fused CPU kernel (A/B over 1,024 prompt tokens: W=64 0.96x, W=256 0.87x the time; W=16, 48 rows,
+# 1.02x: the plain products stay below it).
+FUSED_PREFIX_MIN_ROWS = 96
 ATTENTION_BACKEND_ENV = "WIDEBEAM_ATTENTION_BACKEND"
 
 
@@ -208,6 +212,9 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     suffix_scores = (suffix_scores.float().masked_fill_(group.suffix_hidden, float("-inf"))
                      .view(num_kv_heads, rows, -1))
     k_prefix = _gather(k_cache, group.prefix_slots)  # [P, KV, d]
+    if position_bias is None and k_cache.device.type == "cpu" and rows >= FUSED_PREFIX_MIN_ROWS:
+        return _merge_fused_prefix(q_rows, k_prefix, _gather(v_cache, group.prefix_slots), suffix_scores,
+                                   v_cache, group, q.shape, q.dtype)
     prefix_scores = torch.bmm(q_rows, k_prefix.permute(1, 2, 0)).float()  # [KV, B*G, P]
     if position_bias is not None:
         prefix_scores += _heads_as_rows(position_bias.group_prefix(group), num_kv_heads).reshape(
@@ -226,6 +233,32 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     out /= denominator  # [KV, B*G, d]
     return (out.view(num_kv_heads, batch, group_size, head_dim).transpose(0, 1)
             .reshape(batch, num_heads, head_dim).to(q.dtype))
+
+
+def _merge_fused_prefix(q_rows: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor,
+                        suffix_scores: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup,
+                        q_shape: torch.Size, q_dtype: torch.dtype) -> torch.Tensor:
+    """The shared prefix through PyTorch's fused CPU kernel, which returns each row's log-sum-exp
+    beside its output (no [KV, B*G, P] score tensor is written, exponentiated and read back), merged
+    with the beams' own keys by log-sum-exp. q_rows [KV, B*G, d] is already scaled; suffix_scores
+    [KV, B*G, S] float32 with padding at -inf. Measured 1.5x faster on the prefix part at W=256 over
+    2,048 prompt tokens (9.1 -> 6.0 ms a layer)."""
+    batch, num_heads, head_dim = q_shape
+    num_kv_heads, rows, _ = q_rows.shape
+    group_size = num_heads // num_kv_heads
+    prefix_out, prefix_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q_rows[None], k_prefix.transpose(0, 1)[None], v_prefix.transpose(0, 1)[None], 0.0, False,
+        scale=1.0)[:2]  # [1, KV, B*G, d], [1, KV, B*G]
+    prefix_out, prefix_lse = prefix_out[0].float(), prefix_lse[0].float()[..., None]
+    suffix_lse = torch.logsumexp(suffix_scores, dim=-1, keepdim=True)  # [KV, B*G, 1]
+    total_lse = torch.logaddexp(prefix_lse, suffix_lse)
+    v_suffix = _kv_major(_gather(v_cache, group.suffix_slots))  # [KV, B, S, d]
+    suffix_weights = (suffix_scores - total_lse).exp_().to(v_suffix.dtype)  # already normalised
+    out = prefix_out * (prefix_lse - total_lse).exp_()
+    out += torch.matmul(suffix_weights.view(num_kv_heads, batch, group_size, -1),
+                        v_suffix).view(num_kv_heads, rows, head_dim)
+    return (out.view(num_kv_heads, batch, group_size, head_dim).transpose(0, 1)
+            .reshape(batch, num_heads, head_dim).to(q_dtype))
 
 
 def _attend_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
