@@ -39,38 +39,51 @@ def converted_dir(model_dir: Path, quantization: str, cache_dir: Path) -> Path:
     return out
 
 
-_generator = None  # the worker process's CTranslate2 generator
+_model = None  # the worker process's CTranslate2 model: a Generator or a Translator
 
 
-def _load(model_dir: Path, compute_type: str, threads: int, cache_dir: Path) -> None:
+def _load(kind: str, model_dir: Path, compute_type: str, threads: int, cache_dir: Path) -> None:
+    """The worker's initializer: `kind` is "Generator" (decoder-only) or "Translator" (encoder-decoder)."""
     import ctranslate2
 
-    global _generator
+    global _model
     path = converted_dir(model_dir, compute_type, cache_dir)
-    _generator = ctranslate2.Generator(str(path), device="cpu", compute_type=compute_type, inter_threads=1,
-                                       intra_threads=threads)
+    _model = getattr(ctranslate2, kind)(str(path), device="cpu", compute_type=compute_type, inter_threads=1,
+                                        intra_threads=threads)
 
 
-def _generate(tokens: list[str], width: int, new_tokens: int, end: str) -> tuple[float, list[int]]:
-    start = time.perf_counter()
-    (result,) = _generator.generate_batch([tokens], beam_size=width, num_hypotheses=1, max_length=new_tokens,
-                                          min_length=new_tokens, end_token=end,
-                                          include_prompt_in_result=False, return_scores=True)
-    return time.perf_counter() - start, list(result.sequences_ids[0])
+class _WorkerPeer:
+    """A CTranslate2 model of one compute type in a spawned worker process of its own."""
 
-
-class CT2Peer:
-    """One CTranslate2 generator (a compute type) over the bench's model, in a worker process."""
+    kind = ""
 
     def __init__(self, model_dir: Path, compute_type: str, threads: int, cache_dir: Path, tokenizer):
         # only looked for here: the library itself is loaded, and the model converted, in the worker
         if importlib.util.find_spec("ctranslate2") is None:
-            raise RuntimeError("--peers ctranslate2 needs CTranslate2: pip install ctranslate2")
+            raise RuntimeError("the CTranslate2 peer needs CTranslate2: pip install ctranslate2")
         self.compute_type = compute_type
         self.tokenizer = tokenizer
         self._worker = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
                                            initializer=_load,
-                                           initargs=(Path(model_dir), compute_type, threads, Path(cache_dir)))
+                                           initargs=(self.kind, Path(model_dir), compute_type, threads,
+                                                     Path(cache_dir)))
+
+    def close(self) -> None:
+        self._worker.shutdown()
+
+
+def _generate(tokens: list[str], width: int, new_tokens: int, end: str) -> tuple[float, list[int]]:
+    start = time.perf_counter()
+    (result,) = _model.generate_batch([tokens], beam_size=width, num_hypotheses=1, max_length=new_tokens,
+                                      min_length=new_tokens, end_token=end,
+                                      include_prompt_in_result=False, return_scores=True)
+    return time.perf_counter() - start, list(result.sequences_ids[0])
+
+
+class CT2Peer(_WorkerPeer):
+    """One CTranslate2 generator (a compute type) over the bench's model, in a worker process."""
+
+    kind = "Generator"
 
     def run(self, prompt_ids: list[int], width: int, new_tokens: int, eos_id: int) -> dict:
         tokens = self.tokenizer.convert_ids_to_tokens(prompt_ids)
@@ -78,48 +91,27 @@ class CT2Peer:
         elapsed, best = self._worker.submit(_generate, tokens, width, new_tokens, end).result()
         return {"wall_s": elapsed, "best": best}
 
-    def close(self) -> None:
-        self._worker.shutdown()
 
 
 # Encoder-decoder models (benchmarks/seq2seq.py): a `ctranslate2.Translator` in a worker of its own, for
 # the same reason; the worker also reports its own peak RSS, since its memory is not the bench's.
-_translator = None  # the worker process's CTranslate2 translator
-
-
-def _load_translator(model_dir: Path, compute_type: str, threads: int, cache_dir: Path) -> None:
-    import ctranslate2
-
-    global _translator
-    path = converted_dir(model_dir, compute_type, cache_dir)
-    _translator = ctranslate2.Translator(str(path), device="cpu", compute_type=compute_type, inter_threads=1,
-                                         intra_threads=threads)
-
-
 def _translate(sources: list[list[str]], width: int, new_tokens: int,
                max_batch_size: int) -> tuple[float, int, list[list[str]]]:
     from widebeam import memstats
 
     memstats.reset_peak_rss(trim_heap=True)
     start = time.perf_counter()
-    results = _translator.translate_batch(sources, beam_size=width, num_hypotheses=1,
-                                          min_decoding_length=new_tokens, max_decoding_length=new_tokens,
-                                          max_batch_size=max_batch_size)
+    results = _model.translate_batch(sources, beam_size=width, num_hypotheses=1,
+                                     min_decoding_length=new_tokens, max_decoding_length=new_tokens,
+                                     max_batch_size=max_batch_size)
     elapsed = time.perf_counter() - start
     return elapsed, memstats.rss_bytes("VmHWM") or 0, [r.hypotheses[0] for r in results]
 
 
-class CT2TranslatorPeer:
+class CT2TranslatorPeer(_WorkerPeer):
     """One CTranslate2 translator (a compute type) over an encoder-decoder model dir, in a worker process."""
 
-    def __init__(self, model_dir: Path, compute_type: str, threads: int, cache_dir: Path, tokenizer):
-        if importlib.util.find_spec("ctranslate2") is None:
-            raise RuntimeError("the CTranslate2 peer needs CTranslate2: pip install ctranslate2")
-        self.compute_type = compute_type
-        self.tokenizer = tokenizer
-        self._worker = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                                           initializer=_load_translator,
-                                           initargs=(Path(model_dir), compute_type, threads, Path(cache_dir)))
+    kind = "Translator"
 
     def run(self, sources: list[list[int]], width: int, new_tokens: int, max_batch_size: int = 0) -> dict:
         """Every source translated with `new_tokens` tokens (min = max decoding length), `max_batch_size`
@@ -129,6 +121,3 @@ class CT2TranslatorPeer:
                                                       max_batch_size).result()
         return {"wall_s": elapsed, "peak_rss_bytes": peak_rss,
                 "best": [self.tokenizer.convert_tokens_to_ids(h) for h in best]}
-
-    def close(self) -> None:
-        self._worker.shutdown()
