@@ -32,12 +32,11 @@ from widebeam.outputs import RequestDelta
 from widebeam.params import BeamSearchParams, SamplingParams
 from widebeam.pinning import pin_prefixes, pin_token_ids
 from widebeam.prompts import (
+    PromptRules,
     chat_prompt,
-    prefix_token_ids,
+    prepare_prompt,
     read_generation_settings,
-    split_prompt,
     tokenize_prompt,
-    truncate_prompt,
 )
 from widebeam.request import Request
 from widebeam.sched.admission import admit_check
@@ -91,10 +90,10 @@ class LLMEngine:
         generation = read_generation_settings(self.source, self.tokenizer)
         self.eos_token_ids = generation.eos_token_ids
         self.grammars = Grammars(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)  # response_format
-        self.decoder_start_token_id = generation.decoder_start_token_id
+        self.prompt_rules = PromptRules(self.tokenizer, self.arch.vocab_size,
+                                        generation.decoder_start_token_id, generation.forced_bos_token_id)
         self.suppress_token_ids = generation.suppress_token_ids
         self.forced_eos_token_id = generation.forced_eos_token_id
-        self.forced_bos_token_id = generation.forced_bos_token_id
         self.scheduler = make_scheduler(sched_config.scheduling_policy, self.cache,
                                         sched_config.max_num_batched_tokens, sched_config.max_preemptions,
                                         self.num_draft_tokens)
@@ -134,11 +133,6 @@ class LLMEngine:
                                             "ScoreParams, got {value!r}", value=params)
             if scoring:
                 params = params.tokenized(self.tokenizer, self.arch.vocab_size)
-            out_of_vocab = [t for t in params.stop_token_ids if t >= self.arch.vocab_size]
-            if out_of_vocab:
-                raise InvalidParameterError("stop_token_ids", "{stop_token_ids} must hold token ids in "
-                                            "[0, {vocab_size}), got {value!r}",
-                                            vocab_size=self.arch.vocab_size, value=out_of_vocab[0])
             if scoring and logits_processors:
                 raise InvalidParameterError("logits_processors", "scoring reads the model's raw log-probs: "
                                             "{logits_processors} cannot apply")
@@ -174,17 +168,8 @@ class LLMEngine:
                     "min_new_tokens", "{min_new_tokens} must be <= {limit} with this catalogue (its longest "
                     "item; each ends with the end-of-sequence token), got {value}",
                     limit=catalogue.max_item_tokens, value=params.min_new_tokens)
-            text, token_ids = tokenize_prompt(prompt, self.tokenizer, self.arch.vocab_size)
-            token_ids = truncate_prompt(token_ids, params.max_input_length, self.decoder_start_token_id)
-            self._check_banned_ids(params)
-            # a soft prefix (prefix_bias_beta) is generated under a bias, not given: the decoder starts bare
-            soft_prefix = getattr(params, "prefix_bias_beta", 0.0) > 0.0
-            hard_prefix = () if soft_prefix else params.decoder_prefix
-            encoder_token_ids, token_ids = split_prompt(token_ids, hard_prefix, self.tokenizer,
-                                                        self.arch.vocab_size, self.decoder_start_token_id)
-            if soft_prefix:
-                soft_prefix = prefix_token_ids(params.decoder_prefix, self.tokenizer, self.arch.vocab_size)
-            forced_bos_token_id = self._forced_bos_token_id(params)
+            prepared = prepare_prompt(prompt, params, self.prompt_rules)
+            token_ids, encoder_token_ids = prepared.token_ids, prepared.encoder_token_ids
             # prompt log-probs compute every token: no prefix reuse for them
             caching = self.cache.enable_prefix_caching and params.prompt_logprobs is None
             key = self.cache.prefix_key(token_ids, encoder_token_ids) if caching else None
@@ -206,42 +191,17 @@ class LLMEngine:
                                             forced_eos_token_id=self.forced_eos_token_id,
                                             grammar=self.grammars.constraint(params.response_format),
                                             extra_processors=logits_processors,
-                                            forced_bos_token_id=forced_bos_token_id,
-                                            soft_prefix=soft_prefix or ())
+                                            forced_bos_token_id=prepared.forced_bos_token_id,
+                                            soft_prefix=prepared.soft_prefix)
         draft_length = None
         if self.speculative and not scoring:  # forced rows: nothing to draft
             draft_length = DraftLength(self.num_draft_tokens, self.speculative.adaptive)
         kv = self.cache.new_request(key, len(encoder_token_ids or ()))
-        request = Request(request_id, text, token_ids, admission, kv, decoder,
+        request = Request(request_id, prepared.text, token_ids, admission, kv, decoder,
                           output_stream(decoder, self.tokenizer), encoder_token_ids, draft_length)
         self._requests[request_id] = request
         self.scheduler.add(request)
         return list(request.source_token_ids)
-
-    def _check_banned_ids(self, params: SamplingParams | BeamSearchParams) -> None:
-        """`bad_words_ids` within the vocabulary (params.py checked their shape)."""
-        for sequence in params.bad_words_ids:
-            if any(t >= self.arch.vocab_size for t in sequence):
-                raise InvalidParameterError("bad_words_ids", "{bad_words_ids} must hold token ids in "
-                                            "[0, {vocab_size}), got {value!r}",
-                                            vocab_size=self.arch.vocab_size, value=list(sequence))
-
-    def _forced_bos_token_id(self, params: SamplingParams | BeamSearchParams) -> int | None:
-        """The request's, else the model's; as in HF, only for an encoder-decoder decoder that starts
-        from its start token alone (a decoder prefix already says what comes first)."""
-        if params.forced_bos_token_id is not None:
-            if self.decoder_start_token_id is None:
-                raise InvalidParameterError("forced_bos_token_id", "{forced_bos_token_id} applies to "
-                                            "encoder-decoder models; this one continues its prompt: put the "
-                                            "token at the end of the prompt")
-            if params.forced_bos_token_id >= self.arch.vocab_size:
-                raise InvalidParameterError("forced_bos_token_id", "{forced_bos_token_id} must be a token "
-                                            "id in [0, {vocab_size}), got {value}",
-                                            vocab_size=self.arch.vocab_size, value=params.forced_bos_token_id)
-        if self.decoder_start_token_id is None or params.decoder_prefix:
-            return None
-        requested = params.forced_bos_token_id
-        return requested if requested is not None else self.forced_bos_token_id
 
     # -- catalogues -------------------------------------------------------------------------------
     def register_catalogue(self, name: str, source, subsets: dict | None = None) -> Catalogue:

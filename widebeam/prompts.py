@@ -5,7 +5,7 @@ token) read beside the model."""
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from widebeam.errors import InvalidParameterError
 from widebeam.model.families import GenerationSettings, generation_settings
@@ -85,6 +85,74 @@ def split_prompt(token_ids: list[int], decoder_prefix: tuple[int, ...] | str, to
     if not token_ids:
         raise InvalidParameterError("prompt", "the source is empty: give at least one token")
     return token_ids, [decoder_start_token_id, *decoder_prefix]
+
+
+@dataclass(frozen=True)
+class PromptRules:
+    """What the model says about prompts: its tokenizer and vocabulary, and for an encoder-decoder its
+    decoder's start token and the token it forces first (None: a decoder-only model / none)."""
+    tokenizer: object
+    vocab_size: int
+    decoder_start_token_id: int | None = None
+    forced_bos_token_id: int | None = None
+
+
+@dataclass(frozen=True)
+class PreparedPrompt:
+    """A request's prompt as the engine runs it."""
+    text: str | None  # the prompt's text, None when given as token ids
+    token_ids: list[int]  # the decoder's prompt (decoder-only: the prompt and any decoder prefix)
+    encoder_token_ids: list[int] | None  # an encoder-decoder's source, else None
+    soft_prefix: tuple[int, ...]  # a prefix generated under a bias (prefix_bias_beta), not given
+    forced_bos_token_id: int | None  # forced as the first generated token
+
+
+def prepare_prompt(prompt: str | dict | list[int], params, rules: PromptRules) -> PreparedPrompt:
+    """Tokenize, truncate (`max_input_length`) and split a request's prompt into source and decoder
+    prompt with its decoder prefix, and check every token id the params name against the vocabulary.
+    Raises `InvalidParameterError` naming the parameter; nothing is allocated here."""
+    check_token_ids(params, rules.vocab_size)
+    text, token_ids = tokenize_prompt(prompt, rules.tokenizer, rules.vocab_size)
+    token_ids = truncate_prompt(token_ids, params.max_input_length, rules.decoder_start_token_id)
+    # a soft prefix (prefix_bias_beta) is generated under a bias, not given: the decoder starts bare
+    soft = getattr(params, "prefix_bias_beta", 0.0) > 0.0
+    hard_prefix = () if soft else params.decoder_prefix
+    encoder_token_ids, token_ids = split_prompt(token_ids, hard_prefix, rules.tokenizer, rules.vocab_size,
+                                                rules.decoder_start_token_id)
+    soft_prefix = prefix_token_ids(params.decoder_prefix, rules.tokenizer, rules.vocab_size) if soft else ()
+    return PreparedPrompt(text, token_ids, encoder_token_ids, soft_prefix, forced_bos_token_id(params, rules))
+
+
+def check_token_ids(params, vocab_size: int) -> None:
+    """`stop_token_ids` and `bad_words_ids` within the vocabulary (params.py checked their shape)."""
+    out_of_vocab = [t for t in params.stop_token_ids if t >= vocab_size]
+    if out_of_vocab:
+        raise InvalidParameterError("stop_token_ids", "{stop_token_ids} must hold token ids in "
+                                    "[0, {vocab_size}), got {value!r}", vocab_size=vocab_size,
+                                    value=out_of_vocab[0])
+    for sequence in params.bad_words_ids:
+        if any(t >= vocab_size for t in sequence):
+            raise InvalidParameterError("bad_words_ids", "{bad_words_ids} must hold token ids in "
+                                        "[0, {vocab_size}), got {value!r}", vocab_size=vocab_size,
+                                        value=list(sequence))
+
+
+def forced_bos_token_id(params, rules: PromptRules) -> int | None:
+    """The request's, else the model's; as in HF, only for an encoder-decoder decoder that starts
+    from its start token alone (a decoder prefix already says what comes first)."""
+    requested = params.forced_bos_token_id
+    if requested is not None:
+        if rules.decoder_start_token_id is None:
+            raise InvalidParameterError("forced_bos_token_id", "{forced_bos_token_id} applies to "
+                                        "encoder-decoder models; this one continues its prompt: put the "
+                                        "token at the end of the prompt")
+        if requested >= rules.vocab_size:
+            raise InvalidParameterError("forced_bos_token_id", "{forced_bos_token_id} must be a token "
+                                        "id in [0, {vocab_size}), got {value}",
+                                        vocab_size=rules.vocab_size, value=requested)
+    if rules.decoder_start_token_id is None or params.decoder_prefix:
+        return None
+    return requested if requested is not None else rules.forced_bos_token_id
 
 
 def chat_prompt(tokenizer, message: str) -> str:
