@@ -9,7 +9,7 @@ thread; the in-process engine runs with --threads and with one thread), so the f
 overhead and the scaling of the Ray path, not a cluster's throughput. Wall times include each
 job's engine start-up (the model is converted once into the cache before the first). On a cluster the same
 command line runs with `--replicas N --ray-address auto`, one GPU per replica where there are GPUs (see
-README: Batch jobs and Ray). Every configuration's beams are checked against the in-process run's.
+docs/batch-and-ray.md). Every configuration's beams are checked against the in-process run's.
 
 Writes benchmarks/results/batch.json and batch.md.
 """

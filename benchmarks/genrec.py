@@ -25,7 +25,7 @@ At the widest point a constrained run is profiled (cProfile, top 15 by tottime).
 
 Checks the issue's targets: >= 80x transformers at W=64, P=1,024; constrained at most 5% slower than
 unconstrained at 1M items and W=256; W=1,024 over a 2,048-token prompt within `kv_cache_memory=2GiB`.
-Writes benchmarks/results/genrec.json and genrec.md (the README's table).
+Writes benchmarks/results/genrec.json and genrec.md (the table in docs/generative-retrieval.md).
 """
 
 from __future__ import annotations

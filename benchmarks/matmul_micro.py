@@ -1,15 +1,15 @@
-"""CPU matmul micro-benchmarks behind three README figures, on SmolLM2-135M's shapes (random weights:
+"""CPU matmul micro-benchmarks behind three figures in the guides, on SmolLM2-135M's shapes (random weights:
 the time of a dense product does not depend on the values, denormals aside, which randn avoids).
 
 - `mlp_pair_1row`: one row through a 576x1536 MLP pair (x @ up^T, then @ down^T), float32 against
-  bfloat16, microseconds (the bfloat16 self-draft's cost, README "Speculative decoding").
+  bfloat16, microseconds (the bfloat16 self-draft's cost, docs/speculative-decoding.md).
 - `gemv_bandwidth`: `F.linear` at 1-4 rows as GB/s of weight read, at 1 and 2 threads, over the 30
   decoder layers' 210 distinct linears (425 MB, a decode step's weights, far beyond the caches) and
   the lm_head's weight (49152 x 576, 113 MB) at 1 row, against a 2-thread `torch.sum` of the
-  lm_head's weight (what the memory delivers to both cores) (README "Float32 linears").
+  lm_head's weight (what the memory delivers to both cores) (docs/benchmarks.md, "Float32 linears").
 - `rows_scaling`: one decoder layer's seven float32 linears at 1, 4, 9, 16, 72 rows, each time as a
-  multiple of the 1-row time, 2 threads (a verify pass of W x (1 + drafted) rows, README
-  "Speculative decoding").
+  multiple of the 1-row time, 2 threads (a verify pass
+  of W x (1 + drafted) rows, docs/speculative-decoding.md).
 
 Every figure is the median of `--repeats` timed runs after a warm-up. The host's load average is
 stored with them: other processes on a 2-core host slow these down.

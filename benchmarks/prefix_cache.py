@@ -5,8 +5,9 @@ with the prefix cache off, on, and with the system prompt pinned at start-up.
     python benchmarks/prefix_cache.py --quick        # smoke run (about a minute); writes to the temp dir
 
 The prompts: a system prompt of exactly --system-tokens token ids of real text (this repository's
-README, tokenized with the model's tokenizer) and, per request, --user-tokens ids of the text that
-follows, with a distinct first token so that no two requests share more than the system prompt.
+README as of c716efb, kept in benchmarks/data/ so the recorded results reproduce, tokenized with the
+model's tokenizer) and, per request, --user-tokens ids of the text that follows, with a distinct
+first token so that no two requests share more than the system prompt.
 
 Three engines (same float32 weights, same --kv-cache-memory each), built once and warmed up once:
 - **no-cache**: `enable_prefix_caching=False`, every request computes its whole prompt;
@@ -52,7 +53,8 @@ from widebeam.params import BeamSearchParams, SamplingParams
 MODEL = DEFAULT_MODEL
 GIB, MIB = 2**30, 2**20
 RESULTS = Path(__file__).parent / "results"
-TEXT = Path(__file__).parents[1] / "README.md"
+# the README as it was when results/prefix_cache.json was recorded (c716efb): the prompts are its text
+TEXT = Path(__file__).parent / "data" / "prefix_cache_text.md"
 CONFIGS = ("no-cache", "cache", "pinned")
 
 

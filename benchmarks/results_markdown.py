@@ -1,4 +1,4 @@
-"""The README's results tables, from `widebeam bench` JSON files.
+"""The results tables of the README and docs/benchmarks.md, from `widebeam bench` JSON files.
 
     python benchmarks/results_markdown.py benchmarks/results/beam_vs_hf.json [more.json ...]
     python benchmarks/results_markdown.py --peers benchmarks/results/bench_peers_{float32,int8}.json

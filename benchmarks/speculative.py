@@ -14,7 +14,7 @@ at a time (the latency case speculation is for; the wall time is the sum over pr
 configuration's token ids are checked against plain's (all returned beams, in order): a mismatch is
 printed loudly and recorded, never hidden.
 
-Writes benchmarks/results/speculative.json and speculative.md (the README's table).
+Writes benchmarks/results/speculative.json and speculative.md (the table in docs/speculative-decoding.md).
 """
 
 from __future__ import annotations
