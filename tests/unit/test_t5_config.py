@@ -121,3 +121,24 @@ def test_plan_shows_self_and_cross_pools_without_torch(tmp_path):
         assert pools["cross"]["required_blocks"] == math.ceil(100 / 16)
         assert pools["self"]["bytes_per_token"] == pools["cross"]["bytes_per_token"] == 6 * 2 * 8 * 64 * 2
     assert plans[16]["self"]["required_blocks"] > plans[1]["self"]["required_blocks"]
+
+
+TINY_T5 = {"model_type": "t5", "d_model": 64, "d_kv": 8, "d_ff": 96, "num_layers": 2,
+           "num_decoder_layers": 3, "num_heads": 6, "vocab_size": 128, "relative_attention_num_buckets": 32,
+           "feed_forward_proj": "relu", "decoder_start_token_id": 0, "eos_token_id": 1, "pad_token_id": 0}
+
+
+@pytest.mark.parametrize("overrides", [
+    {},  # T5 v1.0: ReLU, tied head
+    {"feed_forward_proj": "gated-gelu", "tie_word_embeddings": False},  # v1.1 / flan-T5
+    {"model_type": "mt5", "feed_forward_proj": "gated-gelu", "tie_word_embeddings": False,
+     "relative_attention_num_buckets": 16},
+], ids=["t5", "t5-v1.1", "mt5"])
+def test_plan_weight_count_is_the_built_models(overrides):
+    """Heads x d_kv wide projections without biases, RMS norms, gated or not, one relative position
+    table per stack, each stack's final norm, tied or untied head: the plan's weight bytes are the
+    model's."""
+    config = {**TINY_T5, **overrides}
+    with torch.device("meta"):
+        model = build_model(config)
+    assert parse_config(config).arch.num_params == sum(p.numel() for p in model.parameters())

@@ -119,6 +119,13 @@ class ModelArch:
     learned_position_rows: int = 0
     norms_per_stack: int = 0
     final_logits_bias: bool = True
+    # Encoder-decoder facts where T5 differs from the BART family: projections without biases, RMS norms
+    # (a weight, no bias), a gated MLP (wi_0, wi_1), and a relative position bias table (buckets x heads)
+    # in each stack's first layer.
+    linear_bias: bool = True
+    rms_norm: bool = False
+    gated_mlp: bool = False
+    relative_attention_buckets: int = 0
 
     @property
     def is_encoder_decoder(self) -> bool:
@@ -143,21 +150,23 @@ class ModelArch:
         return embeddings + self.num_layers * (attention + mlp + norms) + h
 
     def _encoder_decoder_params(self) -> int:
-        """Marian/BART-style: biased projections, LayerNorms (weight + bias), one shared embedding
-        matrix, a final logits bias where the family has one; sinusoidal positions are computed, not
-        stored, learned ones (BART) are a table per stack."""
-        h = self.hidden_size
-        attention = 4 * (h * h + h)
-        layer_norm = 2 * h
+        """Marian/BART-style (biased projections, LayerNorms with weight and bias) or T5-style (no biases,
+        RMS norms, maybe a gated MLP, relative position tables); one shared embedding matrix, a final
+        logits bias where the family has one; sinusoidal positions are computed, not stored, learned
+        ones (BART) are a table per stack."""
+        h, q_dim = self.hidden_size, self.num_heads * self.head_dim
+        attention = 4 * h * q_dim + (3 * q_dim + h if self.linear_bias else 0)
+        norm = h if self.rms_norm else 2 * h
 
         def ffn(size: int) -> int:
-            return 2 * h * size + size + h
+            return (3 if self.gated_mlp else 2) * h * size + (size + h if self.linear_bias else 0)
 
-        encoder = self.num_encoder_layers * (attention + ffn(self.encoder_intermediate_size) + 2 * layer_norm)
-        decoder = self.num_layers * (2 * attention + ffn(self.intermediate_size) + 3 * layer_norm)
+        encoder = self.num_encoder_layers * (attention + ffn(self.encoder_intermediate_size) + 2 * norm)
+        decoder = self.num_layers * (2 * attention + ffn(self.intermediate_size) + 3 * norm)
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         embeddings += self.vocab_size if self.final_logits_bias else 0
-        stacks = 2 * (self.learned_position_rows * h + self.norms_per_stack * layer_norm)
+        stacks = 2 * (self.learned_position_rows * h + self.norms_per_stack * norm
+                      + self.relative_attention_buckets * self.num_heads)
         return embeddings + encoder + decoder + stacks
 
     def weight_bytes(self, dtype: str) -> int:

@@ -87,6 +87,12 @@ def parse_t5(config: dict, name: str) -> tuple[ModelArch, T5Settings]:
         num_encoder_layers=encoder_layers,
         encoder_intermediate_size=d_ff,
         mlp_bias=False,
+        final_logits_bias=False,
+        norms_per_stack=1,  # each stack's final_layer_norm
+        linear_bias=False,
+        rms_norm=True,
+        gated_mlp=gated,
+        relative_attention_buckets=int(config.get("relative_attention_num_buckets", 32)),
     )
     start = config.get("decoder_start_token_id")
     pad = config.get("pad_token_id")
