@@ -151,23 +151,7 @@ class LLMEngine:
                 # a round may accept several tokens, each a step of its own width: not supported
                 raise InvalidParameterError("beam_width_schedule", "{beam_width_schedule} needs an engine "
                                             "without speculative decoding")
-            catalogue = self.catalogues.for_request(params) if isinstance(params, BeamSearchParams) else None
-            if catalogue is not None and params.max_new_tokens is None:
-                # the longest item and its end-of-sequence token
-                params = params.replace(max_new_tokens=catalogue.max_item_tokens + 1)
-            if catalogue is not None and params.max_new_tokens < catalogue.min_item_tokens + 1:
-                # no item and its EOS fit: the search could only come back empty
-                raise InvalidParameterError(
-                    "max_new_tokens", "{max_new_tokens} must be >= {limit} with this catalogue (its shortest "
-                    "item has {shortest} tokens, then the end-of-sequence token), got {value}",
-                    limit=catalogue.min_item_tokens + 1, shortest=catalogue.min_item_tokens,
-                    value=params.max_new_tokens)
-            if catalogue is not None and params.min_new_tokens > catalogue.max_item_tokens:
-                # EOS is banned until min_new_tokens, and it ends every item: none could end
-                raise InvalidParameterError(
-                    "min_new_tokens", "{min_new_tokens} must be <= {limit} with this catalogue (its longest "
-                    "item; each ends with the end-of-sequence token), got {value}",
-                    limit=catalogue.max_item_tokens, value=params.min_new_tokens)
+            catalogue, params = self.catalogues.fit_request(params)
             prepared = prepare_prompt(prompt, params, self.prompt_rules)
             token_ids, encoder_token_ids = prepared.token_ids, prepared.encoder_token_ids
             # prompt log-probs compute every token: no prefix reuse for them

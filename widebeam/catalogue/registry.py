@@ -122,6 +122,29 @@ class CatalogueRegistry(dict):
             return self._filtered(catalogue, params)
         return None
 
+    def fit_request(self, params) -> tuple[Catalogue | None, object]:
+        """(the request's catalogue or None, its params with `max_new_tokens` defaulting to the longest
+        item and its end token). Refuses lengths that no item could satisfy: the search could only come
+        back empty."""
+        catalogue = self.for_request(params) if isinstance(params, BeamSearchParams) else None
+        if catalogue is None:
+            return None, params
+        if params.max_new_tokens is None:
+            params = params.replace(max_new_tokens=catalogue.max_item_tokens + 1)
+        if params.max_new_tokens < catalogue.min_item_tokens + 1:
+            raise InvalidParameterError(
+                "max_new_tokens", "{max_new_tokens} must be >= {limit} with this catalogue (its shortest "
+                "item has {shortest} tokens, then the end-of-sequence token), got {value}",
+                limit=catalogue.min_item_tokens + 1, shortest=catalogue.min_item_tokens,
+                value=params.max_new_tokens)
+        if params.min_new_tokens > catalogue.max_item_tokens:
+            # EOS is banned until min_new_tokens, and it ends every item: none could end
+            raise InvalidParameterError(
+                "min_new_tokens", "{min_new_tokens} must be <= {limit} with this catalogue (its longest "
+                "item; each ends with the end-of-sequence token), got {value}",
+                limit=catalogue.max_item_tokens, value=params.min_new_tokens)
+        return catalogue, params
+
     def _filtered(self, catalogue: Catalogue, params: BeamSearchParams) -> Catalogue:
         """The catalogue with the request's item filter, if it has one: allowed items (and a named
         subset: both when given), less the excluded ones."""
