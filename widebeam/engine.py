@@ -27,6 +27,7 @@ from widebeam.decoding.stream import output_stream
 from widebeam.defaults import DEFAULT_MODEL
 from widebeam.device import default_device
 from widebeam.errors import InvalidParameterError
+from widebeam.kv.spec import FullAttentionSpec
 from widebeam.model.runner import SequenceInput
 from widebeam.outputs import RequestDelta
 from widebeam.params import BeamSearchParams, SamplingParams
@@ -44,7 +45,6 @@ from widebeam.sched.admission import admit_check
 from widebeam.sched.preemption import make_scheduler
 from widebeam.sched.scheduler import SchedulerOutput
 from widebeam.score_params import ScoreParams
-from widebeam.kv.spec import FullAttentionSpec
 from widebeam.speculative.drafter import ModelDrafter
 from widebeam.speculative.policy import DraftShapes
 from widebeam.speculative.round import SequenceRound

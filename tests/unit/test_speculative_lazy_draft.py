@@ -156,37 +156,42 @@ def test_catch_up_over_several_rounds(tiny_llama_dir, plain_outputs, monkeypatch
     assert check.max_lag_tokens >= 6
 
 
-def test_draft_model_does_not_run_in_plain_rounds(tiny_llama_dir):
+def draft_calls(engine: LLMEngine, requests) -> tuple[list[list[int]], list[tuple[bool, int]]]:
+    """Run `requests`, counting the draft worker's passes: (tokens per sequence of each pass, per step
+    (whether it ran prompt chunks, passes so far))."""
+    draft_worker, execute = engine.workers[1], engine.workers[1].execute
+    calls = []
+
+    def counted(seqs, **kwargs):
+        calls.append([len(seq.token_ids) for seq in seqs])
+        return execute(seqs, **kwargs)
+
+    draft_worker.execute = counted
+    steps = []
+    run(engine, requests, after_step=lambda engine: steps.append(
+        (any(item.num_prompt_tokens for item in engine.last_schedule.scheduled), len(calls))))
+    return calls, steps
+
+
+@pytest.mark.parametrize("pattern", [[0], [0, 0, 0, 1]])
+def test_draft_model_does_not_run_in_plain_rounds(tiny_llama_dir, pattern):
     """Never drafting after the prompt: the draft worker runs only in steps with prompt chunks.
     Drafting every fourth round: it runs in those rounds only, whose first pass feeds each sequence
     the tokens it missed (3 after 3 plain rounds of one step) and its pending one."""
-    for pattern in ([0], [0, 0, 0, 1]):
-        engine = scripted_engine(tiny_llama_dir, pattern=pattern, speculative_model=str(tiny_llama_dir))
-        draft_worker, execute = engine.workers[1], engine.workers[1].execute
-        calls = []  # per draft call: tokens per sequence
-
-        def counted(seqs, **kwargs):
-            calls.append([len(seq.token_ids) for seq in seqs])
-            return execute(seqs, **kwargs)
-
-        draft_worker.execute = counted
-        steps = []  # per step: (ran prompt chunks, draft calls so far)
-
-        def note_step(engine):
-            steps.append((any(item.num_prompt_tokens for item in engine.last_schedule.scheduled), len(calls)))
-
-        run(engine, [(PROMPTS[0], SamplingParams(temperature=0, max_new_tokens=13, ignore_eos=True)),
-                     (PROMPTS[1], BeamSearchParams(beam_width=4, max_new_tokens=13))], after_step=note_step)
-        counts = [0] + [n for _, n in steps]
-        round_steps = [i for i, (prompt, _) in enumerate(steps) if not prompt]
-        drafting_steps = [i for i in round_steps if counts[i + 1] > counts[i]]
-        if pattern == [0]:
-            assert drafting_steps == [] and len(round_steps) >= 12
-        else:
-            assert 2 <= len(drafting_steps) <= len(round_steps) // 4 + 1
-            first_passes = [calls[counts[i]] for i in drafting_steps]
-            # 1 greedy sequence and 4 beams; after a round that accepted s steps, s + 2 missed ones
-            assert first_passes[0] == [4] * 5 and all(min(sizes) >= 4 for sizes in first_passes), first_passes
+    engine = scripted_engine(tiny_llama_dir, pattern=pattern, speculative_model=str(tiny_llama_dir))
+    calls, steps = draft_calls(engine, [
+        (PROMPTS[0], SamplingParams(temperature=0, max_new_tokens=13, ignore_eos=True)),
+        (PROMPTS[1], BeamSearchParams(beam_width=4, max_new_tokens=13))])
+    counts = [0] + [n for _, n in steps]
+    round_steps = [i for i, (prompt, _) in enumerate(steps) if not prompt]
+    drafting_steps = [i for i in round_steps if counts[i + 1] > counts[i]]
+    if pattern == [0]:
+        assert drafting_steps == [] and len(round_steps) >= 12
+    else:
+        assert 2 <= len(drafting_steps) <= len(round_steps) // 4 + 1
+        first_passes = [calls[counts[i]] for i in drafting_steps]
+        # 1 greedy sequence and 4 beams; after a round that accepted s steps, s + 2 missed ones
+        assert first_passes[0] == [4] * 5 and all(min(sizes) >= 4 for sizes in first_passes), first_passes
 
 
 def test_resumed_perfect_draft_is_accepted_whole(tiny_llama_dir):

@@ -70,7 +70,8 @@ class RequestKV:
         out.update({name: table.block_ids for name, table in self.shared_tables.items()})
         return out
 
-    def written_slots(self, seq_index: int, start: int, end: int, names: Iterable[str]) -> dict[str, list[int]]:
+    def written_slots(self, seq_index: int, start: int, end: int,
+                      names: Iterable[str]) -> dict[str, list[int]]:
         """Pool -> the slots of positions [start, end) of sequence `seq_index`, already allocated, in the
         per-sequence pools `names`: where a lagging reader (a draft model that skipped rounds) writes
         the K/V it missed. Nothing is allocated; blocks shared by several sequences hold the same
