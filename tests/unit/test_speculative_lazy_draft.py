@@ -58,14 +58,19 @@ def scripted_engine(model_dir, pattern=PATTERN, num_draft_tokens: int = 3, **spe
     return engine
 
 
-def run(engine: LLMEngine, requests, after_step=None):
-    """All requests at once; per request the (tokens, score) of each output and its RequestOutput.
-    Checks every pool is back to its start."""
+def run(engine: LLMEngine, requests, after_step=None, preempt_at=()):
+    """All requests at once; per request the (tokens, score) of each output and its RequestOutput;
+    every running request is preempted before each step in `preempt_at`. Checks every pool is back to
+    its start."""
     free = engine.cache.num_free_blocks()
     for i, (prompt, params) in enumerate(requests):
         engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
     finals = {}
+    step = 0
     while engine.has_unfinished():
+        if step in preempt_at:
+            assert all(engine.scheduler.preempt(r.request_id) for r in list(engine.scheduler.running))
+        step += 1
         deltas = engine.step()
         for delta in deltas:
             assert delta.error is None, delta.error
@@ -154,6 +159,21 @@ def test_catch_up_over_several_rounds(tiny_llama_dir, plain_outputs, monkeypatch
     check = DraftKVCheck()
     assert_same(plain_outputs, run(engine, mixed_requests(), after_step=check)[0])
     assert check.max_lag_tokens >= 6
+
+
+def test_preempted_lagging_requests_catch_up_from_their_prompt(tiny_llama_dir, plain_outputs):
+    """Preempted while the draft lags and again mid-catch-up: the prompt comes back in both models,
+    the re-fed tokens only in the target's (a re-feed round drafts nothing), and the next drafting
+    round catches each sequence up from its prompt."""
+    engine = scripted_engine(tiny_llama_dir, scheduling_policy="max_utilization", max_preemptions=10,
+                             speculative_model=str(tiny_llama_dir))
+    check = DraftKVCheck()
+    got, outputs = run(engine, mixed_requests(), after_step=check, preempt_at={5, 9, 14})
+    assert_same(plain_outputs, got)
+    assert engine.stats()["scheduling"]["preemptions"] >= 9
+    assert check.max_lag_tokens >= 6
+    for out in outputs:
+        assert all(peak <= out.required_blocks[name] for name, peak in out.peak_blocks.items())
 
 
 def draft_calls(engine: LLMEngine, requests) -> tuple[list[list[int]], list[tuple[bool, int]]]:
