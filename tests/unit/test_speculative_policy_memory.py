@@ -69,3 +69,16 @@ def test_engine_requests_share_their_shape(tiny_llama_dir):
         engine.step()
     shape = engine.draft_shapes.shapes[("ngram", 4)]
     assert shape.gained_steps is not None and shape.plain_round_s is not None
+
+
+def test_a_losing_shape_where_trying_is_cheap_still_starts_requests_drafting():
+    """Prompt lookup at W=1: a drafting round that finds nothing costs about a plain round, so a
+    shape that lost (free text) still lets a new request (maybe a copy task) find out for itself."""
+    shapes = DraftShapes()
+    length = shapes.new_length("ngram", 1, 4)
+    for _ in range(8):
+        num_nodes = length.next_num_nodes()
+        length.record(num_nodes, 1, 0.11 if num_nodes else 0.1)
+    shape = shapes.shapes[("ngram", 1)]
+    assert shape.loses() and not shape.starts_off()
+    assert shapes.new_length("ngram", 1, 4).next_num_nodes() == 4

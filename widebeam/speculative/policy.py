@@ -21,11 +21,15 @@ plain decode step.
 What earlier requests learned stays at the engine (`DraftShapes`), per request shape: the drafter
 kind and the beam width rounded up to a power of two. Every recorded round of every request of a
 shape also feeds that shape's averages (the same three quantities). A new request of a shape whose
-averages say drafting does not pay starts as a backed-off request: its own estimates seeded from
+averages say drafting does not pay, and where a drafting round costs at least `_CHEAP_PROBE_RATIO`
+plain rounds, starts as a backed-off request: its own estimates seeded from
 the shape's, not drafting for `_MAX_BACKOFF_ROUNDS` rounds, then probing as above; so a short request
 never pays the losing rounds a fresh one would. One in `_PROBE_REQUEST_EVERY` such requests probes on
 its first round instead, so a shape can come back (its probe's round feeds the shape too). A shape
-with nothing learned yet, or one where drafting pays, starts requests fresh (optimistic).
+with nothing learned yet, one where drafting pays, or one where a drafting round costs little more than
+a plain one (prompt lookup at W=1: a round whose lookup finds nothing is a plain round) starts
+requests fresh (optimistic): acceptance depends on the request's text (a copy task accepts most of
+what prompt lookup drafts, free text almost nothing), so where finding out is cheap each request does.
 
 A round that drafts nothing costs a draft model nothing: the draft's cache lags and catches up in the
 next round that drafts (`Request.begin_round`), so a plain round here is as cheap as plain decoding.
@@ -44,6 +48,10 @@ _MAX_BACKOFF_ROUNDS = 16
 _PROBE_PLAIN_AFTER = 2  # drafting rounds before the first plain round is measured
 _REFRESH_PLAIN_EVERY = 32  # drafting rounds between plain measurements (the context grows)
 _PROBE_REQUEST_EVERY = 8  # of the new requests of a losing shape, this one in so many probes at once
+# A drafting round costing less than this many plain rounds is cheap to try: new requests of a losing
+# shape still start drafting (benchmarks/speculative.py: prompt lookup at W=1 ~1.1, at W=4 ~1.5-2.2,
+# a draft model ~4.5 at W=1).
+_CHEAP_PROBE_RATIO = 1.3
 
 
 def _average(old: float | None, new: float) -> float:
@@ -81,6 +89,13 @@ class ShapeRecord:
         return self.gained_steps is not None and not _pays(self.gained_steps, self.draft_round_s,
                                                            self.plain_round_s)
 
+    def starts_off(self) -> bool:
+        """Whether a new request of this shape starts backed off: drafting lost, and trying it is not
+        cheap (a drafting round's time is known and at least `_CHEAP_PROBE_RATIO` plain rounds)."""
+        if not self.loses() or self.draft_round_s is None or self.plain_round_s is None:
+            return False
+        return self.draft_round_s >= _CHEAP_PROBE_RATIO * self.plain_round_s
+
 
 def width_bucket(beam_width: int) -> int:
     """The beam width rounded up to a power of two: requests of one bucket share what they learn."""
@@ -112,7 +127,7 @@ class DraftLength:
         self._skip_rounds = 0
         self._backoff_rounds = 1
         self._drafting_rounds_since_plain = 0
-        if adaptive and shape is not None and shape.loses():
+        if adaptive and shape is not None and shape.starts_off():
             # earlier requests of this shape lost by drafting: start backed off, from what they measured
             self.gained_steps = shape.gained_steps
             self.draft_round_s, self.plain_round_s = shape.draft_round_s, shape.plain_round_s
