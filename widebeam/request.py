@@ -130,14 +130,15 @@ class Request:
     def begin_round(self) -> list[SequenceRound]:
         """Take slots for every live sequence's pending tokens (those it feeds now) and the nodes it
         may draft, in every pool at once, and describe the round (a drafter, if any, fills the trees).
-        While re-feeding after a preemption nothing is drafted."""
+        While re-feeding after a preemption nothing is drafted. With a draft model, each sequence's
+        `draft_feed` says what the draft's first pass feeds (see `lazy_draft` in `__init__`)."""
         num_fed = self._num_fed_tokens = self.num_feed_tokens
         refeeding = num_fed < len(self.pending_token_ids[0])
         num_nodes = 0 if self.draft_length is None or refeeding else self.draft_length.next_num_nodes()
         generated = self.decoder.num_generated_tokens
         committed = len(self.prompt_token_ids) + generated - len(self.pending_token_ids[0])
         self._round_timed, self._draft_tokens_after = True, None
-        catch_up_tokens = None  # lazy draft: tokens per sequence its first pass feeds (None: nothing)
+        catch_up_tokens = None  # lazy draft: positions per sequence its first pass feeds (None: none)
         if self.lazy_draft and num_nodes:
             lag_tokens = committed + num_fed - self.draft_tokens  # missed ones, then the pending ones
             cap = max(2, MAX_CATCH_UP_TOKENS // len(self.pending_token_ids))
@@ -145,7 +146,7 @@ class Request:
                 # Too far behind for one pass (its tokens would pass the draft's activation reserve):
                 # catch up `cap` tokens and draft nothing; the round's time is not a drafting round's.
                 num_nodes, catch_up_tokens, self._round_timed = 0, cap, False
-            elif num_nodes and self.admission.max_new_tokens - generated - 1 > 0:
+            elif self.admission.max_new_tokens - generated - 1 > 0:  # a round with something to draft
                 catch_up_tokens = lag_tokens
         slots = self.kv.decode_slots(num_fed + num_nodes)
         # A round takes at most depth + 1 steps and never passes max_new_tokens, so deeper nodes
