@@ -222,13 +222,17 @@ def main() -> None:
     chat = engines["plain"].engine.apply_chat_template
     prompts = {task: [chat(m) for m in TASKS[task][:args.num_prompts]] for task in args.tasks}
 
-    # warm-up: every engine once, each kind of request, before any timing
+    # warm-up: every engine once, each kind of request, before any timing. Each measured width runs
+    # for at least as many tokens as its timed requests: the adaptive draft policy remembers per shape
+    # (drafter, width) whether drafting paid, as a serving engine does from its earlier requests, so
+    # the timed runs see its steady state, not the first request's learning.
     for label, llm in engines.items():
         start = time.perf_counter()
         llm.generate([chat("Repeat this text exactly: warm up the engine.")],
-                     SamplingParams(temperature=0, max_new_tokens=8), use_tqdm=False)
-        if max_width > 1:
-            llm.generate([chat("Say hello.")], BeamSearchParams(beam_width=max_width, max_new_tokens=4),
+                     SamplingParams(temperature=0, max_new_tokens=max(8, new_tokens(1))), use_tqdm=False)
+        for width in sorted({w for w in args.widths if w > 1}):
+            llm.generate([chat("Describe your favourite city in a few sentences.")],
+                         BeamSearchParams(beam_width=width, max_new_tokens=2 * new_tokens(width)),
                          use_tqdm=False)
         print(f"warmed {label}: {time.perf_counter() - start:.1f} s", flush=True)
 

@@ -27,6 +27,7 @@ from widebeam.decoding.stream import output_stream
 from widebeam.defaults import DEFAULT_MODEL
 from widebeam.device import default_device
 from widebeam.errors import InvalidParameterError
+from widebeam.kv.spec import FullAttentionSpec
 from widebeam.model.runner import SequenceInput
 from widebeam.outputs import RequestDelta
 from widebeam.params import BeamSearchParams, SamplingParams
@@ -43,7 +44,8 @@ from widebeam.sched.admission import admit_check
 from widebeam.sched.preemption import make_scheduler
 from widebeam.sched.scheduler import SchedulerOutput
 from widebeam.score_params import ScoreParams
-from widebeam.speculative.policy import DraftLength
+from widebeam.speculative.drafter import ModelDrafter
+from widebeam.speculative.policy import DraftShapes
 from widebeam.speculative.round import SequenceRound
 from widebeam.startup import allocate_pools, lay_out_pools, load_workers
 from widebeam.structured.grammars import Grammars
@@ -104,6 +106,14 @@ class LLMEngine:
         # once): `stats()["recent_requests"]`, drawn by the web page's capacity panel.
         self._recent_requests: deque[dict] = deque(maxlen=RECENT_REQUESTS)
         self._speculative_counts = {"rounds": 0, "steps": 0, "drafted_tokens": 0, "accepted_tokens": 0}
+        self.draft_shapes = DraftShapes()  # what earlier requests learned about drafting, per shape
+        # A draft model's pools; it may lag behind the target (fed only in rounds that draft) when all
+        # are full-attention pools: a sliding window's released blocks could not take missed tokens.
+        self.draft_pools: tuple[str, ...] = ()
+        if isinstance(self.drafter, ModelDrafter):
+            self.draft_pools = tuple(self.drafter.worker.pool_names.values())
+        self.lazy_draft = bool(self.draft_pools) and all(
+            type(self.cache[name].spec) is FullAttentionSpec for name in self.draft_pools)
         # The engine is whole: the pins run as requests do, and must hold the blocks the layout counted.
         self.pinned_blocks = pin_prefixes(self, pins, layout)
 
@@ -179,10 +189,12 @@ class LLMEngine:
                                             soft_prefix=prepared.soft_prefix)
         draft_length = None
         if self.speculative and not scoring:  # forced rows: nothing to draft
-            draft_length = DraftLength(self.num_draft_tokens, self.speculative.adaptive)
+            draft_length = self.draft_shapes.new_length(self.speculative.method, params.beam_width,
+                                                        self.num_draft_tokens, self.speculative.adaptive)
         kv = self.cache.new_request(key, len(encoder_token_ids or ()))
         request = Request(request_id, prepared.text, token_ids, admission, kv, decoder,
-                          output_stream(decoder, self.tokenizer), encoder_token_ids, draft_length)
+                          output_stream(decoder, self.tokenizer), encoder_token_ids, draft_length,
+                          self.draft_pools, self.lazy_draft)
         self._requests[request_id] = request
         self.scheduler.add(request)
         return list(request.source_token_ids)

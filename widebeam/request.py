@@ -26,12 +26,17 @@ from widebeam.speculative.replay import ReplayedRound, replay_round
 from widebeam.speculative.round import SequenceRound
 from widebeam.speculative.tree import DraftTree, branching_for_width
 
+# The most tokens a lagging draft catches up for one request in one pass (all its sequences); further
+# behind, it catches up over rounds that draft nothing.
+MAX_CATCH_UP_TOKENS = 512
+
 
 class Request:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  admission: Admission, kv: RequestKV, decoder: SamplingDecoder | BeamDecoder,
                  stream: SampledStream | BeamStream, encoder_token_ids: list[int] | None = None,
-                 draft_length: DraftLength | None = None):
+                 draft_length: DraftLength | None = None, draft_pools: tuple[str, ...] = (),
+                 lazy_draft: bool = False):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -42,6 +47,17 @@ class Request:
         self.params = decoder.params
         self.encoder_token_ids = encoder_token_ids
         self.draft_length = draft_length  # how many nodes to draft next round (None: no drafter)
+        # A draft model's pools (empty: no draft model). Lazy: a round that drafts nothing does not feed
+        # the draft, whose cache then lags at `draft_tokens` tokens per live sequence (the same for all:
+        # beams fork from sequences that had it, and share their blocks up to there); the next round
+        # that drafts feeds each sequence what it missed first (`_draft_feed`). Eager: every round feeds
+        # the draft its pending tokens (a draft with sliding-window pools: blocks behind its window are
+        # released, so missed tokens could not be written later).
+        self.draft_pools = draft_pools
+        self.lazy_draft = lazy_draft
+        self.draft_tokens = 0
+        self._draft_tokens_after: int | None = None  # draft_tokens once the round being run ends
+        self._round_timed = True  # whether the latest round's wall time says what drafting costs
         self.num_prefilled_tokens = 0
         # What each live sequence feeds next: its last chosen token, after a round that accepted
         # drafted nodes also those before it (their drafted K/V were discarded, so they are fed again).
@@ -114,12 +130,24 @@ class Request:
     def begin_round(self) -> list[SequenceRound]:
         """Take slots for every live sequence's pending tokens (those it feeds now) and the nodes it
         may draft, in every pool at once, and describe the round (a drafter, if any, fills the trees).
-        While re-feeding after a preemption nothing is drafted."""
+        While re-feeding after a preemption nothing is drafted. With a draft model, each sequence's
+        `draft_feed` says what the draft's first pass feeds (see `lazy_draft` in `__init__`)."""
         num_fed = self._num_fed_tokens = self.num_feed_tokens
         refeeding = num_fed < len(self.pending_token_ids[0])
         num_nodes = 0 if self.draft_length is None or refeeding else self.draft_length.next_num_nodes()
         generated = self.decoder.num_generated_tokens
         committed = len(self.prompt_token_ids) + generated - len(self.pending_token_ids[0])
+        self._round_timed, self._draft_tokens_after = True, None
+        catch_up_tokens = None  # lazy draft: positions per sequence its first pass feeds (None: none)
+        if self.lazy_draft and num_nodes:
+            lag_tokens = committed + num_fed - self.draft_tokens  # missed ones, then the pending ones
+            cap = max(2, MAX_CATCH_UP_TOKENS // len(self.pending_token_ids))
+            if lag_tokens > cap:
+                # Too far behind for one pass (its tokens would pass the draft's activation reserve):
+                # catch up `cap` tokens and draft nothing; the round's time is not a drafting round's.
+                num_nodes, catch_up_tokens, self._round_timed = 0, cap, False
+            elif self.admission.max_new_tokens - generated - 1 > 0:  # a round with something to draft
+                catch_up_tokens = lag_tokens
         slots = self.kv.decode_slots(num_fed + num_nodes)
         # A round takes at most depth + 1 steps and never passes max_new_tokens, so deeper nodes
         # would be wasted (and would sit past the positions admission checked).
@@ -134,7 +162,22 @@ class Request:
             rounds.append(SequenceRound(committed, pending[:num_fed], tables, slots[i], self.request_id,
                                         history, max_depth, branching, num_nodes,
                                         cross_block_table=cross_table, num_encoder_tokens=num_encoder_tokens))
+        if self.draft_pools and not self.lazy_draft:
+            for rnd in rounds:  # eager: the draft's cache holds every token the target's holds
+                rnd.draft_feed = rnd.pending_input()
+        elif catch_up_tokens:
+            self._draft_tokens_after = self.draft_tokens + catch_up_tokens
+            for i, rnd in enumerate(rounds):
+                rnd.draft_feed = self._draft_feed(i, rnd, self.draft_tokens, self._draft_tokens_after)
         return rounds
+
+    def _draft_feed(self, seq_index: int, rnd: SequenceRound, start: int, end: int) -> SequenceInput:
+        """Sequence `seq_index`'s tokens at positions [start, end) for the draft model: those it missed
+        while it lagged (positions the target's cache holds: their blocks are allocated in the draft's
+        pools too, forked with the target's) and the round's pending ones."""
+        tokens = (self.prompt_token_ids + self.decoder.live_token_ids[seq_index])[start:end]
+        slots = self.kv.written_slots(seq_index, start, end, self.draft_pools)
+        return SequenceInput(tokens, start, rnd.block_tables, slots, rnd.group)
 
     def _tables(self, seq_index: int) -> tuple[dict[str, list[int]], tuple[list[int] | None, int]]:
         """A sequence's block tables, and the cross table and its tokens apart (every beam reads it)."""
@@ -152,6 +195,7 @@ class Request:
         self.kv.register_computed(self.num_prefilled_tokens)  # before the prompt forks into beams
         if not self.prompt_done:
             return None
+        self.draft_tokens = len(self.prompt_token_ids)  # prompt chunks always reach a draft model
         if self.decoder.num_generated_tokens:
             self._resume()
             return None
@@ -167,6 +211,8 @@ class Request:
         if self._num_fed_tokens < len(self.pending_token_ids[0]):
             self.pending_token_ids = [pending[self._num_fed_tokens:] for pending in self.pending_token_ids]
             return None
+        if self._draft_tokens_after is not None:
+            self.draft_tokens = self._draft_tokens_after  # the draft was fed (the target's drafts go below)
         root_rows = [rnd.row_start for rnd in rounds]
         delta, replayed = self._replay(scores, root_rows, [rnd.tree for rnd in rounds])
         self._unrecorded_round_nodes = rounds[0].max_nodes
@@ -184,7 +230,8 @@ class Request:
         """Tell the draft policy how the latest round went: its steps and, when the step ran rounds
         alone, its wall time. A re-feed round (nothing chosen) tells nothing."""
         if self.draft_length is not None and self._unrecorded_round_nodes is not None:
-            self.draft_length.record(self._unrecorded_round_nodes, self.last_round_steps, round_s)
+            self.draft_length.record(self._unrecorded_round_nodes, self.last_round_steps,
+                                     round_s if self._round_timed else None)
         self._unrecorded_round_nodes = None
 
     def _replay(self, scores: StepScores, root_rows: list[int], trees: list[DraftTree]) -> tuple[RequestDelta,

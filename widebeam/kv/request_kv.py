@@ -70,6 +70,26 @@ class RequestKV:
         out.update({name: table.block_ids for name, table in self.shared_tables.items()})
         return out
 
+    def written_slots(self, seq_index: int, start: int, end: int,
+                      names: Iterable[str]) -> dict[str, list[int]]:
+        """Pool -> the slots of positions [start, end) of sequence `seq_index`, already allocated, in the
+        per-sequence pools `names`: where a lagging reader (a draft model that skipped rounds) writes
+        the K/V it missed. Nothing is allocated; blocks shared by several sequences hold the same
+        tokens up to their fill, so writing them again writes what they hold."""
+        t = self.cache.tokens_per_block
+        out = {}
+        for name in names:
+            table = self.tables[name][seq_index]
+            if not 0 <= start <= end <= table.num_tokens:
+                raise BlockStateError(f"pool '{name}': positions [{start}, {end}) are not all allocated "
+                                      f"(the sequence holds {table.num_tokens})")
+            block_ids = table.block_ids
+            if any(block_ids[p // t] == DROPPED for p in range(start, end, t)) or (
+                    end > start and block_ids[(end - 1) // t] == DROPPED):
+                raise BlockStateError(f"pool '{name}': positions [{start}, {end}) fall in released blocks")
+            out[name] = [block_ids[p // t] * t + p % t for p in range(start, end)]
+        return out
+
     def num_shared_tokens(self) -> dict[str, int]:
         """Per-request pool -> tokens its table holds (the encoder output's length)."""
         return {name: table.num_tokens for name, table in self.shared_tables.items()}

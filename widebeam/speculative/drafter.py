@@ -2,8 +2,9 @@
 
 - `NgramDrafter` ("ngram"): prompt lookup, one chain per sequence, no model.
 - `ModelDrafter` ("draft"): a second model in its own worker and pools. One pass over the pending
-  tokens (with the step's prompt chunks, which the draft must also hold), then one pass per tree
-  level over the previous level's nodes (tree attention), best-first within each sequence's budget.
+  tokens (with the step's prompt chunks, which the draft must also hold, and the tokens it missed
+  while it lagged), then one pass per tree level over the previous level's nodes (tree attention),
+  best-first within each sequence's budget.
 """
 
 from __future__ import annotations
@@ -34,15 +35,19 @@ class ModelDrafter:
 
     def draft(self, rounds: Sequence[SequenceRound], prefill_inputs: Sequence[SequenceInput] = ()) -> None:
         """Fill the rounds' trees; the step's prompt chunks ride along the first pass (the draft
-        must hold every prompt; their logits are not used)."""
-        active = [rnd for rnd in rounds if rnd.max_depth > 0]
-        # Sequences with nothing to draft still feed their pending tokens: the draft's cache must
-        # hold every token the target's holds.
-        inputs = list(prefill_inputs) + [rnd.pending_input() for rnd in rounds]
+        must hold every prompt; their logits are not used).
+
+        The first pass feeds each round's `draft_feed`: a sequence that drafts feeds its pending
+        tokens, after any tokens the draft missed while the request did not draft (the lazy
+        catch-up); a sequence with nothing to draft feeds nothing, so a plain round costs the
+        draft nothing (the request, not the drafter, decides: `Request.begin_round`)."""
+        fed = [rnd for rnd in rounds if rnd.draft_feed is not None]
+        active = [rnd for rnd in fed if rnd.max_depth > 0]
+        inputs = list(prefill_inputs) + [rnd.draft_feed for rnd in fed]
         if not inputs:
             return
         logits = self.worker.execute(inputs)  # [num_seqs, vocab]: each sequence's last token
-        rows = {id(rnd): len(prefill_inputs) + i for i, rnd in enumerate(rounds)}
+        rows = {id(rnd): len(prefill_inputs) + i for i, rnd in enumerate(fed)}
         if not active:
             return
         self._expand(active, [[ROOT] for _ in active], logits[[rows[id(rnd)] for rnd in active]])

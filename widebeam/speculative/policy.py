@@ -17,6 +17,22 @@ and probes again after 1, 2, 4 ... 16 rounds; a probe that pays resumes full dra
 the engine step's wall time, taken only from steps that ran rounds alone (a step that also ran
 prompt chunks says nothing about a round). Output never depends on this: a round without drafts is a
 plain decode step.
+
+What earlier requests learned stays at the engine (`DraftShapes`), per request shape: the drafter
+kind and the beam width rounded up to a power of two. Every recorded round of every request of a
+shape also feeds that shape's averages (the same three quantities). A new request of a shape whose
+averages say drafting does not pay, and where a drafting round costs at least `_CHEAP_PROBE_RATIO`
+plain rounds, starts as a backed-off request: its own estimates seeded from
+the shape's, not drafting for `_MAX_BACKOFF_ROUNDS` rounds, then probing as above; so a short request
+never pays the losing rounds a fresh one would. One in `_PROBE_REQUEST_EVERY` such requests probes on
+its first round instead, so a shape can come back (its probe's round feeds the shape too). A shape
+with nothing learned yet, one where drafting pays, or one where a drafting round costs little more than
+a plain one (prompt lookup at W=1: a round whose lookup finds nothing is a plain round) starts
+requests fresh (optimistic): acceptance depends on the request's text (a copy task accepts most of
+what prompt lookup drafts, free text almost nothing), so where finding out is cheap each request does.
+
+A round that drafts nothing costs a draft model nothing: the draft's cache lags and catches up in the
+next round that drafts (`Request.begin_round`), so a plain round here is as cheap as plain decoding.
 """
 
 from __future__ import annotations
@@ -31,22 +47,94 @@ _SMOOTHING = 0.3
 _MAX_BACKOFF_ROUNDS = 16
 _PROBE_PLAIN_AFTER = 2  # drafting rounds before the first plain round is measured
 _REFRESH_PLAIN_EVERY = 32  # drafting rounds between plain measurements (the context grows)
+_PROBE_REQUEST_EVERY = 8  # of the new requests of a losing shape, this one in so many probes at once
+# A drafting round costing less than this many plain rounds is cheap to try: new requests of a losing
+# shape still start drafting (benchmarks/speculative.py: prompt lookup at W=1 ~1.1, at W=4 ~1.5-2.2,
+# a draft model ~4.5 at W=1).
+_CHEAP_PROBE_RATIO = 1.3
 
 
 def _average(old: float | None, new: float) -> float:
     return new if old is None else old + _SMOOTHING * (new - old)
 
 
+def _pays(gained_steps: float, draft_round_s: float | None, plain_round_s: float | None) -> bool:
+    if gained_steps < MIN_GAINED_STEPS:
+        return False
+    if draft_round_s is None or plain_round_s is None:
+        return True
+    return (1 + gained_steps) * plain_round_s >= (1 + _MARGIN) * draft_round_s
+
+
+class ShapeRecord:
+    """The averages of every round of every request of one shape (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.gained_steps: float | None = None
+        self.draft_round_s: float | None = None
+        self.plain_round_s: float | None = None
+        self.num_started_off = 0  # requests that started backed off
+
+    def record(self, num_nodes: int, num_steps: int, round_s: float | None) -> None:
+        if num_nodes == 0:
+            if round_s is not None:
+                self.plain_round_s = _average(self.plain_round_s, round_s)
+            return
+        self.gained_steps = _average(self.gained_steps, num_steps - 1)
+        if round_s is not None:
+            self.draft_round_s = _average(self.draft_round_s, round_s)
+
+    def loses(self) -> bool:
+        """Whether what this shape learned says drafting does not pay (False while nothing is known)."""
+        return self.gained_steps is not None and not _pays(self.gained_steps, self.draft_round_s,
+                                                           self.plain_round_s)
+
+    def starts_off(self) -> bool:
+        """Whether a new request of this shape starts backed off: drafting lost, and trying it is not
+        cheap (a drafting round's time is known and at least `_CHEAP_PROBE_RATIO` plain rounds)."""
+        if not self.loses() or self.draft_round_s is None or self.plain_round_s is None:
+            return False
+        return self.draft_round_s >= _CHEAP_PROBE_RATIO * self.plain_round_s
+
+
+def width_bucket(beam_width: int) -> int:
+    """The beam width rounded up to a power of two: requests of one bucket share what they learn."""
+    return 1 << max(beam_width - 1, 0).bit_length()
+
+
+class DraftShapes:
+    """The engine's memory of every shape (drafter kind, width bucket) its requests drafted in."""
+
+    def __init__(self) -> None:
+        self.shapes: dict[tuple[str, int], ShapeRecord] = {}
+
+    def new_length(self, kind: str, beam_width: int, max_nodes: int, adaptive: bool = True) -> DraftLength:
+        """The policy of a new request of this shape (a non-adaptive one ignores the memory)."""
+        if not adaptive:
+            return DraftLength(max_nodes, adaptive)
+        shape = self.shapes.setdefault((kind, width_bucket(beam_width)), ShapeRecord())
+        return DraftLength(max_nodes, adaptive, shape)
+
+
 class DraftLength:
-    def __init__(self, max_nodes: int, adaptive: bool = True):
+    def __init__(self, max_nodes: int, adaptive: bool = True, shape: ShapeRecord | None = None):
         self.max_nodes = max_nodes
         self.adaptive = adaptive
+        self.shape = shape
         self.gained_steps = 1.0  # optimistic: a new request drafts in full
         self.draft_round_s: float | None = None
         self.plain_round_s: float | None = None
         self._skip_rounds = 0
         self._backoff_rounds = 1
         self._drafting_rounds_since_plain = 0
+        if adaptive and shape is not None and shape.starts_off():
+            # earlier requests of this shape lost by drafting: start backed off, from what they measured
+            self.gained_steps = shape.gained_steps
+            self.draft_round_s, self.plain_round_s = shape.draft_round_s, shape.plain_round_s
+            self._backoff_rounds = _MAX_BACKOFF_ROUNDS
+            shape.num_started_off += 1
+            if shape.num_started_off % _PROBE_REQUEST_EVERY:
+                self._skip_rounds = _MAX_BACKOFF_ROUNDS
 
     def next_num_nodes(self) -> int:
         """D, or 0 while backing off or measuring a plain round."""
@@ -66,6 +154,8 @@ class DraftLength:
         `round_s` seconds (None: not timed, e.g. the step also ran prompt chunks)."""
         if not self.adaptive:
             return
+        if self.shape is not None:
+            self.shape.record(num_nodes, num_steps, round_s)
         if num_nodes == 0:
             self._drafting_rounds_since_plain = 0
             if round_s is not None:
@@ -83,8 +173,4 @@ class DraftLength:
 
     def pays(self) -> bool:
         """Whether drafting is expected to beat plain decoding (see the module docstring)."""
-        if self.gained_steps < MIN_GAINED_STEPS:
-            return False
-        if self.draft_round_s is None or self.plain_round_s is None:
-            return True
-        return (1 + self.gained_steps) * self.plain_round_s >= (1 + _MARGIN) * self.draft_round_s
+        return _pays(self.gained_steps, self.draft_round_s, self.plain_round_s)

@@ -31,6 +31,9 @@ class SequenceRound:
     max_nodes: int  # D
     tree: DraftTree = field(default_factory=DraftTree)
     row_start: int = 0  # this sequence's first row in the verify pass's logits
+    # What a draft model's first pass of the round feeds for this sequence (None: nothing, the draft
+    # lags): its pending tokens, after the tokens it missed while it lagged (`Request.begin_round`).
+    draft_feed: SequenceInput | None = None
     # Encoder-decoder models: the request's cross table (read by every sequence) and its tokens.
     cross_block_table: list[int] | None = None
     num_encoder_tokens: int = 0

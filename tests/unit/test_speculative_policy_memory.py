@@ -1,0 +1,84 @@
+"""The engine's memory of drafting per request shape (speculative/policy.py, `DraftShapes`): a new
+request of a shape where drafting lost starts backed off, one in `_PROBE_REQUEST_EVERY` probes at
+once, a probe that pays brings the shape back, and other shapes are untouched."""
+
+from __future__ import annotations
+
+from widebeam.engine import LLMEngine
+from widebeam.params import BeamSearchParams
+from widebeam.speculative import policy
+from widebeam.speculative.policy import DraftShapes, width_bucket
+
+
+def lose(length, rounds: int = 6) -> None:
+    """Rounds where drafting takes twice a plain round's time and gains nothing."""
+    for _ in range(rounds):
+        num_nodes = length.next_num_nodes()
+        length.record(num_nodes, 1, 0.2 if num_nodes else 0.1)
+
+
+def test_width_buckets():
+    assert [width_bucket(w) for w in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [1, 2, 4, 4, 8, 8, 16, 16, 32]
+
+
+def test_a_new_request_of_a_losing_shape_starts_backed_off_and_probes_now_and_then():
+    shapes = DraftShapes()
+    first = shapes.new_length("draft", 4, 4)
+    assert first.next_num_nodes() == 4  # nothing known: optimistic
+    first.record(4, 1, 0.2)
+    lose(first)
+    assert shapes.shapes[("draft", 4)].loses()
+    starts = []
+    for _ in range(2 * policy._PROBE_REQUEST_EVERY):
+        length = shapes.new_length("draft", 3, 4)  # width 3: the same bucket
+        starts.append(length.next_num_nodes())
+    probes = [i for i, n in enumerate(starts) if n]
+    assert probes == [policy._PROBE_REQUEST_EVERY - 1, 2 * policy._PROBE_REQUEST_EVERY - 1]
+    # a backed-off request probes after `_MAX_BACKOFF_ROUNDS` plain rounds
+    length = shapes.new_length("draft", 4, 4)
+    backoff = policy._MAX_BACKOFF_ROUNDS
+    assert [length.next_num_nodes() for _ in range(backoff)] == [0] * backoff
+    assert length.next_num_nodes() == 4
+    # other shapes and a non-adaptive request know nothing of it
+    assert shapes.new_length("draft", 8, 4).next_num_nodes() == 4
+    assert shapes.new_length("ngram", 4, 4).next_num_nodes() == 4
+    assert shapes.new_length("draft", 4, 4, adaptive=False).next_num_nodes() == 4
+
+
+def test_a_probe_that_pays_brings_the_shape_back():
+    shapes = DraftShapes()
+    lose(shapes.new_length("ngram", 1, 4), rounds=8)
+    shape = shapes.shapes[("ngram", 1)]
+    assert shape.loses()
+    for _ in range(policy._PROBE_REQUEST_EVERY - 1):
+        assert shapes.new_length("ngram", 1, 4).next_num_nodes() == 0
+    probe = shapes.new_length("ngram", 1, 4)
+    for _ in range(12):  # a copy task: every round takes 5 steps at 1.2 plain rounds' time
+        num_nodes = probe.next_num_nodes()
+        probe.record(num_nodes, 5 if num_nodes else 1, 0.12 if num_nodes else 0.1)
+    assert not shape.loses()
+    assert shapes.new_length("ngram", 1, 4).next_num_nodes() == 4
+
+
+def test_engine_requests_share_their_shape(tiny_llama_dir):
+    engine = LLMEngine(str(tiny_llama_dir), device="cpu", kv_cache_memory="8MiB", tokens_per_block=4,
+                       max_beam_width=4, speculative_method="ngram", num_speculative_tokens=3)
+    engine.add_request("a", {"prompt_token_ids": list(range(3, 20))},
+                       BeamSearchParams(beam_width=4, max_new_tokens=8))
+    while engine.has_unfinished():
+        engine.step()
+    shape = engine.draft_shapes.shapes[("ngram", 4)]
+    assert shape.gained_steps is not None and shape.plain_round_s is not None
+
+
+def test_a_losing_shape_where_trying_is_cheap_still_starts_requests_drafting():
+    """Prompt lookup at W=1: a drafting round that finds nothing costs about a plain round, so a
+    shape that lost (free text) still lets a new request (maybe a copy task) find out for itself."""
+    shapes = DraftShapes()
+    length = shapes.new_length("ngram", 1, 4)
+    for _ in range(8):
+        num_nodes = length.next_num_nodes()
+        length.record(num_nodes, 1, 0.11 if num_nodes else 0.1)
+    shape = shapes.shapes[("ngram", 1)]
+    assert shape.loses() and not shape.starts_off()
+    assert shapes.new_length("ngram", 1, 4).next_num_nodes() == 4
