@@ -65,8 +65,11 @@ def make_catalogue(num_items: int, base_vocab: int, codes: int, rng) -> np.ndarr
     """[n, 3] distinct items: first code Zipf-popular, the others uniform, each level its own tokens."""
     first = np.minimum(rng.zipf(1.2, size=num_items * 2) - 1, codes - 1)
     rest = rng.integers(0, codes, size=(num_items * 2, 2))
-    items = np.stack([first, rest[:, 0], rest[:, 1]], axis=1) + base_vocab + np.arange(3) * codes
-    return np.unique(items, axis=0)[:num_items]
+    items = np.unique(np.stack([first, rest[:, 0], rest[:, 1]], axis=1), axis=0)
+    # a random num_items of the distinct rows: the first num_items in sorted order would keep only the
+    # lowest first codes (19 of them at 1M items), not a Zipf spread over thousands
+    keep = np.sort(rng.choice(items.shape[0], size=min(num_items, items.shape[0]), replace=False))
+    return items[keep] + base_vocab + np.arange(3) * codes
 
 
 def run_point(llm, prompts, make_params, concurrency: int, catalogue_items: set, allowed: set | None):
