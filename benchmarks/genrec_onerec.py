@@ -139,7 +139,8 @@ def summary(raw: dict) -> dict:
     num_items = sum(len(v) for v in raw["returned"].values())
     p50 = statistics.median(latencies)
     p99 = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
-    return {"requests": len(latencies), "wall_s": round(raw["wall_s"], 3),
+    return {"requests": len(latencies), "items_per_request": round(num_items / len(latencies), 1),
+            "wall_s": round(raw["wall_s"], 3),
             "items_per_s": round(num_items / raw["wall_s"], 1), "p50_s": round(p50, 3),
             "p99_s": round(p99, 3),
             "p99_over_p50": round(p99 / p50, 2), "peak_kv_blocks": raw["peak"],
@@ -214,7 +215,7 @@ def parse_args():
                         "instead of [W/16, W/4, W]")
     parser.add_argument("--chunk-requests", type=int, help="requests per interleaving chunk: each chunk is "
                         "run by every variant, the order reversed every other chunk "
-                        "(default 2 * concurrency)")
+                        "(default: the concurrency)")
     parser.add_argument("--filter-check", type=int, default=100, help="requests over which filter10%% must "
                         "return 0 items outside the filter; where a point has fewer, a separate cheap pass "
                         "(0: none)")
@@ -273,7 +274,7 @@ def main() -> None:
             num_requests = args.requests or max(2 * concurrency, 2)
             prompts = [prefix + rng.integers(3, base_vocab, size=user_tokens).tolist()
                        for _ in range(num_requests)]
-            chunk = args.chunk_requests or (2 * concurrency if len(variants) > 1 else num_requests)
+            chunk = args.chunk_requests or (concurrency if len(variants) > 1 else num_requests)
             raws = run_point(llm, prompts, variants, concurrency, catalogue_items, f"w{width}c{concurrency}",
                              chunk)
             for name, raw in raws.items():
