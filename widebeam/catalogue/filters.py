@@ -97,7 +97,10 @@ class ItemFilter:
         bits = np.packbits(allowed, bitorder="little")  # bit k of byte j: item 8j + k
         packed[:bits.shape[0]] = bits
         words = packed.view("<i8")  # bit k of word w: item 64w + k
-        counts = np.unpackbits(packed, bitorder="little").reshape(num_words, _WORD_ITEMS).sum(axis=1)
+        if _HAS_BITWISE_COUNT:
+            counts = np.bitwise_count(words.view(np.uint64))
+        else:
+            counts = np.unpackbits(packed, bitorder="little").reshape(num_words, _WORD_ITEMS).sum(axis=1)
         before = np.zeros(num_words, dtype=np.int32)
         np.cumsum(counts[:-1], out=before[1:])
         device = catalogue.device
