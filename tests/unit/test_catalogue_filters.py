@@ -176,14 +176,19 @@ def test_http_filter_fields_reach_the_engine():
     assert error.value.param == "catalogue_subset"
 
 
-@pytest.mark.parametrize("num_items, seed", [(1, 0), (31, 1), (32, 2), (33, 3), (200, 4), (1000, 5)])
-def test_bitmap_counts_equal_the_prefix_sum(num_items, seed):
+@pytest.mark.parametrize("num_items, seed, density", [
+    (1, 0, 0.3), (31, 1, 0.3), (32, 2, 0.3), (33, 3, 0.3), (63, 6, 0.5), (64, 7, 0.5), (65, 8, 0.5),
+    (200, 4, 0.3), (1000, 5, 0.3),
+    # every bit set: int32 words of -1 (the sign bit), block counts at their largest
+    (1000, 9, 1.0), (129, 10, 0.97)])
+@pytest.mark.parametrize("use_numpy", [True, False], ids=["numpy-walk", "torch-walk"])
+def test_bitmap_counts_equal_the_prefix_sum(num_items, seed, density, use_numpy):
     from widebeam.catalogue.filters import ItemFilter
 
     rng = np.random.default_rng(seed)
     catalogue = Catalogue.from_sequences([[i // 100 + 3, i % 100 + 3] for i in range(num_items)], 128)
-    allowed = rng.random(catalogue.num_items) < 0.3
-    item_filter = ItemFilter(catalogue, allowed)
+    allowed = rng.random(catalogue.num_items) < density
+    item_filter = ItemFilter(catalogue, allowed, use_numpy=use_numpy)
     expected = np.concatenate(([0], np.cumsum(allowed)))
     index = torch.arange(catalogue.num_items + 1)
     assert item_filter.allowed_before(index).tolist() == expected.tolist()
@@ -191,6 +196,13 @@ def test_bitmap_counts_equal_the_prefix_sum(num_items, seed):
     children = torch.arange(1, catalogue.num_nodes)  # the children of every node, end to end
     counts = catalogue.child_start[1:] - catalogue.child_start[:-1]
     assert torch.equal(item_filter.live_children(children, counts), item_filter.live(children))
+    assert torch.equal(item_filter.live_indices(children, counts),
+                       torch.nonzero(item_filter.live(children)).squeeze(1))
+    first, end = node_item_ranges(catalogue)
+    assert item_filter.live(children).tolist() == [bool(expected[e] > expected[f])
+                                                   for f, e in zip(first[1:].tolist(), end[1:].tolist())]
+    ends = torch.nonzero(catalogue.is_end).squeeze(1)
+    assert item_filter.ends_allowed(ends).tolist() == allowed[first[ends].numpy()].tolist()
 
 
 def test_serve_flags_register_subsets_from_files(tiny_llama_dir, tmp_path):

@@ -42,8 +42,9 @@ class CatalogueConstraint(BeamStateFollower, StepProcessor):
     def _allowed(self, num_rows: int, num_generated_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         catalogue = self.catalogue
         nodes = self._nodes(num_rows, catalogue.device)
-        starts = catalogue.child_start[nodes]
-        counts = catalogue.child_start[nodes + 1] - starts
+        # index_select, not advanced indexing: the same gather, ~5x faster on CPU at 100k+ candidates
+        starts = catalogue.child_start.index_select(0, nodes)
+        counts = catalogue.child_start.index_select(0, nodes + 1) - starts
         if num_generated_tokens >= self.max_new_tokens - 1:
             counts = torch.zeros_like(counts)  # the last token: EOS only, never a cut item
         total = int(counts.sum())  # the one host read: the size of the allowed set
@@ -54,14 +55,14 @@ class CatalogueConstraint(BeamStateFollower, StepProcessor):
         first = torch.repeat_interleave(first_child, counts, output_size=total)
         children = first + torch.arange(total, device=nodes.device)
         item_filter = getattr(catalogue, "item_filter", None)
-        ends = catalogue.is_end[nodes]
+        ends = catalogue.is_end.index_select(0, nodes)
         if item_filter is not None:
             # a request's filter (catalogue/filters.py): no child without an allowed item below it,
-            # no EOS after an item it excludes
-            live = item_filter.live_children(children, counts)
-            rows, children = rows[live], children[live]
+            # no EOS after an item it excludes; one nonzero serves both selections
+            live = item_filter.live_indices(children, counts)
+            rows, children = rows.index_select(0, live), children.index_select(0, live)
             ends = ends & item_filter.ends_allowed(nodes)
-        tokens = catalogue.node_token[children]
+        tokens = catalogue.node_token.index_select(0, children)
         if self.eos_token_ids:
             end_rows = row_ids[ends]
             eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=nodes.device)

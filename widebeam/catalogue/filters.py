@@ -13,7 +13,7 @@ fewer results, never an item outside it.
 
 Item indices are the caller's: for a catalogue built from a list, array or file, the i-th item given
 (duplicates share one trie item); for a prebuilt `Catalogue`, the trie order itself. The node ranges
-are built once per catalogue, on the first filtered request (two int64 per node), and the source
+are built once per catalogue, on the first filtered request (two int32 per node), and the source
 index -> trie item map (one int32 per item given) when the catalogue is built; neither is in
 `Catalogue.nbytes` (what the start-up layout sizes), both are in `LLMEngine.stats()["catalogue_filters"]`.
 Per request: the bitmap and the running counts, 1.5 bits per item (`ItemFilter.nbytes`), freed
@@ -55,13 +55,16 @@ def node_item_ranges(catalogue: Catalogue) -> tuple[torch.Tensor, torch.Tensor]:
         before = np.cumsum(counts) - counts  # exclusive running sum over the level
         group_start = child_start[parent[lo:hi]] - lo  # each child's first sibling, within the level
         first[lo:hi] = first[parent[lo:hi]] + is_end[parent[lo:hi]] + before - before[group_start]
-    ranges = (torch.from_numpy(first).to(catalogue.device),
-              torch.from_numpy(first + subtree).to(catalogue.device))
+    if catalogue.num_items >= 2**31 - _WORD_ITEMS:
+        raise ValueError(f"item filters index items with int32: {catalogue.num_items} items is too many")
+    ranges = (torch.from_numpy(first.astype(np.int32)).to(catalogue.device),
+              torch.from_numpy((first + subtree).astype(np.int32)).to(catalogue.device))
     catalogue._item_ranges = ranges
     return ranges
 
 
 _WORD_ITEMS = 64  # items per bitmap word, and per stored running count
+_HAS_BITWISE_COUNT = hasattr(np, "bitwise_count")  # numpy >= 2.0: the CPU's popcount instruction
 
 
 def _popcount64(words: torch.Tensor) -> torch.Tensor:
@@ -77,37 +80,69 @@ def _popcount64(words: torch.Tensor) -> torch.Tensor:
 class ItemFilter:
     """One request's allowed items of one catalogue: a bitmap (one bit per item, 64 to a word) and
     the allowed count before every word (one int32 per 64 items: half a bit per item), from which the
-    walk reads "allowed items among the first i" with two gathers and a popcount."""
+    walk reads "allowed items among the first i" with two gathers and a popcount.
 
-    def __init__(self, catalogue: Catalogue, allowed: np.ndarray):
-        """`allowed`: [num_items] bool over trie items."""
+    On CPU the walk runs in numpy over the same memory (zero-copy views): `np.bitwise_count` is the
+    popcount instruction, and numpy's uint64 shifts and gathers are vectorised, where torch's int64
+    shifts and products fall back to scalar code on AVX2 and its advanced-indexing gathers are slow
+    (~4x the whole filtered level at 1M items; benchmarks/catalogue_filter_micro.py). Elsewhere
+    (CUDA) the torch ops, with a SWAR popcount."""
+
+    def __init__(self, catalogue: Catalogue, allowed: np.ndarray, use_numpy: bool | None = None):
+        """`allowed`: [num_items] bool over trie items; `use_numpy`: the numpy walk (default: on CPU
+        when numpy has `bitwise_count`; tests force either)."""
         self.first_item, self.end_item = node_item_ranges(catalogue)
         num_words = allowed.shape[0] // _WORD_ITEMS + 1  # room for i = num_items
         packed = np.zeros(num_words * 8, dtype=np.uint8)
         bits = np.packbits(allowed, bitorder="little")  # bit k of byte j: item 8j + k
         packed[:bits.shape[0]] = bits
         words = packed.view("<i8")  # bit k of word w: item 64w + k
-        counts = np.unpackbits(packed, bitorder="little").reshape(num_words, _WORD_ITEMS).sum(axis=1)
+        if _HAS_BITWISE_COUNT:
+            counts = np.bitwise_count(words.view(np.uint64))
+        else:
+            counts = np.unpackbits(packed, bitorder="little").reshape(num_words, _WORD_ITEMS).sum(axis=1)
         before = np.zeros(num_words, dtype=np.int32)
         np.cumsum(counts[:-1], out=before[1:])
         device = catalogue.device
         self.words = torch.from_numpy(words.astype(np.int64)).to(device)
         self.word_before = torch.from_numpy(before).to(device)
         self.num_allowed_items = int(allowed.sum())
+        if use_numpy is None:
+            use_numpy = device.type == "cpu" and _HAS_BITWISE_COUNT
+        self.use_numpy = use_numpy
+        if use_numpy:  # views of the tensors above: no bytes of their own
+            self._words = self.words.numpy().view(np.uint64)
+            self._word_before = self.word_before.numpy()
+            self._first_item, self._end_item = self.first_item.numpy(), self.end_item.numpy()
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.words, self.word_before))
 
+    def _allowed_before_np(self, index: np.ndarray) -> np.ndarray:
+        """`allowed_before` in numpy, in place where it can be (each pass over 100k+ candidates counts);
+        gathers by `np.take` with int64 indices (fancy indexing, or int32 indices, cost 2-4x)."""
+        word = index.astype(np.int64) >> 6
+        below = (index & 63).astype(np.uint64)
+        np.left_shift(np.uint64(1), below, out=below)
+        below -= np.uint64(1)  # the bits of the items before index in its word
+        below &= np.take(self._words, word)
+        before = np.take(self._word_before, word)
+        before += np.bitwise_count(below)
+        return before
+
     def allowed_before(self, index: torch.Tensor) -> torch.Tensor:
         """[n] allowed items among the first `index[j]` items (index in [0, num_items])."""
-        word = index // _WORD_ITEMS
-        below = (torch.ones_like(index) << (index % _WORD_ITEMS)) - 1  # bits of the items before index
-        return self.word_before[word] + _popcount64(self.words[word] & below)
+        if self.use_numpy:
+            return torch.from_numpy(self._allowed_before_np(index.numpy()))
+        word = index >> 6
+        below = (torch.ones_like(index, dtype=torch.int64) << (index & 63)) - 1  # bits before index
+        return self.word_before.index_select(0, word) + _popcount64(self.words.index_select(0, word) & below)
 
     def live(self, nodes: torch.Tensor) -> torch.Tensor:
         """[n] bool: whether each node has an allowed item in its subtree."""
-        return self.allowed_before(self.end_item[nodes]) > self.allowed_before(self.first_item[nodes])
+        return (self.allowed_before(self.end_item.index_select(0, nodes))
+                > self.allowed_before(self.first_item.index_select(0, nodes)))
 
     def live_children(self, children: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """`live(children)` for the children of several nodes laid end to end, `counts[r]` of the
@@ -115,17 +150,33 @@ class ItemFilter:
         first), so one count per child plus one per node's last child does (half the reads)."""
         if children.numel() == 0:
             return torch.zeros(0, dtype=torch.bool, device=children.device)
-        starts = self.allowed_before(self.first_item[children])
         last = (torch.cumsum(counts, 0) - 1)[counts > 0]  # each node's last child, in `children`
+        if self.use_numpy:
+            kids = children.numpy()
+            starts = self._allowed_before_np(np.take(self._first_item, kids))
+            ends = np.empty_like(starts)
+            ends[:-1] = starts[1:]
+            last_np = last.numpy()
+            ends[last_np] = self._allowed_before_np(np.take(self._end_item, np.take(kids, last_np)))
+            return torch.from_numpy(ends > starts)
+        starts = self.allowed_before(self.first_item.index_select(0, children))
         ends = torch.cat((starts[1:], starts[:1]))
-        ends[last] = self.allowed_before(self.end_item[children[last]])
+        ends[last] = self.allowed_before(self.end_item.index_select(0, children.index_select(0, last)))
         return ends > starts
+
+    def live_indices(self, children: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """[num live] int64: the positions in `children` of the live ones (`live_children`), in order
+        (numpy's nonzero: ~5x torch's on CPU)."""
+        live = self.live_children(children, counts)
+        if self.use_numpy:
+            return torch.from_numpy(np.flatnonzero(live.numpy()))
+        return torch.nonzero(live).squeeze(1)
 
     def ends_allowed(self, nodes: torch.Tensor) -> torch.Tensor:
         """[n] bool: whether the item ending at each node (its range's first) is allowed; only
         meaningful where the node ends an item."""
-        first = self.first_item[nodes]
-        return ((self.words[first // _WORD_ITEMS] >> (first % _WORD_ITEMS)) & 1).bool()
+        first = self.first_item.index_select(0, nodes).to(torch.int64)
+        return ((self.words.index_select(0, first >> 6) >> (first & 63)) & 1).bool()
 
 
 class FilteredCatalogue(Catalogue):
