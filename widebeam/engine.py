@@ -261,6 +261,10 @@ class LLMEngine:
         prefills: list[tuple[Request, SequenceInput]] = []
         rounds_by_request: list[tuple[Request, list[SequenceRound]]] = []
         sources, cross_slots = [], []
+        # A draft model's first pass holds the step's prompt chunks and what lagging drafts missed:
+        # together within the step's token budget, which its activation reserve is sized for.
+        catch_up_budget = self.scheduler.max_num_batched_tokens - sum(
+            item.num_prompt_tokens for item in schedule.scheduled)
         for item in schedule.scheduled:
             request = item.request
             try:  # one request's inputs whole, or none of them
@@ -268,7 +272,8 @@ class LLMEngine:
                 if item.num_prompt_tokens:
                     prefills.append((request, request.prefill_input(item.num_prompt_tokens)))
                 else:
-                    rounds_by_request.append((request, request.begin_round()))
+                    rounds_by_request.append((request, request.begin_round(catch_up_budget)))
+                    catch_up_budget -= request.num_catch_up_tokens
             except Exception as exc:  # noqa: BLE001  (any failure of its own fails this request alone)
                 deltas.append(self._fail(request, exc))
                 continue

@@ -26,10 +26,6 @@ from widebeam.speculative.replay import ReplayedRound, replay_round
 from widebeam.speculative.round import SequenceRound
 from widebeam.speculative.tree import DraftTree, branching_for_width
 
-# The most tokens a lagging draft catches up for one request in one pass (all its sequences); further
-# behind, it catches up over rounds that draft nothing.
-MAX_CATCH_UP_TOKENS = 512
-
 
 class Request:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
@@ -56,6 +52,7 @@ class Request:
         self.draft_pools = draft_pools
         self.lazy_draft = lazy_draft
         self.draft_tokens = 0
+        self.num_catch_up_tokens = 0  # missed tokens the latest round's draft pass catches up
         self._draft_tokens_after: int | None = None  # draft_tokens once the round being run ends
         self._round_timed = True  # whether the latest round's wall time says what drafting costs
         self.num_prefilled_tokens = 0
@@ -127,27 +124,34 @@ class Request:
         return SequenceInput(self.prompt_token_ids[start:start + num_tokens], start, tables, slots,
                              self.request_id, *cross)
 
-    def begin_round(self) -> list[SequenceRound]:
+    def begin_round(self, max_catch_up_tokens: int | None = None) -> list[SequenceRound]:
         """Take slots for every live sequence's pending tokens (those it feeds now) and the nodes it
         may draft, in every pool at once, and describe the round (a drafter, if any, fills the trees).
         While re-feeding after a preemption nothing is drafted. With a draft model, each sequence's
-        `draft_feed` says what the draft's first pass feeds (see `lazy_draft` in `__init__`)."""
+        `draft_feed` says what the draft's first pass feeds (see `lazy_draft` in `__init__`): a lagging
+        draft catches up at most `max_catch_up_tokens` missed tokens (all sequences together; None: no
+        limit) and drafts nothing until it has caught up; `num_catch_up_tokens` says how many it took."""
         num_fed = self._num_fed_tokens = self.num_feed_tokens
         refeeding = num_fed < len(self.pending_token_ids[0])
         num_nodes = 0 if self.draft_length is None or refeeding else self.draft_length.next_num_nodes()
         generated = self.decoder.num_generated_tokens
         committed = len(self.prompt_token_ids) + generated - len(self.pending_token_ids[0])
         self._round_timed, self._draft_tokens_after = True, None
+        self.num_catch_up_tokens = 0
         catch_up_tokens = None  # lazy draft: positions per sequence its first pass feeds (None: none)
         if self.lazy_draft and num_nodes:
-            lag_tokens = committed + num_fed - self.draft_tokens  # missed ones, then the pending ones
-            cap = max(2, MAX_CATCH_UP_TOKENS // len(self.pending_token_ids))
-            if lag_tokens > cap:
-                # Too far behind for one pass (its tokens would pass the draft's activation reserve):
-                # catch up `cap` tokens and draft nothing; the round's time is not a drafting round's.
-                num_nodes, catch_up_tokens, self._round_timed = 0, cap, False
+            num_seqs = len(self.pending_token_ids)
+            missed = committed - self.draft_tokens  # positions the draft skipped; the pending ones follow
+            cap = missed if max_catch_up_tokens is None else max(0, max_catch_up_tokens) // num_seqs
+            if missed > cap:
+                # Too far behind for this step's budget: catch up what fits and draft nothing; the
+                # round's time is not a drafting round's.
+                num_nodes, self._round_timed = 0, False
+                catch_up_tokens = cap or None
+                self.num_catch_up_tokens = cap * num_seqs
             elif self.admission.max_new_tokens - generated - 1 > 0:  # a round with something to draft
-                catch_up_tokens = lag_tokens
+                catch_up_tokens = missed + num_fed
+                self.num_catch_up_tokens = missed * num_seqs
         slots = self.kv.decode_slots(num_fed + num_nodes)
         # A round takes at most depth + 1 steps and never passes max_new_tokens, so deeper nodes
         # would be wasted (and would sit past the positions admission checked).

@@ -18,7 +18,6 @@ import pytest
 import torch
 from tiny_models import save_noisy_copy
 
-from widebeam import request as request_module
 from widebeam.engine import LLMEngine
 from widebeam.params import BeamSearchParams, SamplingParams
 from widebeam.speculative.policy import DraftLength
@@ -51,8 +50,10 @@ def noisy_draft_dir(tiny_llama_dir, tmp_path_factory):
     return path
 
 
-def scripted_engine(model_dir, pattern=PATTERN, num_draft_tokens: int = 3, **speculative) -> LLMEngine:
-    engine = LLMEngine(str(model_dir), **OPTIONS, num_speculative_tokens=num_draft_tokens, **speculative)
+def scripted_engine(model_dir, pattern=PATTERN, num_draft_tokens: int = 3, max_num_batched_tokens: int = 64,
+                    **speculative) -> LLMEngine:
+    options = {**OPTIONS, "max_num_batched_tokens": max_num_batched_tokens}
+    engine = LLMEngine(str(model_dir), **options, num_speculative_tokens=num_draft_tokens, **speculative)
     engine.draft_shapes.new_length = lambda kind, width, max_nodes, adaptive=True: ScriptedLength(
         max_nodes, pattern)
     return engine
@@ -150,15 +151,30 @@ def test_stop_and_resume_drafting_is_exact(tiny_llama_dir, noisy_draft_dir, plai
     assert_same(plain_outputs, run(scripted_engine(tiny_llama_dir, **speculative), mixed_requests())[0])
 
 
-def test_catch_up_over_several_rounds(tiny_llama_dir, plain_outputs, monkeypatch):
-    """A lag past the one-pass cap (forced down to 4 tokens) is caught up over rounds that draft
-    nothing; the draft's K/V stay the target's and outputs stay exact."""
-    monkeypatch.setattr(request_module, "MAX_CATCH_UP_TOKENS", 4)
+def test_catch_up_over_several_rounds(tiny_llama_dir, plain_outputs):
+    """A lag past the step's token budget (16 tokens: a W=16 request misses 16 a round) is caught up
+    over rounds that draft nothing; the draft's K/V stay the target's and outputs stay exact."""
     engine = scripted_engine(tiny_llama_dir, pattern=[1, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1],
-                             speculative_model=str(tiny_llama_dir))
+                             max_num_batched_tokens=16, speculative_model=str(tiny_llama_dir))
     check = DraftKVCheck()
     assert_same(plain_outputs, run(engine, mixed_requests(), after_step=check)[0])
     assert check.max_lag_tokens >= 6
+
+
+def test_draft_pass_stays_within_the_step_budget(tiny_llama_dir):
+    """Every draft pass holds at most the step's token budget (prompt chunks and caught-up tokens)
+    beyond what in-sync sequences feed (at most 1 + D each): the draft's activation reserve is sized
+    for that, however far several requests lag."""
+    budget, d = 16, 3
+    engine = scripted_engine(tiny_llama_dir, pattern=[1, 0, 0, 0, 0, 0, 0, 0, 1, 1], num_draft_tokens=d,
+                             max_num_batched_tokens=budget, speculative_model=str(tiny_llama_dir))
+    calls, _ = draft_calls(engine, [
+        (PROMPTS[1], BeamSearchParams(beam_width=16, max_new_tokens=14)),
+        (PROMPTS[0], BeamSearchParams(beam_width=4, max_new_tokens=16)),
+        (list(range(3, 40)), SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True))])
+    assert any(sum(sizes) > budget for sizes in calls)  # the bound is reached, not idle
+    for sizes in calls:
+        assert sum(sizes) <= budget + len(sizes) * (1 + d), sizes
 
 
 def test_preempted_lagging_requests_catch_up_from_their_prompt(tiny_llama_dir, plain_outputs):
