@@ -17,6 +17,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import Counter
 from dataclasses import replace
+from typing import NamedTuple
 
 from widebeam.errors import BlockStateError
 from widebeam.kv.block_pool import BlockPool
@@ -69,6 +70,17 @@ class BlockTable:
         return f"BlockTable(block_ids={self.block_ids}, num_tokens={self.num_tokens})"
 
 
+class BlockCopy(NamedTuple):
+    """A queued copy-on-write: the first `num_tokens` slots of `src_block_id` into `dst_block_id`.
+
+    Only the slots the copying table has written: a beam's shared partial last block holds a few
+    tokens at a wide step, and copying the block's unwritten rest was most of the step's copy bytes."""
+
+    src_block_id: int
+    dst_block_id: int
+    num_tokens: int
+
+
 class PoolManager(ABC):
     """One pool kind's contract: `required_blocks` and `capacity_blocks`, in blocks of this pool."""
 
@@ -82,7 +94,7 @@ class PoolManager(ABC):
         self.pool = pool
         self.tokens_per_block = tokens_per_block
         self.prefill_chunk_tokens = prefill_chunk_tokens
-        self.pending_copies: list[tuple[int, int]] = []
+        self.pending_copies: list[BlockCopy] = []
 
     @property
     def name(self) -> str:
@@ -126,7 +138,7 @@ class PoolManager(ABC):
                 holding._add(1)
         for i in to_copy:  # in-use sources: their holders keep them through the step's copies
             table.block_ids[i] = self._allocate(holding)
-            self.pending_copies.append((entries[i], table.block_ids[i]))
+            self.pending_copies.append(BlockCopy(entries[i], table.block_ids[i], self.tokens_per_block))
         return table
 
     def register(self, table: BlockTable, block_hashes: tuple[bytes, ...], num_computed_tokens: int,
@@ -195,8 +207,8 @@ class PoolManager(ABC):
         del table.block_ids[num_kept_blocks:]
         table.num_tokens = num_tokens
 
-    def take_copies(self) -> list[tuple[int, int]]:
-        """Hand the queued (src_block_id, dst_block_id) copies to the runner and forget them."""
+    def take_copies(self) -> list[BlockCopy]:
+        """Hand the queued copies to the runner and forget them."""
         copies, self.pending_copies = self.pending_copies, []
         return copies
 
@@ -300,7 +312,8 @@ class FullAttentionManager(PoolManager):
                 # Copy-on-write: the last sharer keeps the original, so W sharers make W-1 copies.
                 src_block_id = table.block_ids[-1]
                 dst_block_id = self._allocate(table.holding)
-                self.pending_copies.append((src_block_id, dst_block_id))
+                # only the `offset` slots this table has written: the rest is written later, or never read
+                self.pending_copies.append(BlockCopy(src_block_id, dst_block_id, offset))
                 self.pool.dec_ref(src_block_id)
                 table.block_ids[-1] = dst_block_id
             num_written = min(remaining, t - offset)
