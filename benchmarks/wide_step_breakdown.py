@@ -9,7 +9,8 @@ work's):
   the beams' own tokens by timing the layer's own kernel (`_attend_group`) on the step's real decode
   group twice, whole and with the beams' own keys cut to one;
 - K/V write: the layers' writes of the step's K/V into the paged cache (inside the attention layer);
-- selection: the decoder's replay of the step's scores (log-softmax, top-k, bookkeeping);
+- selection: the step's log-softmax (`StepScores`) and the decoder's replay of its scores (top-k,
+  the search's bookkeeping);
 - what used to be one "rest", each part timed on the engine's own path: norms (every RMSNorm), RoPE
   (the cos / sin table and its application to q and k), the MLP's activation and gate product (the
   MLP less its linears), the embedding, the model's glue (its forward less every part inside it:
@@ -45,6 +46,7 @@ from pathlib import Path
 import torch
 from tables import machine_info, markdown_table, print_table
 
+import widebeam.engine as engine_module
 import widebeam.request as request_module
 from widebeam.llm import LLM
 from widebeam.model import attention_backends, decoder, paged_attention
@@ -135,6 +137,7 @@ class StepTimer:
         self._patch(attention_backends, "_attend_group", keep_group)
         self._wrap(decoder, "apply_rotary", "rope apply")
         self._wrap(paged_attention, "write_kv", "K/V write")
+        self._wrap(engine_module, "StepScores", "selection")  # the step's log-softmax over every row
         self._wrap(request_module, "replay_round", "selection")
         self._wrap(runner.attention_backend, "build_metadata", "attention metadata")
         self._wrap(runner, "copy_blocks", "copy-on-write")
