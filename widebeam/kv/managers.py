@@ -217,7 +217,9 @@ class PoolManager(ABC):
         self._check_live(table)
         # Last block first: cached blocks are evicted least recently released first, so a prefix's
         # tail goes before its head, which more prompts share.
-        table.holding._sub(self.pool.free(b for b in reversed(table.block_ids) if b != DROPPED))
+        block_ids = table.block_ids
+        table.holding._sub(self.pool.free(reversed(block_ids) if DROPPED not in block_ids else
+                                          [b for b in reversed(block_ids) if b != DROPPED]))
         table.block_ids = []
         table.released = True
 
@@ -267,10 +269,10 @@ class FullAttentionManager(PoolManager):
     def fork(self, table: BlockTable) -> BlockTable:
         """A new beam that shares every block of `table` (ref counts go up, nothing is copied)."""
         self._check_live(table)
-        for block_id in table.block_ids:
-            if block_id != DROPPED:
-                self.pool.inc_ref(block_id)
-        return BlockTable(table.holding, list(table.block_ids), table.num_tokens)
+        block_ids = table.block_ids
+        self.pool.inc_ref_many(block_ids if DROPPED not in block_ids else
+                               [b for b in block_ids if b != DROPPED])
+        return BlockTable(table.holding, list(block_ids), table.num_tokens)
 
     def reorder(self, tables: list[BlockTable], parent_indices: list[int]) -> list[BlockTable]:
         """The next step's beams: beam i continues `tables[parent_indices[i]]`.
