@@ -212,12 +212,13 @@ class PoolManager(ABC):
         copies, self.pending_copies = self.pending_copies, []
         return copies
 
-    def release(self, table: BlockTable) -> None:
-        """Drop the table's references; blocks no other table holds go back to the pool."""
+    def release(self, table: BlockTable, num_passed_blocks: int = 0) -> None:
+        """Drop the table's references; blocks no other table holds go back to the pool. The first
+        `num_passed_blocks` keep their references: `reorder` passes them on to a fork that shares them."""
         self._check_live(table)
         # Last block first: cached blocks are evicted least recently released first, so a prefix's
         # tail goes before its head, which more prompts share.
-        block_ids = table.block_ids
+        block_ids = table.block_ids[num_passed_blocks:]
         table.holding._sub(self.pool.free(reversed(block_ids) if DROPPED not in block_ids else
                                           [b for b in reversed(block_ids) if b != DROPPED]))
         table.block_ids = []
@@ -266,12 +267,13 @@ class FullAttentionManager(PoolManager):
         self.append_slots(table, num_tokens)
         return table
 
-    def fork(self, table: BlockTable) -> BlockTable:
-        """A new beam that shares every block of `table` (ref counts go up, nothing is copied)."""
+    def fork(self, table: BlockTable, num_passed_blocks: int = 0) -> BlockTable:
+        """A new beam that shares every block of `table` (ref counts go up, nothing is copied). The
+        first `num_passed_blocks` already carry its references (passed on by a released table)."""
         self._check_live(table)
         block_ids = table.block_ids
-        self.pool.inc_ref_many(block_ids if DROPPED not in block_ids else
-                               [b for b in block_ids if b != DROPPED])
+        counted = block_ids[num_passed_blocks:] if num_passed_blocks else block_ids
+        self.pool.inc_ref_many(counted if DROPPED not in counted else [b for b in counted if b != DROPPED])
         return BlockTable(table.holding, list(block_ids), table.num_tokens)
 
     def reorder(self, tables: list[BlockTable], parent_indices: list[int]) -> list[BlockTable]:
@@ -280,18 +282,36 @@ class FullAttentionManager(PoolManager):
         Parents nobody continues are released first, then each chosen parent is kept by its first
         child and forked for the others; so the held count only falls here. Appending the new
         tokens (and any copy-on-write) comes after, in `append_slots`.
+
+        The j-th released parent passes its references to the j-th fork on the blocks both tables
+        start with (at a wide step, the prompt's): those counts would fall by one, never to zero (the
+        fork's source holds them), and rise by one again. The counts, and the blocks freed and their
+        order, are those of releasing every block and forking every block.
         """
         num_children = [0] * len(tables)
         for parent in parent_indices:
             num_children[parent] += 1
-        for table, count in zip(tables, num_children):
-            if count == 0:
-                self.release(table)
         kept = [False] * len(tables)
-        children: list[BlockTable] = []
+        fork_sources: list[int] = []
         for parent in parent_indices:
             if kept[parent]:
-                children.append(self.fork(tables[parent]))
+                fork_sources.append(parent)
+            kept[parent] = True
+        passed = [0] * len(fork_sources)
+        released = [table for table, count in zip(tables, num_children) if count == 0]
+        for j, table in enumerate(released):
+            if j < len(fork_sources):
+                source = tables[fork_sources[j]]
+                self._check_live(source)
+                passed[j] = _common_prefix_length(table.block_ids, source.block_ids)
+            self.release(table, passed[j] if j < len(passed) else 0)
+        kept = [False] * len(tables)
+        children: list[BlockTable] = []
+        num_forks = 0
+        for parent in parent_indices:
+            if kept[parent]:
+                children.append(self.fork(tables[parent], passed[num_forks]))
+                num_forks += 1
             else:
                 kept[parent] = True
                 children.append(tables[parent])
@@ -429,6 +449,21 @@ class SlidingWindowManager(FullAttentionManager):
         if any(i < len(table.block_ids) and table.block_ids[i] == DROPPED for i in needed):
             raise BlockStateError(f"cannot truncate to {num_tokens} tokens: the window already released "
                                   "blocks those tokens' queries would see")
+
+
+def _common_prefix_length(a: list[int], b: list[int]) -> int:
+    """How many leading entries `a` and `b` share: slice compares (C loops), halving the range."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    low, high = 0, n  # a[:low] == b[:low], a[:high] != b[:high]
+    while high - low > 1:
+        middle = (low + high) // 2
+        if a[low:middle] == b[low:middle]:
+            low = middle
+        else:
+            high = middle
+    return low
 
 
 def _schedule_hints(manager: PoolManager, request: KVRequest, capacity: int) -> dict[str, int | None]:
