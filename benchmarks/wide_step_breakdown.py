@@ -137,8 +137,8 @@ class StepTimer:
         self._patch(attention_backends, "_attend_group", keep_group)
         self._wrap(decoder, "apply_rotary", "rope apply")
         self._wrap(paged_attention, "write_kv", "K/V write")
-        self._wrap(engine_module, "StepScores", "selection")  # the step's log-softmax over every row
-        self._wrap(request_module, "replay_round", "selection")
+        self._wrap(engine_module, "StepScores", "step scores")  # the step's log-softmax over every row
+        self._wrap(request_module, "replay_round", "replay")
         self._wrap(runner.attention_backend, "build_metadata", "attention metadata")
         self._wrap(runner, "copy_blocks", "copy-on-write")
         self._wrap(runner, "execute", "runner execute")
@@ -176,7 +176,7 @@ class StepTimer:
             "linears": s["linears"], "lm_head": s["lm_head"],
             "attention: prompt": attention * prompt_share,
             "attention: own tokens": attention * (1 - prompt_share),
-            "K/V write": s["K/V write"], "selection": s["selection"], "norms": s["norms"],
+            "K/V write": s["K/V write"], "selection": s["step scores"] + s["replay"], "norms": s["norms"],
             "RoPE": s["rope tables"] + s["rope apply"], "MLP activation": s["mlp"] - mlp_linears,
             "embedding": s["embedding"],
             # the MLP's own linears are inside both "linears" and "mlp"
@@ -187,7 +187,8 @@ class StepTimer:
             - s["attention metadata"],
             "scheduler": s["scheduler"], "round inputs": s["round inputs"],
             "beam bookkeeping (KV release / keep / fork)": s["beam bookkeeping"],
-            "outputs (stream, delta)": s["finish round"] - s["selection"] - s["beam bookkeeping"],
+            # the replay runs inside `finish_round`; the step's scores are built before it
+            "outputs (stream, delta)": s["finish round"] - s["replay"] - s["beam bookkeeping"],
         }
         parts["unattributed"] = step_s - sum(parts.values())
         return parts
