@@ -8,13 +8,25 @@ work's):
 - attention: every self-attention layer (the K/V write and the read), split into the shared prompt and
   the beams' own tokens by timing the layer's own kernel (`_attend_group`) on the step's real decode
   group twice, whole and with the beams' own keys cut to one;
-- selection: the decoder's replay of the step's scores (log-softmax, top-k, bookkeeping);
-- rest: the step's wall time minus all of the above (norms, RoPE, embeddings, metadata, scheduling).
+- K/V write: the layers' writes of the step's K/V into the paged cache (inside the attention layer);
+- selection: the step's log-softmax (`StepScores`) and the decoder's replay of its scores (top-k,
+  the search's bookkeeping);
+- what used to be one "rest", each part timed on the engine's own path: norms (every RMSNorm), RoPE
+  (the cos / sin table and its application to q and k), the MLP's activation and gate product (the
+  MLP less its linears), the embedding, the model's glue (its forward less every part inside it:
+  residual adds, reshapes), the attention metadata (every pool's index tensors), copy-on-write (the
+  queued block copies), the runner's inputs (its tensors and the logit rows: `execute` less the
+  model, the LM head and the metadata), the scheduler, the round inputs (each beam's
+  `SequenceInput`), beam bookkeeping (`reorder`: release, keep, fork), the outputs (`finish_round`
+  less the replay and the bookkeeping: stream, delta), and what is left unattributed (the engine
+  loop between them).
 
 Floors, measured in the same run: this CPU's GEMM rate (a large float32 matmul) and memory bandwidth (a
 large sum), then per part max(FLOPs / rate, bytes / bandwidth): linears and lm_head W x weights x 2 FLOPs
 and their weights' bytes; prompt attention 4 x W x H x P x d FLOPs per layer and the prompt's K/V bytes
-read once; own attention the same over each beam's n tokens; selection a read of the W x V scores.
+read once; own attention the same over each beam's n tokens; selection a read of the W x V scores;
+the elementwise parts (K/V write, norms, RoPE, MLP activation) one read and one write of their
+tensors. Host work, metadata, copies and glue have no floor (0): a step could do without them.
 
     python benchmarks/wide_step_breakdown.py                       # W = 256 and 1,024, P = 2,048, N = 8
     python benchmarks/wide_step_breakdown.py --widths 256 --prompt-len 1024 --max-new-tokens 4
@@ -34,13 +46,21 @@ from pathlib import Path
 import torch
 from tables import machine_info, markdown_table, print_table
 
+import widebeam.engine as engine_module
+import widebeam.request as request_module
 from widebeam.llm import LLM
-from widebeam.model import attention_backends
+from widebeam.model import attention_backends, decoder, paged_attention
+from widebeam.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from widebeam.model.paged_attention import PagedAttention
 from widebeam.params import BeamSearchParams
-from widebeam.speculative import replay
+from widebeam.request import Request
+from widebeam.speculative.round import SequenceRound
 
-PARTS = ("linears", "lm_head", "attention: prompt", "attention: own tokens", "selection", "rest")
+PARTS = ("linears", "lm_head", "attention: prompt", "attention: own tokens", "K/V write", "selection",
+         "norms", "RoPE", "MLP activation", "embedding", "model glue (residuals, reshapes)",
+         "attention metadata", "copy-on-write", "runner inputs (tensors, logit rows)", "scheduler",
+         "round inputs", "beam bookkeeping (KV release / keep / fork)", "outputs (stream, delta)",
+         "unattributed")
 
 
 def gemm_flops_per_s(threads: int) -> float:
@@ -63,22 +83,50 @@ def bandwidth_bytes_per_s() -> float:
     return x.numel() * 4 / best
 
 
-class StepTimer:
-    """Hooks that add each part's seconds per step; `attention` also keeps the last decode group."""
+def _timed(seconds: dict, part: str, function):
+    """`function`, adding its wall time to `seconds[part]` (CPU work is synchronous)."""
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            seconds[part] += time.perf_counter() - start
+    return timed
 
-    def __init__(self, model: torch.nn.Module):
+
+class StepTimer:
+    """Timing hooks on the engine's own objects (module hooks, wrapped functions and methods,
+    restored on `close`) that add each part's seconds per step; the attention wrapper also keeps
+    the step's last decode group. Raw sums nest (the model's forward holds the layers'); `parts`
+    subtracts them into disjoint parts."""
+
+    def __init__(self, engine):
         self.seconds: dict[str, float] = defaultdict(float)
         self.handles = []
         self.last_group = None
+        self._restore: list[tuple[object, str, object]] = []
+        model, runner = engine.model, engine.workers[0].runner
         lm_head = model.lm_head
         for module in model.modules():
             if module is lm_head:
                 self._hook(module, "lm_head")
             elif isinstance(module, PagedAttention):
                 self._hook(module, "attention")
-            elif not list(module.children()) and any(p.dim() == 2 for p in module.parameters(recurse=False)) \
-                    and not isinstance(module, torch.nn.Embedding):
+            elif isinstance(module, RMSNorm):
+                self._hook(module, "norms")
+            elif isinstance(module, RotaryEmbedding):
+                self._hook(module, "rope tables")
+            elif isinstance(module, GatedMLP):
+                self._hook(module, "mlp")
+            elif isinstance(module, torch.nn.Embedding):
+                self._hook(module, "embedding")
+            elif not list(module.children()) and any(p.dim() == 2 for p in module.parameters(recurse=False)):
                 self._hook(module, "linears")
+        for mlp in (m for m in model.modules() if isinstance(m, GatedMLP)):
+            for linear in mlp.modules():
+                if linear is not mlp and not list(linear.children()):
+                    self._hook(linear, "mlp linears")
+        self._hook(model, "model forward")
         original = attention_backends._attend_group
 
         def keep_group(q, k_cache, v_cache, group, scale, position_bias=None):
@@ -86,21 +134,26 @@ class StepTimer:
                 self.last_group = (q, k_cache, v_cache, group, scale)
             return original(q, k_cache, v_cache, group, scale, position_bias)
 
-        self._restore = [(attention_backends, "_attend_group", original)]
-        attention_backends._attend_group = keep_group
-        original_replay = replay.replay_round
+        self._patch(attention_backends, "_attend_group", keep_group)
+        self._wrap(decoder, "apply_rotary", "rope apply")
+        self._wrap(paged_attention, "write_kv", "K/V write")
+        self._wrap(engine_module, "StepScores", "step scores")  # the step's log-softmax over every row
+        self._wrap(request_module, "replay_round", "replay")
+        self._wrap(runner.attention_backend, "build_metadata", "attention metadata")
+        self._wrap(runner, "copy_blocks", "copy-on-write")
+        self._wrap(runner, "execute", "runner execute")
+        self._wrap(engine.scheduler, "schedule", "scheduler")
+        self._wrap(Request, "begin_round", "round inputs")
+        self._wrap(SequenceRound, "verify_input", "round inputs")
+        self._wrap(Request, "_continue", "beam bookkeeping")
+        self._wrap(Request, "finish_round", "finish round")
 
-        def timed_replay(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return original_replay(*args, **kwargs)
-            finally:
-                self.seconds["selection"] += time.perf_counter() - start
+    def _patch(self, owner, name: str, value) -> None:
+        self._restore.append((owner, name, owner.__dict__.get(name, _MISSING)))
+        setattr(owner, name, value)
 
-        import widebeam.request as request_module
-
-        self._restore.append((request_module, "replay_round", request_module.replay_round))
-        request_module.replay_round = timed_replay
+    def _wrap(self, owner, name: str, part: str) -> None:
+        self._patch(owner, name, _timed(self.seconds, part, getattr(owner, name)))
 
     def _hook(self, module: torch.nn.Module, part: str) -> None:
         starts: list[float] = []
@@ -111,11 +164,46 @@ class StepTimer:
 
         self.handles.append(module.register_forward_hook(post))
 
+    def parts(self, step_s: float, prompt_s: float, own_s: float) -> dict[str, float]:
+        """The step's seconds by disjoint part (see PARTS); attention is split between the prompt
+        and the beams' own tokens in the ratio the kernel timed alone shows."""
+        s = self.seconds
+        attention = s["attention"] - s["K/V write"]
+        prompt_share = prompt_s / max(prompt_s + own_s, 1e-12)
+        mlp_linears = s["mlp linears"]
+        in_model = ("linears", "norms", "rope tables", "rope apply", "embedding", "attention", "mlp")
+        parts = {
+            "linears": s["linears"], "lm_head": s["lm_head"],
+            "attention: prompt": attention * prompt_share,
+            "attention: own tokens": attention * (1 - prompt_share),
+            "K/V write": s["K/V write"], "selection": s["step scores"] + s["replay"], "norms": s["norms"],
+            "RoPE": s["rope tables"] + s["rope apply"], "MLP activation": s["mlp"] - mlp_linears,
+            "embedding": s["embedding"],
+            # the MLP's own linears are inside both "linears" and "mlp"
+            "model glue (residuals, reshapes)": s["model forward"] - sum(s[k] for k in in_model)
+            + mlp_linears,
+            "attention metadata": s["attention metadata"], "copy-on-write": s["copy-on-write"],
+            "runner inputs (tensors, logit rows)": s["runner execute"] - s["model forward"] - s["lm_head"]
+            - s["attention metadata"],
+            "scheduler": s["scheduler"], "round inputs": s["round inputs"],
+            "beam bookkeeping (KV release / keep / fork)": s["beam bookkeeping"],
+            # the replay runs inside `finish_round`; the step's scores are built before it
+            "outputs (stream, delta)": s["finish round"] - s["replay"] - s["beam bookkeeping"],
+        }
+        parts["unattributed"] = step_s - sum(parts.values())
+        return parts
+
     def close(self) -> None:
         for handle in self.handles:
             handle.remove()
-        for owner, name, value in self._restore:
-            setattr(owner, name, value)
+        for owner, name, value in reversed(self._restore):
+            if value is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
+
+
+_MISSING = object()
 
 
 def split_attention(group_args, num_layers: int) -> tuple[float, float]:
@@ -149,7 +237,9 @@ def floors(llm: LLM, width: int, prompt_len: int, new_tokens: int, rate: float, 
     def floor(flops: float, num_bytes: float) -> float:
         return max(flops / rate, num_bytes / bandwidth)
 
-    return {
+    h, rows = arch.hidden_size, width  # one query row per beam
+    parts = dict.fromkeys(PARTS, 0.0)  # host work, metadata, copies, glue: no floor (0)
+    parts.update({
         "linears": floor(2 * width * linear_params, 4 * linear_params),
         "lm_head": floor(2 * width * head_params, 4 * head_params),
         "attention: prompt": floor(4 * width * heads * prompt_len * d * layers,
@@ -157,8 +247,13 @@ def floors(llm: LLM, width: int, prompt_len: int, new_tokens: int, rate: float, 
         "attention: own tokens": floor(4 * width * heads * own * d * layers,
                                        2 * 4 * width * own * kv_heads * d * layers),
         "selection": floor(0, 3 * 4 * width * arch.vocab_size),
-        "rest": 0.0,
-    }
+        # the elementwise parts: each tensor read once and written once at the bandwidth
+        "K/V write": floor(0, 2 * 2 * 4 * rows * kv_heads * d * layers),
+        "norms": floor(0, 2 * 4 * rows * h * (2 * layers + 1)),
+        "RoPE": floor(0, 2 * 4 * rows * (heads + kv_heads) * d * layers),
+        "MLP activation": floor(0, 3 * 4 * rows * arch.intermediate_size * layers),
+    })
+    return parts
 
 
 def run_point(llm: LLM, width: int, prompt_len: int, new_tokens: int, rate: float, bandwidth: float) -> dict:
@@ -167,7 +262,7 @@ def run_point(llm: LLM, width: int, prompt_len: int, new_tokens: int, rate: floa
     params = BeamSearchParams(beam_width=width, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
     engine.add_request("breakdown", {"prompt_token_ids": prompt}, params)
     engine.step()  # the prefill (and the first selection): not a decode step
-    timer = StepTimer(engine.model)
+    timer = StepTimer(engine)
     step_s, parts = [], defaultdict(float)
     try:
         while engine.has_unfinished():
@@ -176,13 +271,7 @@ def run_point(llm: LLM, width: int, prompt_len: int, new_tokens: int, rate: floa
             engine.step()
             step_s.append(time.perf_counter() - start)
             prompt_s, own_s = split_attention(timer.last_group, engine.arch.num_layers)
-            attention_s = timer.seconds["attention"]
-            measured = {"linears": timer.seconds["linears"], "lm_head": timer.seconds["lm_head"],
-                        "attention: prompt": attention_s * prompt_s / max(prompt_s + own_s, 1e-12),
-                        "attention: own tokens": attention_s * own_s / max(prompt_s + own_s, 1e-12),
-                        "selection": timer.seconds["selection"]}
-            measured["rest"] = step_s[-1] - sum(measured.values())
-            for part, seconds in measured.items():
+            for part, seconds in timer.parts(step_s[-1], prompt_s, own_s).items():
                 parts[part] += seconds
     finally:
         timer.close()

@@ -36,7 +36,7 @@ class Worker:
         self.runner = ModelRunner(self.model, local_blocks, tokens_per_block, device, model_dtype(self.model),
                                   attention_backend)
 
-    def copy_blocks(self, copies_by_pool: dict[str, list[tuple[int, int]]]) -> None:
+    def copy_blocks(self, copies_by_pool: dict[str, list[tuple[int, int, int]]]) -> None:
         for local, scoped in self.pool_names.items():
             if copies_by_pool.get(scoped):
                 self.runner.copy_blocks(local, copies_by_pool[scoped])

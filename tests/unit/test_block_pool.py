@@ -48,3 +48,28 @@ def test_double_free_raises():
 def test_out_of_range_id_raises():
     with pytest.raises(BlockStateError, match="out of range"):
         BlockPool(2).ref_count(5)
+
+
+def test_bulk_ref_counts_match_one_call_per_block_and_check_each_block():
+    # `inc_ref_many` and `free` are the per-block calls in one loop (forks and releases of long
+    # tables): the same counts, the same free order, and a free or unknown block still named.
+    bulk, single = BlockPool(6), BlockPool(6)
+    for pool in (bulk, single):
+        pool.allocate_many(4)
+        pool.register(2, b"cached")
+    bulk.inc_ref_many([0, 1, 1, 2])
+    for block_id in (0, 1, 1, 2):
+        single.inc_ref(block_id)
+    counts = [bulk.ref_count(b) for b in range(6)]
+    assert counts == [single.ref_count(b) for b in range(6)] == [2, 3, 2, 1, 0, 0]
+    assert bulk.free([3, 2, 2, 0]) == sum(single.dec_ref(b) for b in (3, 2, 2, 0)) == 2
+    assert [bulk.allocate() for _ in range(3)] == [single.allocate() for _ in range(3)] == [3, 4, 5]
+    assert bulk.num_evictable_blocks == single.num_evictable_blocks == 1  # block 2: cached, not free
+    with pytest.raises(BlockStateError, match="inc_ref on block 2, which is free"):
+        bulk.inc_ref_many([0, 2])
+    with pytest.raises(BlockStateError, match="dec_ref on block 2, which is free"):
+        bulk.free([2])
+    with pytest.raises(BlockStateError, match="out of range"):
+        bulk.inc_ref_many([9])
+    with pytest.raises(BlockStateError, match="out of range"):
+        bulk.free([-1])

@@ -148,7 +148,7 @@ def mixed_step(runner: ModelRunner, pools: list[str], cross: dict | None = None)
         beam_tables = {}
         for p in pools:
             own = tables.new(p, 1)
-            runner.copy_blocks(p, [(prompt_tables[p][shared], own[0])])
+            runner.copy_blocks(p, [(prompt_tables[p][shared], own[0], T)])
             beam_tables[p] = prompt_tables[p][:shared] + own
         step.append(SequenceInput([7 + beam], prompt,
                                   {p: windowed(p, beam_tables[p], prompt + 1, 1) for p in pools},

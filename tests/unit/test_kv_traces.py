@@ -185,3 +185,48 @@ def test_copies_are_queued_src_to_dst():
     trace.manager.append_slots(beams[1])
     assert trace.manager.take_copies() == []  # the last sharer writes in place
     trace.finish(beams)
+
+
+def _reorder_by_release_and_fork(manager, beams, parents):
+    """The reference `reorder`: every unchosen parent released whole, then every fork counted whole."""
+    num_children = [parents.count(i) for i in range(len(beams))]
+    for beam, count in zip(beams, num_children):
+        if count == 0:
+            manager.release(beam)
+    kept, children = set(), []
+    for parent in parents:
+        children.append(manager.fork(beams[parent]) if parent in kept else beams[parent])
+        kept.add(parent)
+    return children
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    prompt_tokens=st.integers(1, 70),
+    max_new_tokens=st.integers(2, 12),
+    beam_width=st.integers(1, 8),
+    tokens_per_block=TOKENS_PER_BLOCK,
+    data=st.data(),
+)
+def test_reorder_passing_references_on_equals_releasing_and_forking_whole_tables(
+        prompt_tokens, max_new_tokens, beam_width, tokens_per_block, data):
+    # `reorder` lets a released parent's leading blocks pass to a fork untouched; the ref counts,
+    # the blocks freed and their order (the ids handed out next) must be those of the plain way.
+    traces = [CheckedTrace(prompt_tokens, max_new_tokens, beam_width, tokens_per_block) for _ in range(2)]
+    beams = [trace.prefill([prompt_tokens]) for trace in traces]
+    for _ in range(data.draw(st.integers(1, max_new_tokens - 1), label="steps")):
+        num_live = data.draw(st.integers(1, len(beams[0])), label="live")
+        parents = data.draw(st.lists(st.integers(0, len(beams[0]) - 1), min_size=num_live, max_size=num_live))
+        beams = [traces[0].manager.reorder(beams[0], parents),
+                 _reorder_by_release_and_fork(traces[1].manager, beams[1], parents)]
+        for trace, trace_beams in zip(traces, beams):
+            trace.check()
+            for beam in trace_beams:
+                trace.manager.append_slots(beam)
+        assert [b.block_ids for b in beams[0]] == [b.block_ids for b in beams[1]]
+        assert traces[0].manager.take_copies() == traces[1].manager.take_copies()
+        pools = [trace.pool for trace in traces]
+        assert [pools[0].ref_count(b) for b in range(pools[0].num_blocks)] == \
+            [pools[1].ref_count(b) for b in range(pools[1].num_blocks)]
+    free_order = [trace.pool.allocate_many(trace.pool.num_free_blocks) for trace in traces]
+    assert free_order[0] == free_order[1]

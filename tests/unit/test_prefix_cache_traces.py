@@ -135,9 +135,9 @@ class Simulator:
     def apply_copies(self):
         for name, copies in self.cache.take_copies().items():
             written = self.written[name]
-            for src, dst in copies:
+            for src, dst, num_tokens in copies:  # only the leading `num_tokens` slots are copied
                 for offset in range(self.t):
-                    if src * self.t + offset in written:
+                    if offset < num_tokens and src * self.t + offset in written:
                         written[dst * self.t + offset] = written[src * self.t + offset]
                     else:
                         written.pop(dst * self.t + offset, None)
@@ -388,7 +388,8 @@ def test_a_hit_copy_never_evicts_a_block_of_the_same_hit():
     table = manager.take_hit(kv.holdings["sliding"], [ids[0], ids[1]])
     assert table.block_ids[1] == ids[1] and pool.ref_count(ids[1]) == 1  # touched, not evicted
     assert table.block_ids[0] == ids[2]  # the copy took the other evictable block
-    assert manager.take_copies() == [(ids[0], ids[2])] and pool.lookup(b"newer") is None
+    assert manager.take_copies() == [(ids[0], ids[2], manager.tokens_per_block)]  # a full block
+    assert pool.lookup(b"newer") is None
 
 
 def test_a_pinned_prefix_shortens_the_sliding_prefill_it_is_sure_to_skip():

@@ -4,6 +4,7 @@ from widebeam.kv.block_pool import BlockPool
 from widebeam.kv.budget import KVRequest, cross_attention_blocks, full_attention_blocks
 from widebeam.kv.cache import KVCache, PoolBudget
 from widebeam.kv.managers import (
+    BlockCopy,
     BlockTable,
     CrossAttentionManager,
     FullAttentionManager,
@@ -15,6 +16,7 @@ from widebeam.kv.request_kv import RequestKV
 from widebeam.kv.spec import CrossAttentionSpec, FullAttentionSpec, PoolSpec, SlidingWindowSpec
 
 __all__ = [
+    "BlockCopy",
     "BlockPool",
     "BlockTable",
     "CrossAttentionManager",

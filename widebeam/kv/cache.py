@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from widebeam.errors import RequestTooLargeError
 from widebeam.kv.block_pool import BlockPool
 from widebeam.kv.budget import KVRequest
-from widebeam.kv.managers import DROPPED, PoolManager, make_manager
+from widebeam.kv.managers import DROPPED, BlockCopy, PoolManager, make_manager
 from widebeam.kv.prefix import PrefixHit, PrefixKey, prefix_key
 from widebeam.kv.request_kv import RequestKV
 from widebeam.kv.spec import PoolSpec
@@ -192,8 +192,8 @@ class KVCache:
         hit.credit_blocks = {name: self.managers[name].hit_credit(ids) for name, ids in hit.block_ids.items()}
         return hit
 
-    def take_copies(self) -> dict[str, list[tuple[int, int]]]:
-        """Queued copy-on-write copies (src_block_id, dst_block_id) per pool, handed over once;
+    def take_copies(self) -> dict[str, list[BlockCopy]]:
+        """Queued copy-on-write copies (`BlockCopy`: src, dst, the slots to copy) per pool, handed over once;
         the runner must run them before the forward pass that writes the copies."""
         return {name: copies for name, m in self.managers.items() if (copies := m.take_copies())}
 

@@ -31,42 +31,7 @@ from widebeam.kv.budget import (
     sliding_window_blocks,
 )
 from widebeam.kv.spec import CrossAttentionSpec, FullAttentionSpec, PoolSpec, SlidingWindowSpec
-
-# A block table entry whose block was released because no query can see it any more (sliding window).
-# Entries stay aligned with positions: block i of a table always covers positions [i*T, (i+1)*T).
-DROPPED = -1
-
-
-class Holding:
-    """The distinct blocks one request holds in one pool (shared blocks count once)."""
-
-    __slots__ = ("num_held_blocks", "peak_held_blocks")
-
-    def __init__(self) -> None:
-        self.num_held_blocks = 0
-        self.peak_held_blocks = 0
-
-    def _add(self, num_blocks: int) -> None:
-        self.num_held_blocks += num_blocks
-        self.peak_held_blocks = max(self.peak_held_blocks, self.num_held_blocks)
-
-    def _sub(self, num_blocks: int) -> None:
-        self.num_held_blocks -= num_blocks
-
-
-class BlockTable:
-    """One sequence's (one beam's) ordered blocks and how many tokens they hold."""
-
-    __slots__ = ("block_ids", "holding", "num_tokens", "released")
-
-    def __init__(self, holding: Holding, block_ids: list[int] | None = None, num_tokens: int = 0):
-        self.holding = holding
-        self.block_ids = block_ids if block_ids is not None else []
-        self.num_tokens = num_tokens
-        self.released = False
-
-    def __repr__(self) -> str:
-        return f"BlockTable(block_ids={self.block_ids}, num_tokens={self.num_tokens})"
+from widebeam.kv.tables import DROPPED, BlockCopy, BlockTable, Holding, common_prefix_length
 
 
 class PoolManager(ABC):
@@ -82,7 +47,7 @@ class PoolManager(ABC):
         self.pool = pool
         self.tokens_per_block = tokens_per_block
         self.prefill_chunk_tokens = prefill_chunk_tokens
-        self.pending_copies: list[tuple[int, int]] = []
+        self.pending_copies: list[BlockCopy] = []
 
     @property
     def name(self) -> str:
@@ -126,7 +91,7 @@ class PoolManager(ABC):
                 holding._add(1)
         for i in to_copy:  # in-use sources: their holders keep them through the step's copies
             table.block_ids[i] = self._allocate(holding)
-            self.pending_copies.append((entries[i], table.block_ids[i]))
+            self.pending_copies.append(BlockCopy(entries[i], table.block_ids[i], self.tokens_per_block))
         return table
 
     def register(self, table: BlockTable, block_hashes: tuple[bytes, ...], num_computed_tokens: int,
@@ -195,17 +160,20 @@ class PoolManager(ABC):
         del table.block_ids[num_kept_blocks:]
         table.num_tokens = num_tokens
 
-    def take_copies(self) -> list[tuple[int, int]]:
-        """Hand the queued (src_block_id, dst_block_id) copies to the runner and forget them."""
+    def take_copies(self) -> list[BlockCopy]:
+        """Hand the queued copies to the runner and forget them."""
         copies, self.pending_copies = self.pending_copies, []
         return copies
 
-    def release(self, table: BlockTable) -> None:
-        """Drop the table's references; blocks no other table holds go back to the pool."""
+    def release(self, table: BlockTable, num_passed_blocks: int = 0) -> None:
+        """Drop the table's references; blocks no other table holds go back to the pool. The first
+        `num_passed_blocks` keep their references: `reorder` passes them on to a fork that shares them."""
         self._check_live(table)
         # Last block first: cached blocks are evicted least recently released first, so a prefix's
         # tail goes before its head, which more prompts share.
-        table.holding._sub(self.pool.free(b for b in reversed(table.block_ids) if b != DROPPED))
+        block_ids = table.block_ids[num_passed_blocks:]
+        table.holding._sub(self.pool.free(reversed(block_ids) if DROPPED not in block_ids else
+                                          [b for b in reversed(block_ids) if b != DROPPED]))
         table.block_ids = []
         table.released = True
 
@@ -252,13 +220,14 @@ class FullAttentionManager(PoolManager):
         self.append_slots(table, num_tokens)
         return table
 
-    def fork(self, table: BlockTable) -> BlockTable:
-        """A new beam that shares every block of `table` (ref counts go up, nothing is copied)."""
+    def fork(self, table: BlockTable, num_passed_blocks: int = 0) -> BlockTable:
+        """A new beam that shares every block of `table` (ref counts go up, nothing is copied). The
+        first `num_passed_blocks` already carry its references (passed on by a released table)."""
         self._check_live(table)
-        for block_id in table.block_ids:
-            if block_id != DROPPED:
-                self.pool.inc_ref(block_id)
-        return BlockTable(table.holding, list(table.block_ids), table.num_tokens)
+        block_ids = table.block_ids
+        counted = block_ids[num_passed_blocks:] if num_passed_blocks else block_ids
+        self.pool.inc_ref_many(counted if DROPPED not in counted else [b for b in counted if b != DROPPED])
+        return BlockTable(table.holding, list(block_ids), table.num_tokens)
 
     def reorder(self, tables: list[BlockTable], parent_indices: list[int]) -> list[BlockTable]:
         """The next step's beams: beam i continues `tables[parent_indices[i]]`.
@@ -266,18 +235,36 @@ class FullAttentionManager(PoolManager):
         Parents nobody continues are released first, then each chosen parent is kept by its first
         child and forked for the others; so the held count only falls here. Appending the new
         tokens (and any copy-on-write) comes after, in `append_slots`.
+
+        The j-th released parent passes its references to the j-th fork on the blocks both tables
+        start with (at a wide step, the prompt's): those counts would fall by one, never to zero (the
+        fork's source holds them), and rise by one again. The counts, and the blocks freed and their
+        order, are those of releasing every block and forking every block.
         """
         num_children = [0] * len(tables)
         for parent in parent_indices:
             num_children[parent] += 1
-        for table, count in zip(tables, num_children):
-            if count == 0:
-                self.release(table)
         kept = [False] * len(tables)
-        children: list[BlockTable] = []
+        fork_sources: list[int] = []
         for parent in parent_indices:
             if kept[parent]:
-                children.append(self.fork(tables[parent]))
+                fork_sources.append(parent)
+            kept[parent] = True
+        passed = [0] * len(fork_sources)
+        released = [table for table, count in zip(tables, num_children) if count == 0]
+        for j, table in enumerate(released):
+            if j < len(fork_sources):
+                source = tables[fork_sources[j]]
+                self._check_live(source)
+                passed[j] = common_prefix_length(table.block_ids, source.block_ids)
+            self.release(table, passed[j] if j < len(passed) else 0)
+        kept = [False] * len(tables)
+        children: list[BlockTable] = []
+        num_forks = 0
+        for parent in parent_indices:
+            if kept[parent]:
+                children.append(self.fork(tables[parent], passed[num_forks]))
+                num_forks += 1
             else:
                 kept[parent] = True
                 children.append(tables[parent])
@@ -300,7 +287,8 @@ class FullAttentionManager(PoolManager):
                 # Copy-on-write: the last sharer keeps the original, so W sharers make W-1 copies.
                 src_block_id = table.block_ids[-1]
                 dst_block_id = self._allocate(table.holding)
-                self.pending_copies.append((src_block_id, dst_block_id))
+                # only the `offset` slots this table has written: the rest is written later, or never read
+                self.pending_copies.append(BlockCopy(src_block_id, dst_block_id, offset))
                 self.pool.dec_ref(src_block_id)
                 table.block_ids[-1] = dst_block_id
             num_written = min(remaining, t - offset)

@@ -72,15 +72,21 @@ class ModelRunner:
             self.kv_caches.append((tensor[j, 0], tensor[j, 1]))
             index_in_pool[pool_name] += 1
 
-    def copy_blocks(self, pool_name: str, copies: list[tuple[int, int]]) -> None:
-        """Run queued copy-on-write copies (src block -> dst block) in every layer of the pool."""
+    def copy_blocks(self, pool_name: str, copies: Sequence[tuple[int, int, int]]) -> None:
+        """Run queued copy-on-write copies (src block, dst block, the leading slots to copy: a
+        `kv.BlockCopy`) in every layer of the pool, as one gather and one scatter over the pool's
+        slots (layers and K/V flattened: one index for all of them)."""
         if not copies:
             return
         t = self.tokens_per_block
-        src = torch.tensor([s * t + o for s, _ in copies for o in range(t)], device=self.device)
-        dst = torch.tensor([d * t + o for _, d in copies for o in range(t)], device=self.device)
+        src_blocks, dst_blocks, num_tokens = torch.tensor(copies, dtype=torch.long).unbind(1)
+        offsets = torch.arange(t)
+        written = offsets < num_tokens[:, None]  # [copies, t]: the slots each copy carries
+        src = (src_blocks[:, None] * t + offsets)[written].to(self.device)
+        dst = (dst_blocks[:, None] * t + offsets)[written].to(self.device)
         tensor = self.kv_tensors[pool_name]
-        tensor[:, :, dst] = tensor[:, :, src]
+        flat = tensor.view(tensor.shape[0] * 2, tensor.shape[2], -1)  # [layers x K/V, slots, kv_heads x d]
+        flat.index_copy_(1, dst, flat.index_select(1, src))
 
     @torch.inference_mode()
     def execute(self, seqs: list[SequenceInput], all_logits: bool = False,
