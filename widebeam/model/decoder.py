@@ -106,8 +106,9 @@ class DecoderLayer(nn.Module):
         if self.sandwich_norms:
             x = x + self.post_attention_layernorm(attended)
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + attended
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # in place on the fresh sums (bit-equal to x + ...): no new tensor per residual add
+        x = attended.add_(x)
+        return self.mlp(self.post_attention_layernorm(x)).add_(x)
 
 
 class DecoderModel(nn.Module):
