@@ -82,7 +82,7 @@ def split_linears(model: torch.nn.Module) -> torch.nn.Module:
     one input (q/k/v, gate/up) as one `SplitLinear` each, wherever a module offers `fuse_projections`
     and all its parts were swapped. At a decode step's rows a linear is a fixed cost (waking every
     thread for the batched product) plus the weight's bytes: 7 products a layer become 4, the bytes
-    stay the same (SmolLM2-135M, 1 row, 2 threads: see the A/B in the w1perf notes)."""
+    stay the same (A/B vs 53534e3: benchmarks/results/w1perf_ab_*.json)."""
     swap_linears(model, SplitLinear, where=float32_on_cpu)
     for module in list(model.modules()):
         fuse = getattr(module, "fuse_projections", None)
