@@ -89,8 +89,9 @@ def test_prefill_and_decode_logits_match(tiny_family_dir, hf, tokens_per_block):
     engine = LLM(str(tiny_family_dir), dtype="float32", device="cpu", tokens_per_block=tokens_per_block,
                  kv_cache_memory="8MiB", max_num_batched_tokens=128).engine
     num_decode = 10  # the shortest prompt passes the window while decoding
-    # Phi-3's qkv_proj was split into q_proj / k_proj / v_proj at load time
-    assert engine.model.model.layers[0].self_attn.q_proj.weight.shape[0] == hf.config.num_attention_heads * (
+    # Phi-3's qkv_proj was split into q_proj / k_proj / v_proj at load time (then stacked again as one
+    # float32 split linear: the q part is first)
+    assert engine.model.model.layers[0].self_attn.qkv.sizes[0] == hf.config.num_attention_heads * (
         getattr(hf.config, "head_dim", None) or hf.config.hidden_size // hf.config.num_attention_heads)
     decoded = [[(7 * step + 3 * i) % 120 + 3 for step in range(num_decode)] for i in range(len(PROMPTS))]
     with torch.no_grad():

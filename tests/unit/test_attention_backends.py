@@ -242,3 +242,33 @@ def test_wide_groups_read_the_prefix_through_the_fused_kernel(num_beams, t, dtyp
     actual = sdpa.forward(q, lay.k_cache, lay.v_cache, meta, 0.4)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(actual.double(), lay.dense(q, 0.4, None), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("num_beams, t", [(2, 4), (4, 16), (40, 4)])
+@pytest.mark.parametrize("scattered", [False, True])
+def test_one_request_reads_its_prompt_as_a_view_of_the_cache(num_beams, t, scattered, dtype):
+    """A decode step of one beam request (width 4, say): its group holds every row, so no rows are
+    selected or scattered back, and a prompt whose blocks are one run of slots is read through a view
+    of the cache (`DecodeGroup.prefix_start`), not gathered; scattered blocks are still gathered.
+    Both equal dense attention, through the plain products and (40 beams) the fused prefix kernel."""
+    lay = Layout(t, 2, 8, dtype, num_blocks=2000 // t + 200, seed=num_beams, scattered=scattered)
+    root = lay.new()
+    lay.append(root, 45)
+    beams = [lay.fork(root, "req") for _ in range(num_beams)]
+    lay.seqs.remove(root)
+    for i, beam in enumerate(beams):
+        lay.append(beam, i % 3)
+        lay.step(beam, 1)
+    sdpa = get_attention_backend("sdpa")
+    meta = lay.metadata(sdpa, None)
+    (group,) = meta.decode_groups
+    assert group.prefix_tokens == 45 // t * t and not meta.sequences
+    if scattered:
+        assert group.prefix_start is None
+    else:
+        assert group.prefix_start == lay.seqs[0]["table"][0] * t
+    q = torch.randn(num_beams, 6, 8, generator=torch.Generator().manual_seed(t)).to(dtype)
+    actual = sdpa.forward(q, lay.k_cache, lay.v_cache, meta, 0.4)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(actual.double(), lay.dense(q, 0.4, None), atol=tol, rtol=tol)

@@ -109,3 +109,34 @@ def test_beam_sequences_equal_the_f_linear_engines(engines, width):
         assert [s.token_ids for s in b.outputs] == [s.token_ids for s in a.outputs]
         for x, y in zip(a.outputs, b.outputs, strict=True):
             assert y.score == pytest.approx(x.score, rel=1e-4, abs=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 9])
+@pytest.mark.parametrize("biases", [(True, True, True), (True, False, True), (False, False, False)])
+def test_concatenated_split_linears_equal_their_parts(rows, biases):
+    """q/k/v (or gate/up) stacked as one layer: each part of the output is the part's own product."""
+    torch.manual_seed(rows)
+    parts = [torch.nn.Linear(24, out, bias=bias) for out, bias in zip((32, 8, 8), biases)]
+    fused = SplitLinear.concat([SplitLinear(p) for p in parts])
+    assert fused.out_features == 48 and (fused.bias is None) == (not any(biases))
+    x = torch.randn(rows, 24)
+    with torch.inference_mode():
+        got = fused(x).split([32, 8, 8], dim=-1)
+        for part, out in zip(parts, got):
+            torch.testing.assert_close(out, F.linear(x, part.weight, part.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_float32_decoders_fuse_their_projections_and_bfloat16_ones_do_not(tiny_llama_dir):
+    """`split_linears` stacks q/k/v and gate/up of every layer (float32); a bfloat16 model keeps its
+    separate `nn.Linear`s (the split backend is float32 only)."""
+    from widebeam.model.loader import resolve_model
+    from widebeam.model.registry import load_model
+
+    source = resolve_model(str(tiny_llama_dir))
+    model = load_model(source, "float32", torch.device("cpu"))
+    for layer in model.model.layers:
+        assert isinstance(layer.self_attn.qkv.linear, SplitLinear)
+        assert isinstance(layer.mlp.gate_up.linear, SplitLinear)
+        assert not hasattr(layer.self_attn, "q_proj") and not hasattr(layer.mlp, "gate_proj")
+    bf16 = load_model(source, "bfloat16", torch.device("cpu"))
+    assert bf16.model.layers[0].self_attn.qkv is None and bf16.model.layers[0].mlp.gate_up is None

@@ -141,6 +141,11 @@ class SdpaBackend(AttentionBackend):
                           if lens[i] > 1 or meta.tree(i)]
 
     def forward(self, q, k_cache, v_cache, meta, scale, position_bias=None):
+        groups = meta.decode_groups
+        if len(groups) == 1 and not meta.sequences and groups[0].token_index.shape[0] == q.shape[0]:
+            # One group holding every row (a decode step of one request): its rows are the tokens in
+            # order (one query each, members ascending), so nothing is selected or scattered back.
+            return _attend_group(q, k_cache, v_cache, meta.decode_groups[0], scale, position_bias)
         out = torch.empty_like(q)
         for group in meta.decode_groups:
             rows = q.index_select(0, group.token_index)
@@ -211,9 +216,9 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         suffix_scores = suffix_scores.float() + suffix_bias
     suffix_scores = (suffix_scores.float().masked_fill_(group.suffix_hidden, float("-inf"))
                      .view(num_kv_heads, rows, -1))
-    k_prefix = _gather(k_cache, group.prefix_slots)  # [P, KV, d]
+    k_prefix = _prefix(k_cache, group)  # [P, KV, d]
     if position_bias is None and k_cache.device.type == "cpu" and rows >= FUSED_PREFIX_MIN_ROWS:
-        return _merge_fused_prefix(q_rows, k_prefix, _gather(v_cache, group.prefix_slots), suffix_scores,
+        return _merge_fused_prefix(q_rows, k_prefix, _prefix(v_cache, group), suffix_scores,
                                    v_cache, group, q.shape, q.dtype)
     prefix_scores = torch.bmm(q_rows, k_prefix.permute(1, 2, 0)).float()  # [KV, B*G, P]
     if position_bias is not None:
@@ -224,7 +229,7 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     prefix_weights = (prefix_scores - row_max).exp_()  # float32
     suffix_weights = (suffix_scores - row_max).exp_()
     denominator = prefix_weights.sum(dim=-1, keepdim=True) + suffix_weights.sum(dim=-1, keepdim=True)
-    v_prefix = _gather(v_cache, group.prefix_slots)  # [P, KV, d]
+    v_prefix = _prefix(v_cache, group)  # [P, KV, d]
     v_suffix = _kv_major(_gather(v_cache, group.suffix_slots))  # [KV, B, S, d]
     # the shared prefix: [KV, B*G, P] x [KV, P, d]; each beam's own keys: [KV, B, G, S] x [KV, B, S, d]
     out = torch.bmm(prefix_weights.to(v_prefix.dtype), v_prefix.transpose(0, 1)).float()
@@ -233,6 +238,14 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     out /= denominator  # [KV, B*G, d]
     return (out.view(num_kv_heads, batch, group_size, head_dim).transpose(0, 1)
             .reshape(batch, num_heads, head_dim).to(q.dtype))
+
+
+def _prefix(cache: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
+    """The group's shared prefix keys (or values), [P, KV, d]: a view of the cache when its blocks are
+    one run of slots (no copy of P x KV x d numbers per layer), else gathered."""
+    if group.prefix_start is not None:
+        return cache[group.prefix_start:group.prefix_start + group.prefix_tokens]
+    return _gather(cache, group.prefix_slots)
 
 
 def _merge_fused_prefix(q_rows: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor,
@@ -266,6 +279,12 @@ def _attend_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """A few loose rows whose keys each fill one run of consecutive slots (width 1): q [B, H, d] ->
     [B, H, d], each row against a view of the cache, so nothing is gathered, padded or masked
     (1.8x faster than the gathered batch for one row of 544 keys: no copy of its K/V per layer)."""
+    if len(key_ranges) == 1:  # width 1: the kernel's output is the answer, no copy into `out`
+        first_slot, num_keys = key_ranges[0]
+        k = k_cache[first_slot:first_slot + num_keys].transpose(0, 1)[None]  # [1, KV, S, d], a view
+        v = v_cache[first_slot:first_slot + num_keys].transpose(0, 1)[None]
+        return F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, scale=scale,
+                                              enable_gqa=True)[0].transpose(0, 1)
     out = torch.empty_like(q)
     for row, (first_slot, num_keys) in enumerate(key_ranges):
         k = k_cache[first_slot:first_slot + num_keys].transpose(0, 1)[None]  # [1, KV, S, d], a view

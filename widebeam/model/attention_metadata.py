@@ -61,6 +61,9 @@ class DecodeGroup:
     # Loose rows (nothing shared) whose keys each sit in one run of consecutive slots: (first slot,
     # number of keys) per row, read through a view of the cache instead of gathered; None otherwise.
     key_ranges: list[tuple[int, int]] | None = None
+    # The shared prefix's first slot when its blocks are consecutive ids (one run of slots: read as a
+    # view of the cache, not gathered), else None.
+    prefix_start: int | None = None
     # Host tensors the group was built from, kept (not copied) for a position bias to read:
     seq_lens: torch.Tensor | None = None  # [B] each row's length; its query sits at seq_len - 1
     suffix_positions: torch.Tensor | None = None  # [B, S] each row's own keys' positions (padding: any)
@@ -275,9 +278,17 @@ def _group(meta: AttentionMetadata, members: list[int], prefix_tokens: int,
         suffix_hidden=(~suffix_mask)[:, None, :].to(device),
         prefix_tokens=prefix_tokens,
         key_ranges=_key_ranges(own_blocks, starts, ends, t) if prefix_tokens == 0 else None,
+        prefix_start=_first_slot_of_run(meta.block_tables[members[0]][: prefix_tokens // t], t),
         seq_lens=end_t,
         suffix_positions=suffix_positions,
     )
+
+
+def _first_slot_of_run(blocks: list[int], tokens_per_block: int) -> int | None:
+    """The first slot of `blocks` when they are consecutive ids (one run of slots), else None."""
+    if not blocks or any(b != blocks[0] + j for j, b in enumerate(blocks)):
+        return None
+    return blocks[0] * tokens_per_block
 
 
 def _key_ranges(own_blocks: list[list[int]], starts: list[int], ends: list[int],

@@ -45,6 +45,8 @@ def _layer_type(window: int | None) -> str:
 
 
 class DecoderAttention(nn.Module):
+    FUSED_PARTS = ("q_proj", "k_proj", "v_proj")  # the linears `fuse_projections` stacks
+
     def __init__(self, arch: ModelArch, settings: DecoderSettings):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
@@ -62,11 +64,19 @@ class DecoderAttention(nn.Module):
 
     def fuse_projections(self, concat) -> None:
         """q_proj, k_proj and v_proj as one layer (`concat`: a list of layers -> one); after loading."""
-        self.qkv = fuse_linears(self, ["q_proj", "k_proj", "v_proj"], concat)
+        self.qkv = fuse_linears(self, list(self.FUSED_PARTS), concat)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
+        if self.qkv is not None and not self.qk_norm:
+            # q and k sit side by side in the fused output: one rotary call rotates both heads' rows.
+            heads = self.qkv.linear(x).view(num_tokens, -1, self.head_dim)  # [T, H + 2 KV, d]
+            num_qk = self.num_heads + self.num_kv_heads
+            qk = apply_rotary(heads[:, :num_qk], cos, sin)
+            q, k, v = qk[:, :self.num_heads], qk[:, self.num_heads:], heads[:, num_qk:]
+            out = self.attn(q, k, v, kv_cache, meta)
+            return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
         q, k, v = self.qkv(x) if self.qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -96,8 +106,9 @@ class DecoderLayer(nn.Module):
         if self.sandwich_norms:
             x = x + self.post_attention_layernorm(attended)
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + attended
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # in place on the fresh sums (bit-equal to x + ...): no new tensor per residual add
+        x = attended.add_(x)
+        return self.mlp(self.post_attention_layernorm(x)).add_(x)
 
 
 class DecoderModel(nn.Module):

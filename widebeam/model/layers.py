@@ -22,6 +22,9 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and not self.unit_offset:
+            # the same kernels as below, minus the no-op casts, the weight applied in place
+            return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).mul_(self.weight)
         x_float = x.float()
         normed = x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + self.eps)
         weight = self.weight.float()
@@ -75,6 +78,8 @@ def fuse_linears(owner: nn.Module, names: list[str], concat) -> FusedProjections
 
 
 class GatedMLP(nn.Module):
+    FUSED_PARTS = ("gate_proj", "up_proj")  # the linears `fuse_projections` stacks
+
     def __init__(self, hidden_size: int, intermediate_size: int, activation: str, bias: bool = False):
         super().__init__()
         if activation not in ACTIVATIONS:
@@ -88,7 +93,7 @@ class GatedMLP(nn.Module):
 
     def fuse_projections(self, concat) -> None:
         """gate_proj and up_proj as one layer (`concat`: a list of layers -> one); after loading."""
-        self.gate_up = fuse_linears(self, ["gate_proj", "up_proj"], concat)
+        self.gate_up = fuse_linears(self, list(self.FUSED_PARTS), concat)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
@@ -154,5 +159,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     if rotary_dims < x.shape[-1]:
         return torch.cat((apply_rotary(x[..., :rotary_dims], cos, sin), x[..., rotary_dims:]), dim=-1)
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    if x.dtype != torch.float32:
+        # transformers' formula, op for op: in bfloat16 each product rounds before the sum.
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos[:, None, :] + rotated * sin[:, None, :]
+    # float32: x * cos + cat(-x2, x1) * sin as x * cos plus two in-place halves: three kernels, no
+    # negated or concatenated temporaries; equal within float32 rounding (tests/unit/test_layers.py).
+    sin = sin[:, None, :]
+    out = x * cos[:, None, :]
+    out[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1)
+    out[..., half:].addcmul_(x[..., :half], sin[..., half:])
+    return out

@@ -54,11 +54,45 @@ class SplitLinear(torch.nn.Module):
             out += self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
 
+    @classmethod
+    def concat(cls, layers: list[SplitLinear]) -> SplitLinear:
+        """One layer computing `layers` (same input) side by side, their weights stacked by output row:
+        each output is the same dot product as before (a row of the stacked weight is a row of one
+        part), so only the kernel's summation order can differ, as for any `SplitLinear`."""
+        if len({layer.in_features for layer in layers}) != 1:
+            raise ValueError("concatenated split linears need one input size")
+        biases = [layer.bias for layer in layers]
+        if any(b is not None for b in biases):
+            biases = [torch.zeros(layer.out_features) if b is None else b for layer, b in zip(layers, biases)]
+        stacked = torch.nn.Linear(layers[0].in_features, sum(layer.out_features for layer in layers),
+                                  bias=biases[0] is not None, device="meta")
+        stacked.weight = torch.nn.Parameter(torch.cat([layer.weight.detach() for layer in layers]),
+                                            requires_grad=False)
+        if biases[0] is not None:
+            stacked.bias = torch.nn.Parameter(torch.cat([b.detach() for b in biases]), requires_grad=False)
+        return cls(stacked)
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}")
 
 
 def split_linears(model: torch.nn.Module) -> torch.nn.Module:
-    """Every float32 CPU `nn.Linear` of `model` as a `SplitLinear`, in place."""
-    return swap_linears(model, SplitLinear, where=float32_on_cpu)
+    """Every float32 CPU `nn.Linear` of `model` as a `SplitLinear`, in place; then the layers that read
+    one input (q/k/v, gate/up) as one `SplitLinear` each, wherever a module offers `fuse_projections`
+    and all its parts were swapped. At a decode step's rows a linear is a fixed cost (waking every
+    thread for the batched product) plus the weight's bytes: 7 products a layer become 4, the bytes
+    stay the same (A/B vs 53534e3: benchmarks/results/w1perf_ab_*.json)."""
+    swap_linears(model, SplitLinear, where=float32_on_cpu)
+    for module in list(model.modules()):
+        fuse = getattr(module, "fuse_projections", None)
+        if fuse is not None and _all_split(module):
+            fuse(SplitLinear.concat)
+    return model
+
+
+def _all_split(module: torch.nn.Module) -> bool:
+    """Every linear a `fuse_projections` would stack is a `SplitLinear` (a layer left as `nn.Linear`,
+    say bfloat16, keeps its parts apart)."""
+    names = getattr(module, "FUSED_PARTS", ())
+    return bool(names) and all(isinstance(getattr(module, name, None), SplitLinear) for name in names)
