@@ -115,9 +115,10 @@ OPTIONS: dict[str, EngineOption] = {o.kwarg: o for o in (
                  "(Llama-family, Gemma 3, Marian translation), or a .gguf file"),
     EngineOption("dtype", _Model, "weights and KV dtype (int8: int8 linear weights, float32 activations "
                  "and KV)", choices=DTYPES),
-    EngineOption("linear_backend", _Model, "float32 on CPU: split (at 1-4 rows each weight's output rows "
-                 "run as batched blocks on every thread, F.linear otherwise; 1.4x faster W=1 and 4 beams, "
-                 "no extra memory); torch (F.linear, the reference); auto (weights also packed for oneDNN, "
+    EngineOption("linear_backend", _Model, "float32 on CPU: split (q/k/v and gate/up stacked; at 1-4 rows "
+                 "each weight's output rows run as batched blocks on every thread where a start-up probe "
+                 "finds that faster on this CPU, F.linear otherwise; no extra memory); torch (F.linear, the "
+                 "reference); auto (weights also packed for oneDNN, "
                  "used at 4-128 rows, the linear weights held twice); onednn (packed only: slower at 1-3 "
                  "rows)", choices=LINEAR_BACKENDS),
     EngineOption("device", _Model, "cpu or cuda", unset_help="cuda when available"),

@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from widebeam.defaults import DEFAULT_LINEAR_BACKEND
+from widebeam.model import split_linear
 from widebeam.model.packed_linear import pack_linears
-from widebeam.model.split_linear import SPLIT_BLOCKS, SPLIT_ROWS, SplitLinear
+from widebeam.model.split_linear import SPLIT_BLOCKS, SPLIT_ROWS, SplitLinear, probe_split_rows, split_linears
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 64])
@@ -72,8 +73,11 @@ PROMPTS = [[(i * 31 + k) % 120 + 3 for i in range(n)] for k, n in ((1, 9), (5, 2
 def engines(tiny_llama_dir):
     from widebeam.llm import LLM
 
-    return [LLM(str(tiny_llama_dir), device="cpu", linear_backend=backend, kv_cache_memory="2MiB",
-                enable_prefix_caching=False) for backend in ("torch", "split")]
+    with pytest.MonkeyPatch.context() as patch:
+        # the split product at every row count it takes, whatever the start-up probe finds on this CPU
+        patch.setattr(split_linear, "probe_split_rows", lambda layers: tuple(SPLIT_ROWS))
+        return [LLM(str(tiny_llama_dir), device="cpu", linear_backend=backend, kv_cache_memory="2MiB",
+                    enable_prefix_caching=False) for backend in ("torch", "split")]
 
 
 def test_the_default_engine_holds_split_linears(tiny_llama_dir, engines):
@@ -140,3 +144,26 @@ def test_float32_decoders_fuse_their_projections_and_bfloat16_ones_do_not(tiny_l
         assert not hasattr(layer.self_attn, "q_proj") and not hasattr(layer.mlp, "gate_proj")
     bf16 = load_model(source, "bfloat16", torch.device("cpu"))
     assert bf16.model.layers[0].self_attn.qkv is None and bf16.model.layers[0].mlp.gate_up is None
+
+
+def test_the_probe_answers_row_counts_once_per_shape():
+    layers = [SplitLinear(torch.nn.Linear(64, 128)) for _ in range(3)]
+    found = probe_split_rows(layers)
+    assert found in {(), (1, 2), (3, 4), (1, 2, 3, 4)}
+    assert probe_split_rows(layers) is found  # kept: every engine of the process runs the same kernels
+
+
+@pytest.mark.parametrize("split_rows", [(), (1, 2), tuple(SPLIT_ROWS)])
+def test_split_linears_run_the_product_the_probe_chose(split_rows, monkeypatch):
+    """Where the probe found the split product slower, `F.linear` runs at every row count."""
+    monkeypatch.setattr(split_linear, "probe_split_rows", lambda layers: split_rows)
+    model = split_linears(torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 64)))
+    assert all(layer.split_rows == split_rows for layer in model)
+    bmm, calls = torch.bmm, []
+    monkeypatch.setattr(torch, "bmm", lambda *args: calls.append(1) or bmm(*args))
+    for rows in SPLIT_ROWS:
+        calls.clear()
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(model(x), F.linear(F.linear(x, model[0].weight, model[0].bias),
+                                                      model[1].weight, model[1].bias))
+        assert len(calls) == (2 if rows in split_rows else 0), rows

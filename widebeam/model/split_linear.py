@@ -21,6 +21,8 @@ already did through the attention kernels; tokens and beams do not.
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch.nn import functional as F
 
@@ -41,10 +43,11 @@ class SplitLinear(torch.nn.Module):
         self.weight = linear.weight
         self.bias = linear.bias
         self.splits = self.out_features % SPLIT_BLOCKS == 0
+        self.split_rows: tuple[int, ...] = tuple(SPLIT_ROWS)  # narrowed by the start-up probe
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if not self.splits or rows.shape[0] not in SPLIT_ROWS:
+        if not self.splits or rows.shape[0] not in self.split_rows:
             return F.linear(x, self.weight, self.bias)
         blocks = self.weight.view(SPLIT_BLOCKS, self.out_features // SPLIT_BLOCKS, self.in_features)
         # [blocks, out / blocks, in] x [blocks, in, rows] -> [blocks, out / blocks, rows]
@@ -88,7 +91,56 @@ def split_linears(model: torch.nn.Module) -> torch.nn.Module:
         fuse = getattr(module, "fuse_projections", None)
         if fuse is not None and _all_split(module):
             fuse(SplitLinear.concat)
+    layers = [m for m in model.modules() if isinstance(m, SplitLinear) and m.splits]
+    if layers:
+        split_rows = probe_split_rows(layers)
+        for layer in layers:
+            layer.split_rows = split_rows
     return model
+
+
+# (layer shapes, threads) -> the row counts the split product runs: one probe per process and shape
+_PROBED: dict[tuple, tuple[int, ...]] = {}
+_PROBE_REPEATS = 5
+_PROBE_MARGIN = 0.97  # the split product must be this much faster: within it, keep the reference
+
+
+def probe_split_rows(layers: list[SplitLinear]) -> tuple[int, ...]:
+    """The row counts of `SPLIT_ROWS` at which the split product beats `F.linear` on this CPU: timed at
+    1 row (deciding 1 and 2) and at 4 (deciding 3 and 4) over every layer's weight in turn, as a
+    decode step streams them from memory (one weight alone would sit in the cache), best of
+    `_PROBE_REPEATS` interleaved passes each. Where the split paid on one CPU (an AMD EPYC: 26 vs 50 ms a
+    step at 1 row) it lost on another (an Intel Xeon: ~100 vs ~55 ms), so it is measured, not assumed.
+    Both are the same dot products (equal within float32 rounding); the answer is kept per process and
+    shape, so every engine of a process runs the same kernels."""
+    key = (tuple((layer.out_features, layer.in_features) for layer in layers), torch.get_num_threads())
+    if key in _PROBED:
+        return _PROBED[key]
+    inputs = {n: torch.randn(4, layer.in_features) for n, layer in enumerate(layers)}
+
+    def pass_s(num_rows: int, split: bool) -> float:
+        start = time.perf_counter()
+        for n, layer in enumerate(layers):
+            x = inputs[n][:num_rows]
+            if split:
+                blocks = layer.weight.view(SPLIT_BLOCKS, -1, layer.in_features)
+                torch.bmm(blocks, x.t().expand(SPLIT_BLOCKS, -1, -1))
+            else:
+                F.linear(x, layer.weight)
+        return time.perf_counter() - start
+
+    pays = {}
+    with torch.inference_mode():
+        for num_rows in (1, 4):
+            pass_s(num_rows, True), pass_s(num_rows, False)  # warm-up
+            split_s, linear_s = [], []
+            for _ in range(_PROBE_REPEATS):
+                split_s.append(pass_s(num_rows, True))
+                linear_s.append(pass_s(num_rows, False))
+            pays[num_rows] = min(split_s) < _PROBE_MARGIN * min(linear_s)
+    split_rows = tuple(r for r in SPLIT_ROWS if pays[1 if r <= 2 else 4])
+    _PROBED[key] = split_rows
+    return split_rows
 
 
 def _all_split(module: torch.nn.Module) -> bool:
