@@ -61,7 +61,7 @@ class Request:
         self.pending_token_ids: list[list[int]] = []
         self.completions: list[CompletionOutput] | None = None  # set when it finishes
         self.last_round_steps = 0  # decoder steps the latest round took
-        self._unrecorded_round_nodes: int | None = None  # the latest round's D until the policy hears of it
+        self._unrecorded_round_nodes: int | None = None  # the latest round's drafted nodes, for the policy
         self.num_preemptions = 0  # times the scheduler took its blocks back (it resumed by recomputation)
         self.max_feed_tokens: int | None = None  # after a preemption: the most tokens one re-feed step feeds
         self._num_fed_tokens = 1  # tokens per sequence the latest round fed
@@ -219,7 +219,10 @@ class Request:
             self.draft_tokens = self._draft_tokens_after  # the draft was fed (the target's drafts go below)
         root_rows = [rnd.row_start for rnd in rounds]
         delta, replayed = self._replay(scores, root_rows, [rnd.tree for rnd in rounds])
-        self._unrecorded_round_nodes = rounds[0].max_nodes
+        # What the round drafted, not what it asked for: a prompt lookup that found nothing ran a plain
+        # step at a plain step's cost, so the policy hears of a plain round (its cost and steps say
+        # nothing about drafting).
+        self._unrecorded_round_nodes = max(len(rnd.tree) for rnd in rounds)
         if delta.finished:
             return delta
         if rounds[0].max_nodes:

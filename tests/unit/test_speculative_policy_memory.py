@@ -5,7 +5,7 @@ once, a probe that pays brings the shape back, and other shapes are untouched.""
 from __future__ import annotations
 
 from widebeam.engine import LLMEngine
-from widebeam.params import BeamSearchParams
+from widebeam.params import BeamSearchParams, SamplingParams
 from widebeam.speculative import policy
 from widebeam.speculative.policy import DraftShapes, width_bucket
 
@@ -82,3 +82,21 @@ def test_a_losing_shape_where_trying_is_cheap_still_starts_requests_drafting():
     shape = shapes.shapes[("ngram", 1)]
     assert shape.loses() and not shape.starts_off()
     assert shapes.new_length("ngram", 1, 4).next_num_nodes() == 4
+
+
+def test_a_lookup_that_finds_nothing_is_a_plain_round(tiny_llama_dir):
+    """Prompt lookup with no recurring n-gram drafts nothing: such a round is a plain step at a plain
+    step's cost, so the shape learns nothing about drafting from it (counted as a drafting round that
+    gained nothing, free text would make the shape 'lose' and hold back the next request, which may
+    copy its prompt)."""
+    engine = LLMEngine(str(tiny_llama_dir), device="cpu", kv_cache_memory="16MiB", speculative_method="ngram",
+                       num_speculative_tokens=3)
+    # the tiny model's greedy continuation of these ids repeats nothing of its history in 6 tokens
+    engine.add_request("r", {"prompt_token_ids": list(range(3, 15))},
+                       SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    counts = engine.stats()["speculative"]
+    assert counts["rounds"] >= 5 and counts["drafted_tokens"] == 0
+    shape = engine.draft_shapes.shapes[("ngram", 1)]
+    assert shape.gained_steps is None and not shape.loses()

@@ -31,6 +31,9 @@ a plain one (prompt lookup at W=1: a round whose lookup finds nothing is a plain
 requests fresh (optimistic): acceptance depends on the request's text (a copy task accepts most of
 what prompt lookup drafts, free text almost nothing), so where finding out is cheap each request does.
 
+A round counts as a drafting round only if its drafter drafted something: a prompt lookup that found
+no recurring n-gram ran a plain step at a plain step's cost, and is recorded as a plain round.
+
 A round that drafts nothing costs a draft model nothing: the draft's cache lags and catches up in the
 next round that drafts (`Request.begin_round`), so a plain round here is as cheap as plain decoding.
 """
