@@ -47,17 +47,37 @@ def test_a_new_request_of_a_losing_shape_starts_backed_off_and_probes_now_and_th
 
 def test_a_probe_that_pays_brings_the_shape_back():
     shapes = DraftShapes()
-    lose(shapes.new_length("ngram", 1, 4), rounds=8)
-    shape = shapes.shapes[("ngram", 1)]
+    lose(shapes.new_length("ngram", 4, 4), rounds=8)
+    shape = shapes.shapes[("ngram", 4)]
     assert shape.loses()
     for _ in range(policy._PROBE_REQUEST_EVERY - 1):
-        assert shapes.new_length("ngram", 1, 4).next_num_nodes() == 0
-    probe = shapes.new_length("ngram", 1, 4)
+        assert shapes.new_length("ngram", 4, 4).next_num_nodes() == 0
+    probe = shapes.new_length("ngram", 4, 4)
     for _ in range(12):  # a copy task: every round takes 5 steps at 1.2 plain rounds' time
         num_nodes = probe.next_num_nodes()
         probe.record(num_nodes, 5 if num_nodes else 1, 0.12 if num_nodes else 0.1)
     assert not shape.loses()
-    assert shapes.new_length("ngram", 1, 4).next_num_nodes() == 4
+    assert shapes.new_length("ngram", 4, 4).next_num_nodes() == 4
+
+
+def test_greedy_prompt_lookup_always_tries_but_one_losing_round_ends_the_try():
+    """W=1 prompt lookup is accepted when the request's own text recurs: a losing shape does not hold a
+    new request back, but one round gaining nothing backs it off for long; one that gains keeps it."""
+    shapes = DraftShapes()
+    lose(shapes.new_length("ngram", 1, 4), rounds=8)
+    assert shapes.shapes[("ngram", 1)].loses()
+    failing = shapes.new_length("ngram", 1, 4)
+    assert failing.next_num_nodes() == 4
+    failing.record(4, 1, 0.2)
+    backoff = policy._MAX_BACKOFF_ROUNDS
+    assert [failing.next_num_nodes() for _ in range(backoff)] == [0] * backoff
+    copying = shapes.new_length("ngram", 1, 4)
+    drafted = []
+    for _ in range(8):  # rounds of 3 steps at 1.1 plain rounds' time (one plain round is measured)
+        num_nodes = copying.next_num_nodes()
+        copying.record(num_nodes, 3 if num_nodes else 1, 0.11 if num_nodes else 0.1)
+        drafted.append(num_nodes)
+    assert drafted[:2] == [4, 4] and drafted.count(4) >= 7, drafted
 
 
 def test_engine_requests_share_their_shape(tiny_llama_dir):

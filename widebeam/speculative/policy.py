@@ -31,6 +31,11 @@ a plain one (prompt lookup at W=1: a round whose lookup finds nothing is a plain
 requests fresh (optimistic): acceptance depends on the request's text (a copy task accepts most of
 what prompt lookup drafts, free text almost nothing), so where finding out is cheap each request does.
 
+Greedy prompt lookup (W=1) is the exception: it is accepted exactly when the request's own text
+recurs, so what other requests' texts taught says little; such a request always tries, but from a
+losing shape it starts at `_TRY_GAINED_STEPS` with the longest back-off, so one round that gains
+nothing ends the try (one that gains keeps it drafting).
+
 A round counts as a drafting round only if its drafter drafted something: a prompt lookup that found
 no recurring n-gram ran a plain step at a plain step's cost, and is recorded as a plain round.
 
@@ -55,6 +60,9 @@ _PROBE_REQUEST_EVERY = 8  # of the new requests of a losing shape, this one in s
 # shape still start drafting (benchmarks/speculative.py: prompt lookup at W=1 ~1.1, at W=4 ~1.5-2.2,
 # a draft model ~4.5 at W=1).
 _CHEAP_PROBE_RATIO = 1.3
+# Where a request of a losing shape still tries: one round gaining nothing takes the average below
+# MIN_GAINED_STEPS (0.6 -> 0.42), one that gains a step keeps it drafting (0.6 -> 0.72).
+_TRY_GAINED_STEPS = 0.6
 
 
 def _average(old: float | None, new: float) -> float:
@@ -115,12 +123,18 @@ class DraftShapes:
         """The policy of a new request of this shape (a non-adaptive one ignores the memory)."""
         if not adaptive:
             return DraftLength(max_nodes, adaptive)
-        shape = self.shapes.setdefault((kind, width_bucket(beam_width)), ShapeRecord())
-        return DraftLength(max_nodes, adaptive, shape)
+        bucket = width_bucket(beam_width)
+        shape = self.shapes.setdefault((kind, bucket), ShapeRecord())
+        # Greedy prompt lookup is accepted exactly when the request's own text recurs: what other
+        # requests' texts taught says little, and one try costs a verify of 1 + D rows. Such a request
+        # always tries, but from a losing shape one round that gains nothing ends it.
+        content_decides = kind == "ngram" and bucket == 1
+        return DraftLength(max_nodes, adaptive, shape, may_start_off=not content_decides)
 
 
 class DraftLength:
-    def __init__(self, max_nodes: int, adaptive: bool = True, shape: ShapeRecord | None = None):
+    def __init__(self, max_nodes: int, adaptive: bool = True, shape: ShapeRecord | None = None,
+                 may_start_off: bool = True):
         self.max_nodes = max_nodes
         self.adaptive = adaptive
         self.shape = shape
@@ -130,7 +144,7 @@ class DraftLength:
         self._skip_rounds = 0
         self._backoff_rounds = 1
         self._drafting_rounds_since_plain = 0
-        if adaptive and shape is not None and shape.starts_off():
+        if adaptive and shape is not None and shape.starts_off() and may_start_off:
             # earlier requests of this shape lost by drafting: start backed off, from what they measured
             self.gained_steps = shape.gained_steps
             self.draft_round_s, self.plain_round_s = shape.draft_round_s, shape.plain_round_s
@@ -138,6 +152,10 @@ class DraftLength:
             shape.num_started_off += 1
             if shape.num_started_off % _PROBE_REQUEST_EVERY:
                 self._skip_rounds = _MAX_BACKOFF_ROUNDS
+        elif adaptive and shape is not None and shape.loses():
+            # it tries, but one round that gains nothing ends the try for a long back-off
+            self.gained_steps = _TRY_GAINED_STEPS
+            self._backoff_rounds = _MAX_BACKOFF_ROUNDS
 
     def next_num_nodes(self) -> int:
         """D, or 0 while backing off or measuring a plain round."""
