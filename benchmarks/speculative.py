@@ -190,8 +190,11 @@ def main() -> None:
     parser.add_argument("--kv-cache-memory", default="512MiB")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 2 prompts, 8/16 new tokens, W 1 and 4")
-    parser.add_argument("--out", default="benchmarks/results/speculative.json")
+    parser.add_argument("--out", default=None,
+                        help="JSON path (default benchmarks/results/speculative.json, speculative_quick.json "
+                             "with --quick: a smoke run does not replace the full run's results)")
     args = parser.parse_args()
+    args.out = args.out or f"benchmarks/results/speculative{'_quick' if args.quick else ''}.json"
     if args.quick:
         args.num_prompts = min(args.num_prompts, 2)
         args.widths = [w for w in args.widths if w <= 4] or [1]
