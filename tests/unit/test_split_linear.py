@@ -167,3 +167,11 @@ def test_split_linears_run_the_product_the_probe_chose(split_rows, monkeypatch):
         torch.testing.assert_close(model(x), F.linear(F.linear(x, model[0].weight, model[0].bias),
                                                       model[1].weight, model[1].bias))
         assert len(calls) == (2 if rows in split_rows else 0), rows
+
+
+def test_the_probe_streams_a_bounded_sample(monkeypatch):
+    """A large model's probe reads its first `_PROBE_BYTES` of weights, not all of them."""
+    monkeypatch.setattr(split_linear, "_PROBE_BYTES", 3 * 128 * 64 * 4)  # three of these layers
+    layers = [SplitLinear(torch.nn.Linear(64, 128)) for _ in range(10)]
+    assert split_linear._probe_sample(layers) == layers[:3]
+    assert split_linear._probe_sample(layers[:2]) == layers[:2]

@@ -103,16 +103,31 @@ def split_linears(model: torch.nn.Module) -> torch.nn.Module:
 _PROBED: dict[tuple, tuple[int, ...]] = {}
 _PROBE_REPEATS = 5
 _PROBE_MARGIN = 0.97  # the split product must be this much faster: within it, keep the reference
+# Weights the probe streams per pass: far beyond the caches, as a decode step's are, yet a bounded
+# start-up cost however large the model (a 70B model's every weight, 24 times, would take minutes).
+_PROBE_BYTES = 256 * 2**20
+
+
+def _probe_sample(layers: list[SplitLinear]) -> list[SplitLinear]:
+    """The first layers (in model order) whose weights add up to `_PROBE_BYTES`, or all of them."""
+    sample, total_bytes = [], 0
+    for layer in layers:
+        sample.append(layer)
+        total_bytes += layer.weight.numel() * layer.weight.element_size()
+        if total_bytes >= _PROBE_BYTES:
+            break
+    return sample
 
 
 def probe_split_rows(layers: list[SplitLinear]) -> tuple[int, ...]:
     """The row counts of `SPLIT_ROWS` at which the split product beats `F.linear` on this CPU: timed at
-    1 row (deciding 1 and 2) and at 4 (deciding 3 and 4) over every layer's weight in turn, as a
-    decode step streams them from memory (one weight alone would sit in the cache), best of
-    `_PROBE_REPEATS` interleaved passes each. Where the split paid on one CPU (an AMD EPYC: 26 vs 50 ms a
-    step at 1 row) it lost on another (an Intel Xeon: ~100 vs ~55 ms), so it is measured, not assumed.
-    Both are the same dot products (equal within float32 rounding); the answer is kept per process and
-    shape, so every engine of a process runs the same kernels."""
+    1 row (deciding 1 and 2) and at 4 (deciding 3 and 4) over the layers' weights in turn (the first
+    `_PROBE_BYTES` of them), as a decode step streams them from memory (one weight alone would sit in
+    the cache), best of `_PROBE_REPEATS` interleaved passes each. Where the split paid on one CPU (an AMD
+    EPYC: 26 vs 50 ms a step at 1 row) it lost on another (an Intel Xeon: ~100 vs ~55 ms), so it is
+    measured, not assumed. Both are the same dot products (equal within float32 rounding); the answer
+    is kept per process and shape, so every engine of a process runs the same kernels."""
+    layers = _probe_sample(layers)
     key = (tuple((layer.out_features, layer.in_features) for layer in layers), torch.get_num_threads())
     if key in _PROBED:
         return _PROBED[key]
