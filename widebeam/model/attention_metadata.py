@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from widebeam.kv.tables import common_prefix_length
+
 if TYPE_CHECKING:
     from widebeam.model.attention_backends import AttentionBackend
 
@@ -233,14 +235,7 @@ def _common_full_blocks(meta: AttentionMetadata, members: list[int]) -> int:
         table = meta.block_tables[i]
         if table[:limit] == shared_prefix:
             continue
-        low, high = 0, limit  # table[:low] == first[:low], table[:high] != first[:high]
-        while high - low > 1:
-            middle = (low + high) // 2
-            if table[low:middle] == first[low:middle]:
-                low = middle
-            else:
-                high = middle
-        limit = low
+        limit = common_prefix_length(table[:limit], shared_prefix)
         if limit == 0:
             break
         shared_prefix = first[:limit]
