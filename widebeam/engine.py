@@ -105,7 +105,9 @@ class LLMEngine:
         # The last finished requests' KV blocks per pool, required (admission's bound) vs peak (held at
         # once): `stats()["recent_requests"]`, drawn by the web page's capacity panel.
         self._recent_requests: deque[dict] = deque(maxlen=RECENT_REQUESTS)
-        self._speculative_counts = {"rounds": 0, "steps": 0, "drafted_tokens": 0, "accepted_tokens": 0}
+        # refed_tokens: accepted drafted tokens fed again in a later round (their K/V were not kept)
+        self._speculative_counts = {"rounds": 0, "steps": 0, "drafted_tokens": 0, "accepted_tokens": 0,
+                                    "refed_tokens": 0}
         self.draft_shapes = DraftShapes()  # what earlier requests learned about drafting, per shape
         # A draft model's pools; it may lag behind the target (fed only in rounds that draft) when all
         # are full-attention pools: a sliding window's released blocks could not take missed tokens.
@@ -265,6 +267,10 @@ class LLMEngine:
         # together within the step's token budget, which its activation reserve is sized for.
         catch_up_budget = self.scheduler.max_num_batched_tokens - sum(
             item.num_prompt_tokens for item in schedule.scheduled)
+        # A request due for a measured plain round makes the whole step plain: a round's time is a
+        # plain step's only when nobody in the step drafts (speculative/policy.py).
+        plain_step = any(item.request.wants_plain_round() for item in schedule.scheduled
+                         if not item.num_prompt_tokens)
         for item in schedule.scheduled:
             request = item.request
             try:  # one request's inputs whole, or none of them
@@ -272,7 +278,7 @@ class LLMEngine:
                 if item.num_prompt_tokens:
                     prefills.append((request, request.prefill_input(item.num_prompt_tokens)))
                 else:
-                    rounds_by_request.append((request, request.begin_round(catch_up_budget)))
+                    rounds_by_request.append((request, request.begin_round(catch_up_budget, plain_step)))
                     catch_up_budget -= request.num_catch_up_tokens
             except Exception as exc:  # noqa: BLE001  (any failure of its own fails this request alone)
                 deltas.append(self._fail(request, exc))
@@ -316,10 +322,12 @@ class LLMEngine:
             if self.drafter is not None:
                 self._count_round(request, request_rounds)
         if self.drafter is not None:
-            # the draft policy weighs a round's wall time; a step that also ran prompt chunks is not one
+            # The draft policy weighs a round's wall time: a step that also ran prompt chunks says
+            # nothing of it, nor one where others drafted of a round that drafted nothing.
             round_s = None if prefills else time.perf_counter() - started
-            for request, _ in rounds_by_request:
-                request.record_round(round_s)
+            drafted = [any(len(rnd.tree) for rnd in request_rounds) for _, request_rounds in rounds_by_request]
+            for (request, _), request_drafted in zip(rounds_by_request, drafted):
+                request.record_round(round_s if request_drafted or not any(drafted) else None)
         return deltas
 
     def _collect(self, deltas: list[RequestDelta], request: Request, finish, *args) -> None:
@@ -348,6 +356,7 @@ class LLMEngine:
         counts["steps"] += request.last_round_steps
         counts["drafted_tokens"] += sum(len(rnd.tree) for rnd in rounds)
         counts["accepted_tokens"] += max(request.last_round_steps - 1, 0) * len(rounds)
+        counts["refed_tokens"] += sum(rnd.num_pending - 1 for rnd in rounds)
 
     def _fail(self, request: Request, exc: Exception) -> RequestDelta:
         """Abort one request whose own processing raised; the step goes on for the others."""

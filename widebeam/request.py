@@ -24,7 +24,7 @@ from widebeam.sched.admission import Admission
 from widebeam.speculative.policy import DraftLength
 from widebeam.speculative.replay import ReplayedRound, replay_round
 from widebeam.speculative.round import SequenceRound
-from widebeam.speculative.tree import DraftTree, branching_for_width
+from widebeam.speculative.tree import ROOT, DraftTree, branching_for_width
 
 
 class Request:
@@ -57,7 +57,7 @@ class Request:
         self._round_timed = True  # whether the latest round's wall time says what drafting costs
         self.num_prefilled_tokens = 0
         # What each live sequence feeds next: its last chosen token, after a round that accepted
-        # drafted nodes also those before it (their drafted K/V were discarded, so they are fed again).
+        # drafted nodes also those whose drafted K/V were not kept (`_num_kept_nodes`).
         self.pending_token_ids: list[list[int]] = []
         self.completions: list[CompletionOutput] | None = None  # set when it finishes
         self.last_round_steps = 0  # decoder steps the latest round took
@@ -124,16 +124,23 @@ class Request:
         return SequenceInput(self.prompt_token_ids[start:start + num_tokens], start, tables, slots,
                              self.request_id, *cross)
 
-    def begin_round(self, max_catch_up_tokens: int | None = None) -> list[SequenceRound]:
+    def wants_plain_round(self) -> bool:
+        """Whether the draft policy measures a plain round next (the engine then runs a plain step)."""
+        return self.draft_length is not None and self.draft_length.wants_plain_round()
+
+    def begin_round(self, max_catch_up_tokens: int | None = None, plain: bool = False) -> list[SequenceRound]:
         """Take slots for every live sequence's pending tokens (those it feeds now) and the nodes it
         may draft, in every pool at once, and describe the round (a drafter, if any, fills the trees).
         While re-feeding after a preemption nothing is drafted. With a draft model, each sequence's
         `draft_feed` says what the draft's first pass feeds (see `lazy_draft` in `__init__`): a lagging
         draft catches up at most `max_catch_up_tokens` missed tokens (all sequences together; None: no
-        limit) and drafts nothing until it has caught up; `num_catch_up_tokens` says how many it took."""
+        limit) and drafts nothing until it has caught up; `num_catch_up_tokens` says how many it took.
+        `plain`: the step is plain (another request measures a plain round): nothing is drafted."""
         num_fed = self._num_fed_tokens = self.num_feed_tokens
         refeeding = num_fed < len(self.pending_token_ids[0])
         num_nodes = 0 if self.draft_length is None or refeeding else self.draft_length.next_num_nodes()
+        if plain:
+            num_nodes = 0
         generated = self.decoder.num_generated_tokens
         committed = len(self.prompt_token_ids) + generated - len(self.pending_token_ids[0])
         self._round_timed, self._draft_tokens_after = True, None
@@ -226,12 +233,40 @@ class Request:
         if delta.finished:
             return delta
         if rounds[0].max_nodes:
-            # Drafted K/V go (each sequence keeps its pending tokens, written at their own positions),
-            # then the chosen sequences fork: the held count only falls before `reorder`.
+            # Drafted K/V go but the accepted ones in place (each sequence keeps its pending tokens,
+            # written at their own positions), then the chosen sequences fork: the held count only
+            # falls before `reorder`.
+            num_kept = self._num_kept_nodes(rounds, replayed)
             for i, rnd in enumerate(rounds):
-                self.kv.truncate(i, rnd.committed_tokens + rnd.num_pending)
+                self.kv.truncate(i, rnd.committed_tokens + rnd.num_pending + num_kept)
+            if num_kept:
+                replayed = ReplayedRound(replayed.parent_indices, [path[num_kept:] for path in replayed.paths],
+                                         replayed.num_steps)
+                if self._draft_tokens_after is not None:
+                    self.draft_tokens += num_kept  # the draft fed them too (a level of its tree)
         self._continue(replayed)
         return delta
+
+    def _num_kept_nodes(self, rounds: list[SequenceRound], replayed: ReplayedRound) -> int:
+        """Accepted nodes whose K/V every chosen sequence keeps, so the next round does not feed them
+        again: a path's leading nodes that sit where a fed token would (node j at depth j + 1, as in a
+        chain: see speculative/tree.py), never a path's last token (the next round feeds one at
+        least), and with a draft model never a tree's deepest node (the draft drafted it, never fed
+        it). The same count for every sequence: a request's sequences stay the same length."""
+        num_kept = None
+        for parent, path in zip(replayed.parent_indices, replayed.paths):
+            tree = rounds[parent].tree
+            limit = len(path) - 1
+            if self.draft_pools:
+                limit = min(limit, len(tree) - 1)
+            n, node = 0, ROOT
+            while n < limit:
+                node = tree.child(node, path[n])
+                if node != n:
+                    break
+                n += 1
+            num_kept = n if num_kept is None else min(num_kept, n)
+        return num_kept or 0
 
     def record_round(self, round_s: float | None) -> None:
         """Tell the draft policy how the latest round went: its steps and, when the step ran rounds

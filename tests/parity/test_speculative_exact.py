@@ -129,6 +129,23 @@ def test_speculation_actually_accepts(engines):
     assert steps_per_round("self", 4) > 1.2
 
 
+@pytest.mark.parametrize(("draft", "max_refed_per_round"), [("ngram", 0), ("self", 1)])
+def test_accepted_chains_keep_their_kv(engines, draft, max_refed_per_round):
+    """At W=1 a draft is a chain, its node j sits where the (j+1)-th fed token would: accepted nodes
+    keep the K/V the verify pass wrote and the next round feeds the last chosen token alone. A draft
+    model never fed its chain's deepest node, so an accepted deepest node is fed again (one a round);
+    prompt lookup has no such node. Outputs stay plain's."""
+    engine = engines(draft, 4)
+    requests = [(prompt, BeamSearchParams(beam_width=1, max_new_tokens=17)) for prompt in PROMPTS]
+    before = dict(engine.stats()["speculative"])
+    assert_same(run(engines(), requests), run(engine, requests))
+    after = engine.stats()["speculative"]
+    rounds = after["rounds"] - before["rounds"]
+    accepted = after["accepted_tokens"] - before["accepted_tokens"]
+    assert accepted > (rounds if draft == "self" else 0)  # chains were accepted (the target's own: whole)
+    assert after["refed_tokens"] - before["refed_tokens"] <= max_refed_per_round * rounds
+
+
 @pytest.mark.parametrize("speculative", [{"speculative_method": "ngram"}, {"speculative_model": "self"}])
 def test_exact_on_sliding_window_models(tiny_gemma3_dir, speculative):
     """Gemma 3 (five sliding layers to one full): the window cuts into prompt and tree, the pools

@@ -55,7 +55,8 @@ def test_the_draft_pools_are_sized_and_reported(tiny_llama_dir):
     assert stats["pools"]["draft"]["total_blocks"] > 0
     assert stats["speculative"] == {"method": "draft", "model": str(tiny_llama_dir),
                                     "num_speculative_tokens": 3,
-                                    "rounds": 0, "steps": 0, "drafted_tokens": 0, "accepted_tokens": 0}
+                                    "rounds": 0, "steps": 0, "drafted_tokens": 0, "accepted_tokens": 0,
+                                    "refed_tokens": 0}
     # Memory is split by need (bytes per token x tokens held): the bfloat16 draft's pool costs half
     # per token and holds as many tokens as the target's, so it gets as many blocks for half the bytes.
     draft_spec, self_spec = engine.cache["draft"].spec, engine.cache["self"].spec

@@ -4,6 +4,8 @@ once, a probe that pays brings the shape back, and other shapes are untouched.""
 
 from __future__ import annotations
 
+import math
+
 from widebeam.engine import LLMEngine
 from widebeam.params import BeamSearchParams, SamplingParams
 from widebeam.speculative import policy
@@ -34,9 +36,11 @@ def test_a_new_request_of_a_losing_shape_starts_backed_off_and_probes_now_and_th
         starts.append(length.next_num_nodes())
     probes = [i for i, n in enumerate(starts) if n]
     assert probes == [policy._PROBE_REQUEST_EVERY - 1, 2 * policy._PROBE_REQUEST_EVERY - 1]
-    # a backed-off request probes after `_MAX_BACKOFF_ROUNDS` plain rounds
+    # a backed-off request probes after as many plain rounds as keep the probes' loss at
+    # `_PROBE_COST_SHARE` of the time: a drafting round here costs 2 plain rounds and gains nothing
     length = shapes.new_length("draft", 4, 4)
-    backoff = policy._MAX_BACKOFF_ROUNDS
+    backoff = math.ceil(1.0 / policy._PROBE_COST_SHARE)
+    assert backoff > policy._MAX_BACKOFF_ROUNDS
     assert [length.next_num_nodes() for _ in range(backoff)] == [0] * backoff
     assert length.next_num_nodes() == 4
     # other shapes and a non-adaptive request know nothing of it
@@ -120,3 +124,23 @@ def test_a_lookup_that_finds_nothing_is_a_plain_round(tiny_llama_dir):
     assert counts["rounds"] >= 5 and counts["drafted_tokens"] == 0
     shape = engine.draft_shapes.shapes[("ngram", 1)]
     assert shape.gained_steps is None and not shape.loses()
+
+
+def test_a_plain_round_is_measured_in_a_step_where_nobody_drafts(tiny_llama_dir):
+    """In a batch a step's time is everyone's: a request measuring its plain round while others draft
+    would time their drafting as its plain round (and keep drafting where it loses). So a step in which
+    any request is due for a measured plain round drafts nothing for anyone."""
+    engine = LLMEngine(str(tiny_llama_dir), device="cpu", kv_cache_memory="16MiB", tokens_per_block=4,
+                       speculative_model=str(tiny_llama_dir), num_speculative_tokens=3)
+    for i, length in enumerate((5, 9, 13, 17)):  # prompts of other lengths: the requests start apart
+        engine.add_request(f"r{i}", {"prompt_token_ids": list(range(3, 3 + length))},
+                           SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True))
+    measured_steps = 0
+    while engine.has_unfinished():
+        due = any(request.wants_plain_round() for request in engine.scheduler.running)
+        drafted = engine.stats()["speculative"]["drafted_tokens"]
+        engine.step()
+        if due:
+            measured_steps += 1
+            assert engine.stats()["speculative"]["drafted_tokens"] == drafted
+    assert measured_steps > 0

@@ -45,6 +45,8 @@ next round that drafts (`Request.begin_round`), so a plain round here is as chea
 
 from __future__ import annotations
 
+import math
+
 # A floor on accepted steps per drafting round (an exponential average): below it the rejected nodes
 # cost more than the steps saved (benchmarks/speculative.py, W=4 prompt lookup at 1.27 steps per
 # round: 0.58x).
@@ -52,7 +54,12 @@ MIN_GAINED_STEPS = 0.5
 # Drafting must beat plain decoding by this much: within it, timing noise would flip the choice.
 _MARGIN = 0.03
 _SMOOTHING = 0.3
-_MAX_BACKOFF_ROUNDS = 16
+_MAX_BACKOFF_ROUNDS = 16  # the doubling back-off's cap, where what a losing round costs is not known
+# Where it is known, the probes of a losing drafter may cost this share of the time between them: a
+# probe losing L plain rounds' time waits L / _PROBE_COST_SHARE rounds (a bfloat16 copy of the model
+# as its own draft, W=1, on this CPU: a round of 6.3 plain rounds' time taking 5 steps, 65 rounds).
+_PROBE_COST_SHARE = 0.02
+_MAX_PROBE_GAP_ROUNDS = 256  # so a shape whose drafting lost long ago still comes back
 _PROBE_PLAIN_AFTER = 2  # drafting rounds before the first plain round is measured
 _REFRESH_PLAIN_EVERY = 32  # drafting rounds between plain measurements (the context grows)
 _PROBE_REQUEST_EVERY = 8  # of the new requests of a losing shape, this one in so many probes at once
@@ -63,6 +70,15 @@ _CHEAP_PROBE_RATIO = 1.3
 # Where a request of a losing shape still tries: one round gaining nothing takes the average below
 # MIN_GAINED_STEPS (0.6 -> 0.42), one that gains a step keeps it drafting (0.6 -> 0.72).
 _TRY_GAINED_STEPS = 0.6
+
+
+def _probe_gap_rounds(gained_steps: float, draft_round_s: float | None, plain_round_s: float | None) -> int:
+    """Plain rounds between probes of a losing drafter: so many that the probes cost at most
+    `_PROBE_COST_SHARE` of the time (0 while a drafting round's loss is not known)."""
+    if draft_round_s is None or plain_round_s is None:
+        return 0
+    loss = draft_round_s / plain_round_s - (1 + gained_steps)  # plain rounds' time a probe loses
+    return min(math.ceil(max(loss, 0.0) / _PROBE_COST_SHARE), _MAX_PROBE_GAP_ROUNDS)
 
 
 def _average(old: float | None, new: float) -> float:
@@ -151,7 +167,7 @@ class DraftLength:
             self._backoff_rounds = _MAX_BACKOFF_ROUNDS
             shape.num_started_off += 1
             if shape.num_started_off % _PROBE_REQUEST_EVERY:
-                self._skip_rounds = _MAX_BACKOFF_ROUNDS
+                self._skip_rounds = max(_MAX_BACKOFF_ROUNDS, self._probe_gap_rounds())
         elif adaptive and shape is not None and shape.loses():
             # it tries, but one round that gains nothing ends the try for a long back-off
             self.gained_steps = _TRY_GAINED_STEPS
@@ -164,10 +180,8 @@ class DraftLength:
         if self._skip_rounds > 0:
             self._skip_rounds -= 1
             return 0
-        if self.draft_round_s is not None:  # timed rounds: compare with a timed plain round
-            due = _PROBE_PLAIN_AFTER if self.plain_round_s is None else _REFRESH_PLAIN_EVERY
-            if self._drafting_rounds_since_plain >= due:
-                return 0  # one plain round, measured
+        if self.wants_plain_round():  # timed rounds: compare with a timed plain round
+            return 0
         return self.max_nodes
 
     def record(self, num_nodes: int, num_steps: int, round_s: float | None = None) -> None:
@@ -189,8 +203,19 @@ class DraftLength:
         if self.pays():
             self._backoff_rounds = 1
             return
-        self._skip_rounds = self._backoff_rounds
+        self._skip_rounds = max(self._backoff_rounds, self._probe_gap_rounds())
         self._backoff_rounds = min(2 * self._backoff_rounds, _MAX_BACKOFF_ROUNDS)
+
+    def _probe_gap_rounds(self) -> int:
+        return _probe_gap_rounds(self.gained_steps, self.draft_round_s, self.plain_round_s)
+
+    def wants_plain_round(self) -> bool:
+        """Whether the next round is a measured plain one (see `next_num_nodes`): the engine makes the
+        whole step plain then, so the round's time is a plain step's, not other requests' drafting."""
+        if not self.adaptive or self._skip_rounds > 0 or self.draft_round_s is None:
+            return False
+        due = _PROBE_PLAIN_AFTER if self.plain_round_s is None else _REFRESH_PLAIN_EVERY
+        return self._drafting_rounds_since_plain >= due
 
     def pays(self) -> bool:
         """Whether drafting is expected to beat plain decoding (see the module docstring)."""
