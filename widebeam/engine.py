@@ -326,8 +326,10 @@ class LLMEngine:
             # nothing of it, nor one where others drafted of a round that drafted nothing.
             round_s = None if prefills else time.perf_counter() - started
             drafted = [any(len(rnd.tree) for rnd in request_rounds) for _, request_rounds in rounds_by_request]
-            for (request, _), request_drafted in zip(rounds_by_request, drafted):
-                request.record_round(round_s if request_drafted or not any(drafted) else None)
+            num_seqs = sum(len(request_rounds) for _, request_rounds in rounds_by_request)
+            for (request, request_rounds), request_drafted in zip(rounds_by_request, drafted):
+                request.record_round(round_s if request_drafted or not any(drafted) else None,
+                                     len(request_rounds) / num_seqs)
         return deltas
 
     def _collect(self, deltas: list[RequestDelta], request: Request, finish, *args) -> None:

@@ -10,13 +10,22 @@ request weighs both sides of it, measured on its own rounds (its own shape: widt
   the first after `_PROBE_PLAIN_AFTER` drafting rounds, then one every `_REFRESH_PLAIN_EVERY`, and every
   round it spends backing off).
 
-It drafts while `(1 + gained_steps) / draft_round_s >= (1 + _MARGIN) / plain_round_s`, and also needs
+It drafts while `(1 + gained_steps) / draft_round_s >= (1 + _MARGIN) / plain_round_s` (in a batch,
+`gained_steps` times the request's share of the step's sequences: see below), and also needs
 `gained_steps >= MIN_GAINED_STEPS` (before both times are known, and as a floor: a draft that is
 almost never accepted is not worth its rows even when the host is idle). Otherwise it stops drafting
 and probes again after 1, 2, 4 ... 16 rounds; a probe that pays resumes full drafting. The times are
 the engine step's wall time, taken only from steps that ran rounds alone (a step that also ran
 prompt chunks says nothing about a round). Output never depends on this: a round without drafts is a
 plain decode step.
+
+In a batch the step's time is everyone's: a step of S sequences, T_plain without drafts, advances S
+sequences a step; the same step with this request's W sequences drafting takes T_draft and advances
+them `gained_steps` more, so drafting pays when (S + W g) / T_draft beats S / T_plain, the rule above
+with g scaled by W / S (`step_share`); a probe's loss, and the gap before the next, counts the same way.
+Alone in its steps a request has a share of 1. The engine times a round that drafted nothing only in
+a step where nobody drafted, and a request due for a measured plain round makes the step plain for
+everyone (`wants_plain_round`).
 
 What earlier requests learned stays at the engine (`DraftShapes`), per request shape: the drafter
 kind and the beam width rounded up to a power of two. Every recorded round of every request of a
@@ -72,12 +81,13 @@ _CHEAP_PROBE_RATIO = 1.3
 _TRY_GAINED_STEPS = 0.6
 
 
-def _probe_gap_rounds(gained_steps: float, draft_round_s: float | None, plain_round_s: float | None) -> int:
+def _probe_gap_rounds(gained_steps: float, draft_round_s: float | None, plain_round_s: float | None,
+                      step_share: float = 1.0) -> int:
     """Plain rounds between probes of a losing drafter: so many that the probes cost at most
     `_PROBE_COST_SHARE` of the time (0 while a drafting round's loss is not known)."""
     if draft_round_s is None or plain_round_s is None:
         return 0
-    loss = draft_round_s / plain_round_s - (1 + gained_steps)  # plain rounds' time a probe loses
+    loss = draft_round_s / plain_round_s - (1 + gained_steps * step_share)  # plain steps' time a probe loses
     return min(math.ceil(max(loss, 0.0) / _PROBE_COST_SHARE), _MAX_PROBE_GAP_ROUNDS)
 
 
@@ -85,12 +95,13 @@ def _average(old: float | None, new: float) -> float:
     return new if old is None else old + _SMOOTHING * (new - old)
 
 
-def _pays(gained_steps: float, draft_round_s: float | None, plain_round_s: float | None) -> bool:
+def _pays(gained_steps: float, draft_round_s: float | None, plain_round_s: float | None,
+          step_share: float = 1.0) -> bool:
     if gained_steps < MIN_GAINED_STEPS:
         return False
     if draft_round_s is None or plain_round_s is None:
         return True
-    return (1 + gained_steps) * plain_round_s >= (1 + _MARGIN) * draft_round_s
+    return (1 + gained_steps * step_share) * plain_round_s >= (1 + _MARGIN) * draft_round_s
 
 
 class ShapeRecord:
@@ -100,9 +111,10 @@ class ShapeRecord:
         self.gained_steps: float | None = None
         self.draft_round_s: float | None = None
         self.plain_round_s: float | None = None
+        self.step_share = 1.0
         self.num_started_off = 0  # requests that started backed off
 
-    def record(self, num_nodes: int, num_steps: int, round_s: float | None) -> None:
+    def record(self, num_nodes: int, num_steps: int, round_s: float | None, step_share: float = 1.0) -> None:
         if num_nodes == 0:
             if round_s is not None:
                 self.plain_round_s = _average(self.plain_round_s, round_s)
@@ -110,11 +122,12 @@ class ShapeRecord:
         self.gained_steps = _average(self.gained_steps, num_steps - 1)
         if round_s is not None:
             self.draft_round_s = _average(self.draft_round_s, round_s)
+            self.step_share = step_share
 
     def loses(self) -> bool:
         """Whether what this shape learned says drafting does not pay (False while nothing is known)."""
         return self.gained_steps is not None and not _pays(self.gained_steps, self.draft_round_s,
-                                                           self.plain_round_s)
+                                                           self.plain_round_s, self.step_share)
 
     def starts_off(self) -> bool:
         """Whether a new request of this shape starts backed off: drafting lost, and trying it is not
@@ -157,6 +170,7 @@ class DraftLength:
         self.gained_steps = 1.0  # optimistic: a new request drafts in full
         self.draft_round_s: float | None = None
         self.plain_round_s: float | None = None
+        self.step_share = 1.0  # this request's sequences over the step's, in its latest timed drafting round
         self._skip_rounds = 0
         self._backoff_rounds = 1
         self._drafting_rounds_since_plain = 0
@@ -164,6 +178,7 @@ class DraftLength:
             # earlier requests of this shape lost by drafting: start backed off, from what they measured
             self.gained_steps = shape.gained_steps
             self.draft_round_s, self.plain_round_s = shape.draft_round_s, shape.plain_round_s
+            self.step_share = shape.step_share
             self._backoff_rounds = _MAX_BACKOFF_ROUNDS
             shape.num_started_off += 1
             if shape.num_started_off % _PROBE_REQUEST_EVERY:
@@ -184,13 +199,15 @@ class DraftLength:
             return 0
         return self.max_nodes
 
-    def record(self, num_nodes: int, num_steps: int, round_s: float | None = None) -> None:
-        """A round drafted up to `num_nodes` nodes per sequence and took `num_steps` steps, in
-        `round_s` seconds (None: not timed, e.g. the step also ran prompt chunks)."""
+    def record(self, num_nodes: int, num_steps: int, round_s: float | None = None,
+               step_share: float = 1.0) -> None:
+        """A round drafted up to `num_nodes` nodes per sequence and took `num_steps` steps, in a step
+        of `round_s` seconds (None: not timed, e.g. the step also ran prompt chunks) where this
+        request's sequences were `step_share` of the step's."""
         if not self.adaptive:
             return
         if self.shape is not None:
-            self.shape.record(num_nodes, num_steps, round_s)
+            self.shape.record(num_nodes, num_steps, round_s, step_share)
         if num_nodes == 0:
             self._drafting_rounds_since_plain = 0
             if round_s is not None:
@@ -200,6 +217,7 @@ class DraftLength:
         self.gained_steps += _SMOOTHING * ((num_steps - 1) - self.gained_steps)
         if round_s is not None:
             self.draft_round_s = _average(self.draft_round_s, round_s)
+            self.step_share = step_share
         if self.pays():
             self._backoff_rounds = 1
             return
@@ -207,7 +225,7 @@ class DraftLength:
         self._backoff_rounds = min(2 * self._backoff_rounds, _MAX_BACKOFF_ROUNDS)
 
     def _probe_gap_rounds(self) -> int:
-        return _probe_gap_rounds(self.gained_steps, self.draft_round_s, self.plain_round_s)
+        return _probe_gap_rounds(self.gained_steps, self.draft_round_s, self.plain_round_s, self.step_share)
 
     def wants_plain_round(self) -> bool:
         """Whether the next round is a measured plain one (see `next_num_nodes`): the engine makes the
@@ -219,4 +237,4 @@ class DraftLength:
 
     def pays(self) -> bool:
         """Whether drafting is expected to beat plain decoding (see the module docstring)."""
-        return _pays(self.gained_steps, self.draft_round_s, self.plain_round_s)
+        return _pays(self.gained_steps, self.draft_round_s, self.plain_round_s, self.step_share)
