@@ -39,7 +39,7 @@ from widebeam.prompts import (
     read_generation_settings,
     tokenize_prompt,
 )
-from widebeam.request import Request
+from widebeam.request import DraftPrompts, Request
 from widebeam.sched.admission import admit_check
 from widebeam.sched.preemption import make_scheduler
 from widebeam.sched.scheduler import SchedulerOutput
@@ -116,6 +116,7 @@ class LLMEngine:
             self.draft_pools = tuple(self.drafter.worker.pool_names.values())
         self.lazy_draft = bool(self.draft_pools) and all(
             type(self.cache[name].spec) is FullAttentionSpec for name in self.draft_pools)
+        self.draft_prompts = DraftPrompts()
         # The engine is whole: the pins run as requests do, and must hold the blocks the layout counted.
         self.pinned_blocks = pin_prefixes(self, pins, layout)
 
@@ -196,7 +197,7 @@ class LLMEngine:
         kv = self.cache.new_request(key, len(encoder_token_ids or ()))
         request = Request(request_id, prepared.text, token_ids, admission, kv, decoder,
                           output_stream(decoder, self.tokenizer), encoder_token_ids, draft_length,
-                          self.draft_pools, self.lazy_draft)
+                          self.draft_pools, self.lazy_draft, self.draft_prompts)
         self._requests[request_id] = request
         self.scheduler.add(request)
         return list(request.source_token_ids)
@@ -263,10 +264,10 @@ class LLMEngine:
         prefills: list[tuple[Request, SequenceInput]] = []
         rounds_by_request: list[tuple[Request, list[SequenceRound]]] = []
         sources, cross_slots = [], []
-        # A draft model's first pass holds the step's prompt chunks and what lagging drafts missed:
-        # together within the step's token budget, which its activation reserve is sized for.
-        catch_up_budget = self.scheduler.max_num_batched_tokens - sum(
-            item.num_prompt_tokens for item in schedule.scheduled)
+        # A draft model's first pass holds what lagging drafts missed (and, for an eager draft, the
+        # step's prompt chunks) within the step's token budget, which its activation reserve is sized for.
+        catch_up_budget = self.scheduler.max_num_batched_tokens - (0 if self.lazy_draft else sum(
+            item.num_prompt_tokens for item in schedule.scheduled))
         # A request due for a measured plain round makes the whole step plain: a round's time is a
         # plain step's only when nobody in the step drafts (speculative/policy.py).
         plain_step = any(item.request.wants_plain_round() for item in schedule.scheduled
@@ -297,7 +298,9 @@ class LLMEngine:
         rounds = [rnd for _, request_rounds in rounds_by_request for rnd in request_rounds]
         prefill_inputs = [seq for _, seq in prefills]
         if self.drafter is not None:
-            self.drafter.draft(rounds, prefill_inputs)  # the draft holds every prompt too
+            # An eager draft holds every prompt too; a lazy one catches a prompt up when it first drafts.
+            draft_prefills = [request.draft_prefill_input(seq) for request, seq in prefills]
+            self.drafter.draft(rounds, [seq for seq in draft_prefills if seq is not None])
         # One target pass: each prompt chunk's last token, and per round the last pending token and
         # every drafted node (tree attention), each with its logits.
         num_rows = [1] * len(prefills) + [rnd.num_verify_rows for rnd in rounds]

@@ -27,12 +27,21 @@ from widebeam.speculative.round import SequenceRound
 from widebeam.speculative.tree import ROOT, DraftTree, branching_for_width
 
 
+class DraftPrompts:
+    """Whether the draft model holds the K/V of every prompt in the prefix cache: true until a lazy
+    draft first skips a prompt (`Request.draft_prefill_input`); from then a prefix hit's blocks may
+    hold no draft K/V, so a request's draft holds none of a hit and catches it up if it drafts."""
+
+    def __init__(self) -> None:
+        self.whole = True
+
+
 class Request:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  admission: Admission, kv: RequestKV, decoder: SamplingDecoder | BeamDecoder,
                  stream: SampledStream | BeamStream, encoder_token_ids: list[int] | None = None,
                  draft_length: DraftLength | None = None, draft_pools: tuple[str, ...] = (),
-                 lazy_draft: bool = False):
+                 lazy_draft: bool = False, draft_prompts: DraftPrompts | None = None):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -52,6 +61,11 @@ class Request:
         self.draft_pools = draft_pools
         self.lazy_draft = lazy_draft
         self.draft_tokens = 0
+        # Leading prompt positions the draft holds (fed to it, or in prefix-cache blocks, which hold the
+        # draft's K/V of every prompt fed to it): a lazy draft skips the prompt of a request that starts
+        # backed off (`draft_prefill_input`).
+        self._draft_prompt_tokens = 0
+        self.draft_prompts = draft_prompts or DraftPrompts()  # the engine's: shared by its requests
         self.num_catch_up_tokens = 0  # missed tokens the latest round's draft pass catches up
         self._draft_tokens_after: int | None = None  # draft_tokens once the round being run ends
         self._round_timed = True  # whether the latest round's wall time says what drafting costs
@@ -106,6 +120,7 @@ class Request:
         self.kv.take_hit(hit)
         self.kv.cache.record_lookup(self.kv.key, hit)
         self.num_prefilled_tokens = hit.num_tokens
+        self._draft_prompt_tokens = hit.num_tokens if self.draft_prompts.whole else 0
 
     # -- building a step ---------------------------------------------------------------------------
     def encoder_input(self) -> tuple[list[int], dict[str, list[int]]] | None:
@@ -123,6 +138,21 @@ class Request:
         tables, cross = self._tables(0)
         return SequenceInput(self.prompt_token_ids[start:start + num_tokens], start, tables, slots,
                              self.request_id, *cross)
+
+    def draft_prefill_input(self, chunk: SequenceInput) -> SequenceInput | None:
+        """Prompt chunk `chunk` if the draft model takes it, else None. An eager draft takes every
+        chunk; a lazy one skips the prompt of a request that starts backed off (earlier requests of
+        its shape lost by drafting: speculative/policy.py), which then catches the prompt up if it
+        ever drafts, so a request that never drafts costs the draft nothing."""
+        if not self.draft_pools:
+            return None
+        takes = not self.lazy_draft or (chunk.num_computed_tokens == self._draft_prompt_tokens
+                                        and not (self.draft_length and self.draft_length.backed_off))
+        if not takes:
+            self.draft_prompts.whole = False
+            return None
+        self._draft_prompt_tokens = chunk.num_computed_tokens + len(chunk.token_ids)
+        return chunk
 
     def wants_plain_round(self) -> bool:
         """Whether the draft policy measures a plain round next (the engine then runs a plain step)."""
@@ -145,20 +175,14 @@ class Request:
         committed = len(self.prompt_token_ids) + generated - len(self.pending_token_ids[0])
         self._round_timed, self._draft_tokens_after = True, None
         self.num_catch_up_tokens = 0
-        catch_up_tokens = None  # lazy draft: positions per sequence its first pass feeds (None: none)
+        # lazy draft: per sequence, the positions [start, end) its first pass feeds (None: nothing)
+        draft_ranges: list[tuple[int, int] | None] | None = None
         if self.lazy_draft and num_nodes:
-            num_seqs = len(self.pending_token_ids)
-            missed = committed - self.draft_tokens  # positions the draft skipped; the pending ones follow
-            cap = missed if max_catch_up_tokens is None else max(0, max_catch_up_tokens) // num_seqs
-            if missed > cap:
-                # Too far behind for this step's budget: catch up what fits and draft nothing; the
-                # round's time is not a drafting round's.
-                num_nodes, self._round_timed = 0, False
-                catch_up_tokens = cap or None
-                self.num_catch_up_tokens = cap * num_seqs
-            elif self.admission.max_new_tokens - generated - 1 > 0:  # a round with something to draft
-                catch_up_tokens = missed + num_fed
-                self.num_catch_up_tokens = missed * num_seqs
+            draft_ranges = self._catch_up_ranges(committed, num_fed, max_catch_up_tokens)
+            if draft_ranges is None or draft_ranges[0][1] <= committed:
+                # Too far behind for this step's budget (it catches up what fits), or nothing left to
+                # draft: nothing drafted, and the round's time is not a drafting round's.
+                num_nodes, self._round_timed = 0, draft_ranges is None
         slots = self.kv.decode_slots(num_fed + num_nodes)
         # A round takes at most depth + 1 steps and never passes max_new_tokens, so deeper nodes
         # would be wasted (and would sit past the positions admission checked).
@@ -176,11 +200,40 @@ class Request:
         if self.draft_pools and not self.lazy_draft:
             for rnd in rounds:  # eager: the draft's cache holds every token the target's holds
                 rnd.draft_feed = rnd.pending_input()
-        elif catch_up_tokens:
-            self._draft_tokens_after = self.draft_tokens + catch_up_tokens
-            for i, rnd in enumerate(rounds):
-                rnd.draft_feed = self._draft_feed(i, rnd, self.draft_tokens, self._draft_tokens_after)
+        elif draft_ranges is not None:
+            self._draft_tokens_after = draft_ranges[0][1]
+            for i, (rnd, positions) in enumerate(zip(rounds, draft_ranges)):
+                if positions is not None:
+                    rnd.draft_feed = self._draft_feed(i, rnd, *positions)
         return rounds
+
+    def _catch_up_ranges(self, committed: int, num_fed: int,
+                         max_tokens: int | None) -> list[tuple[int, int] | None] | None:
+        """What a lagging draft's first pass feeds each sequence this round (None: nothing at all; a
+        sequence's None: nothing for it), and sets `num_catch_up_tokens`. The draft holds positions
+        [0, draft_tokens) of every sequence (none of the prompt until the request first drafts). The
+        missed positions in blocks every sequence shares (the prompt, the common past) are fed once,
+        by sequence 0; the rest by each sequence; then the pending tokens. All of it within
+        `max_tokens` (None: no limit); past it only what fits is caught up (sequence 0's shared part
+        first) and the round drafts nothing (the last range ends at or before `committed`)."""
+        num_seqs = len(self.pending_token_ids)
+        start = self.draft_tokens
+        shared_end = max(start, min(committed, self.kv.num_common_tokens(self.draft_pools)))
+        num_shared, num_own = shared_end - start, committed - shared_end
+        budget = None if max_tokens is None else max(0, max_tokens)
+        if budget is None or num_shared + num_own * num_seqs <= budget:
+            if self.admission.max_new_tokens - self.decoder.num_generated_tokens - 1 <= 0:
+                return None  # the last token: nothing to draft, nothing to catch up for
+            self.num_catch_up_tokens = num_shared + num_own * num_seqs
+            end = committed + num_fed
+            return [(start, end)] + [(shared_end, end)] * (num_seqs - 1)
+        if num_shared:
+            n = min(num_shared, budget)
+            self.num_catch_up_tokens = n
+            return [(start, start + n)] + [None] * (num_seqs - 1) if n else None
+        cap = budget // num_seqs
+        self.num_catch_up_tokens = cap * num_seqs
+        return [(start, start + cap)] * num_seqs if cap else None
 
     def _draft_feed(self, seq_index: int, rnd: SequenceRound, start: int, end: int) -> SequenceInput:
         """Sequence `seq_index`'s tokens at positions [start, end) for the draft model: those it missed
@@ -206,7 +259,7 @@ class Request:
         self.kv.register_computed(self.num_prefilled_tokens)  # before the prompt forks into beams
         if not self.prompt_done:
             return None
-        self.draft_tokens = len(self.prompt_token_ids)  # prompt chunks always reach a draft model
+        self.draft_tokens = self._draft_prompt_tokens
         if self.decoder.num_generated_tokens:
             self._resume()
             return None
@@ -312,6 +365,7 @@ class Request:
         self.kv.free()
         self.kv = self.kv.renew()
         self.num_prefilled_tokens = 0
+        self.draft_tokens = self._draft_prompt_tokens = 0
         self.pending_token_ids = []
         self.max_feed_tokens = max_feed_tokens
         self.num_preemptions += 1

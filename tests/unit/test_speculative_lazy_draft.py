@@ -245,3 +245,45 @@ def test_resumed_perfect_draft_is_accepted_whole(tiny_llama_dir):
     run(engine, [(PROMPTS[1], SamplingParams(temperature=0, max_new_tokens=41, ignore_eos=True))],
         after_step=note)
     assert len(steps) >= 4 and all(s == 5 for s in steps), steps
+
+
+class BackedOffLength(ScriptedLength):
+    """Starts backed off, as a new request of a shape where drafting lost does: the draft skips its
+    prompt, and catches it up in the request's first drafting round."""
+
+    @property
+    def backed_off(self) -> bool:
+        return self.num_rounds == 0
+
+
+def backed_off_engine(model_dir, pattern, **options) -> LLMEngine:
+    engine = LLMEngine(str(model_dir), **{**OPTIONS, **options}, num_speculative_tokens=3,
+                       speculative_model=str(model_dir))
+    engine.draft_shapes.new_length = lambda kind, width, max_nodes, adaptive=True: BackedOffLength(
+        max_nodes, pattern)
+    return engine
+
+
+def test_a_request_that_starts_backed_off_costs_the_draft_no_prompt(tiny_llama_dir, plain_outputs):
+    """Its prompt never reaches the draft model; the first round that drafts catches the prompt up
+    (over rounds when it is past the step's budget), the draft's K/V equal the target's wherever the
+    request says the draft holds them, and outputs are plain decoding's."""
+    engine = backed_off_engine(tiny_llama_dir, [0, 0, 0, 1, 1, 0, 1], max_num_batched_tokens=16)
+    check = DraftKVCheck()
+    calls, steps = draft_calls(engine, mixed_requests())
+    assert not any(prompt and n > before for (prompt, n), before in zip(steps, [0] + [n for _, n in steps]))
+    engine = backed_off_engine(tiny_llama_dir, [0, 0, 0, 1, 1, 0, 1], max_num_batched_tokens=16)
+    assert_same(plain_outputs, run(engine, mixed_requests(), after_step=check)[0])
+    assert check.num_caught_up >= 3 and check.num_checked > 50
+
+
+def test_beams_catch_up_their_shared_prompt_once(tiny_llama_dir):
+    """At W=4 the prompt's whole blocks are every beam's (and so are later ones while every beam
+    descends from one): the first drafting round feeds them to the draft once (with beam 0), the rest
+    of each beam's missed tokens per beam."""
+    engine = backed_off_engine(tiny_llama_dir, [0, 0, 1])
+    prompt = list(range(3, 14))  # 11 tokens: two whole blocks of 4 shared, the third copied per beam
+    calls, _ = draft_calls(engine, [(prompt, BeamSearchParams(beam_width=4, max_new_tokens=8))])
+    first = calls[0]
+    shared = first[0] - first[1]  # whole blocks every beam holds: the prompt's two at least
+    assert len(first) == 4 and len(set(first[1:])) == 1 and shared >= 8 and shared % 4 == 0, first

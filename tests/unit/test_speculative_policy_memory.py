@@ -41,6 +41,7 @@ def test_a_new_request_of_a_losing_shape_starts_backed_off_and_probes_now_and_th
     length = shapes.new_length("draft", 4, 4)
     backoff = math.ceil(1.0 / policy._PROBE_COST_SHARE)
     assert backoff > policy._MAX_BACKOFF_ROUNDS
+    assert length.backed_off  # so a lazy draft skips its prompt (test_speculative_lazy_draft.py)
     assert [length.next_num_nodes() for _ in range(backoff)] == [0] * backoff
     assert length.next_num_nodes() == 4
     # other shapes and a non-adaptive request know nothing of it

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 from widebeam.errors import BlockStateError, OutOfBlocksError
 from widebeam.kv.managers import DROPPED, BlockTable, Holding, PoolManager
 from widebeam.kv.prefix import PrefixHit, PrefixKey
+from widebeam.kv.tables import common_prefix_length
 
 if TYPE_CHECKING:
     from widebeam.kv.cache import KVCache
@@ -89,6 +90,22 @@ class RequestKV:
                 raise BlockStateError(f"pool '{name}': positions [{start}, {end}) fall in released blocks")
             out[name] = [block_ids[p // t] * t + p % t for p in range(start, end)]
         return out
+
+    def num_common_tokens(self, names: Iterable[str]) -> int:
+        """Leading positions every live sequence reads from the same blocks in each of the per-sequence
+        pools `names`, whole blocks only, never the block that holds the first uncommitted position (a
+        shared partial block is copied before it is written): written there once, every sequence
+        reads them."""
+        t = self.cache.tokens_per_block
+        num_blocks = None
+        for name in names:
+            tables = self.tables[name]
+            first = tables[0]
+            common = min((common_prefix_length(first.block_ids, other.block_ids) for other in tables[1:]),
+                         default=len(first.block_ids))
+            common = min(common, first.num_tokens // t)  # not the block the next token is written in
+            num_blocks = common if num_blocks is None else min(num_blocks, common)
+        return (num_blocks or 0) * t
 
     def num_shared_tokens(self) -> dict[str, int]:
         """Per-request pool -> tokens its table holds (the encoder output's length)."""

@@ -227,6 +227,11 @@ class DraftLength:
     def _probe_gap_rounds(self) -> int:
         return _probe_gap_rounds(self.gained_steps, self.draft_round_s, self.plain_round_s, self.step_share)
 
+    @property
+    def backed_off(self) -> bool:
+        """Not drafting for now (backing off after losing rounds, or started so)."""
+        return self.adaptive and self._skip_rounds > 0
+
     def wants_plain_round(self) -> bool:
         """Whether the next round is a measured plain one (see `next_num_nodes`): the engine makes the
         whole step plain then, so the round's time is a plain step's, not other requests' drafting."""
