@@ -45,7 +45,7 @@ from widebeam.sched.preemption import make_scheduler
 from widebeam.sched.scheduler import SchedulerOutput
 from widebeam.score_params import ScoreParams
 from widebeam.speculative.drafter import ModelDrafter
-from widebeam.speculative.policy import DraftShapes
+from widebeam.speculative.policy import DraftShapes, StepShare
 from widebeam.speculative.round import SequenceRound
 from widebeam.startup import allocate_pools, lay_out_pools, load_workers
 from widebeam.structured.grammars import Grammars
@@ -329,10 +329,12 @@ class LLMEngine:
             # nothing of it, nor one where others drafted of a round that drafted nothing.
             round_s = None if prefills else time.perf_counter() - started
             drafted = [any(len(rnd.tree) for rnd in request_rounds) for _, request_rounds in rounds_by_request]
-            num_seqs = sum(len(request_rounds) for _, request_rounds in rounds_by_request)
+            num_seqs = len(rounds)
+            num_nodes = sum(len(rnd.tree) for rnd in rounds) or 1
             for (request, request_rounds), request_drafted in zip(rounds_by_request, drafted):
-                request.record_round(round_s if request_drafted or not any(drafted) else None,
-                                     len(request_rounds) / num_seqs)
+                share = StepShare(len(request_rounds) / num_seqs,
+                                  sum(len(rnd.tree) for rnd in request_rounds) / num_nodes)
+                request.record_round(round_s if request_drafted or not any(drafted) else None, share)
         return deltas
 
     def _collect(self, deltas: list[RequestDelta], request: Request, finish, *args) -> None:

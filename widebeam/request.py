@@ -21,7 +21,7 @@ from widebeam.logprobs import with_token_text
 from widebeam.model.runner import SequenceInput
 from widebeam.outputs import CompletionOutput, RequestDelta, RequestOutput
 from widebeam.sched.admission import Admission
-from widebeam.speculative.policy import DraftLength
+from widebeam.speculative.policy import ALONE, DraftLength, StepShare
 from widebeam.speculative.replay import ReplayedRound, replay_round
 from widebeam.speculative.round import SequenceRound
 from widebeam.speculative.tree import ROOT, DraftTree, branching_for_width
@@ -321,13 +321,13 @@ class Request:
             num_kept = n if num_kept is None else min(num_kept, n)
         return num_kept or 0
 
-    def record_round(self, round_s: float | None, step_share: float = 1.0) -> None:
+    def record_round(self, round_s: float | None, share: StepShare = ALONE) -> None:
         """Tell the draft policy how the latest round went: its steps and, when the step ran rounds
-        alone, its wall time and this request's share of the step's sequences. A re-feed round
-        (nothing chosen) tells nothing."""
+        alone, its wall time and this request's share of the step. A re-feed round (nothing chosen)
+        tells nothing."""
         if self.draft_length is not None and self._unrecorded_round_nodes is not None:
             self.draft_length.record(self._unrecorded_round_nodes, self.last_round_steps,
-                                     round_s if self._round_timed else None, step_share)
+                                     round_s if self._round_timed else None, share)
         self._unrecorded_round_nodes = None
 
     def _replay(self, scores: StepScores, root_rows: list[int], trees: list[DraftTree]) -> tuple[RequestDelta,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 
-from widebeam.speculative.policy import DraftLength
+from widebeam.speculative.policy import DraftLength, StepShare
 
 
 def drafted_rounds(policy: DraftLength, steps_when_drafting: int, num_rounds: int) -> list[int]:
@@ -110,16 +110,18 @@ def test_a_losing_drafter_probes_so_rarely_that_probes_cost_a_few_percent():
 
 
 def test_in_a_batch_a_request_weighs_its_gain_against_everyones_step():
-    """A round gaining a step at 1.35x a plain step's time pays for a request alone in its steps, not
-    for one whose sequences are a sixth of the step's: the step slows for all six, only one goes faster."""
-    def num_drafting(step_share: float) -> int:
+    """A round gaining a step at 1.35x a plain step's time pays for a request alone in its steps, and
+    for six alike drafting together, not for one of six drafting alone: the step slows for all six,
+    only one goes faster."""
+    def num_drafting(share: StepShare) -> int:
         policy = DraftLength(4)
         nodes = []
         for _ in range(100):
             n = policy.next_num_nodes()
             nodes.append(n)
-            policy.record(n, 2 if n else 1, 0.0135 if n else 0.010, step_share)
+            policy.record(n, 2 if n else 1, 0.0135 if n else 0.010, share)
         return sum(1 for n in nodes if n)
 
-    assert num_drafting(1.0) > 90
-    assert num_drafting(1 / 6) < 20  # probes only
+    assert num_drafting(StepShare(1.0, 1.0)) > 90
+    assert num_drafting(StepShare(1 / 6, 1 / 6)) > 90
+    assert num_drafting(StepShare(1 / 6, 1.0)) < 20  # probes only

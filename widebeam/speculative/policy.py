@@ -11,7 +11,7 @@ request weighs both sides of it, measured on its own rounds (its own shape: widt
   round it spends backing off).
 
 It drafts while `(1 + gained_steps) / draft_round_s >= (1 + _MARGIN) / plain_round_s` (in a batch,
-`gained_steps` times the request's share of the step's sequences: see below), and also needs
+each side as the request's share of the step: see below), and also needs
 `gained_steps >= MIN_GAINED_STEPS` (before both times are known, and as a floor: a draft that is
 almost never accepted is not worth its rows even when the host is idle). Otherwise it stops drafting
 and probes again after 1, 2, 4 ... 16 rounds; a probe that pays resumes full drafting. The times are
@@ -20,10 +20,12 @@ prompt chunks says nothing about a round). Output never depends on this: a round
 plain decode step.
 
 In a batch the step's time is everyone's: a step of S sequences, T_plain without drafts, advances S
-sequences a step; the same step with this request's W sequences drafting takes T_draft and advances
-them `gained_steps` more, so drafting pays when (S + W g) / T_draft beats S / T_plain, the rule above
-with g scaled by W / S (`step_share`); a probe's loss, and the gap before the next, counts the same way.
-Alone in its steps a request has a share of 1. The engine times a round that drafted nothing only in
+sequences a step; drafting adds T_draft - T_plain, of which this request's drafted nodes are a share
+d, and advances its W sequences `gained_steps` more. So it pays when W g / S (its gain, as a share of
+the step's work) beats d (T_draft - T_plain) / T_plain (its share of the added time): the rule above
+with g scaled by W / S and T_draft by d (`StepShare`). If it drafts alone d = 1; if every request
+drafts alike, W / S = d and the rule is a lone request's. A probe's loss, and the gap before the
+next, count the same way. The engine times a round that drafted nothing only in
 a step where nobody drafted, and a request due for a measured plain round makes the step plain for
 everyone (`wants_plain_round`).
 
@@ -55,6 +57,7 @@ next round that drafts (`Request.begin_round`), so a plain round here is as chea
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 # A floor on accepted steps per drafting round (an exponential average): below it the rejected nodes
 # cost more than the steps saved (benchmarks/speculative.py, W=4 prompt lookup at 1.27 steps per
@@ -81,13 +84,31 @@ _CHEAP_PROBE_RATIO = 1.3
 _TRY_GAINED_STEPS = 0.6
 
 
+@dataclass(frozen=True)
+class StepShare:
+    """A request's share of a step: of its sequences (what a plain step advances) and of the nodes
+    drafted in it (what drafting added to its time). Alone in its steps: 1 and 1."""
+
+    sequences: float = 1.0
+    drafted: float = 1.0
+
+    def draft_round_s(self, draft_round_s: float, plain_round_s: float) -> float:
+        """The step's time as far as this request's drafting made it: a plain step's and its share of
+        what drafting added."""
+        return plain_round_s + self.drafted * (draft_round_s - plain_round_s)
+
+
+ALONE = StepShare()
+
+
 def _probe_gap_rounds(gained_steps: float, draft_round_s: float | None, plain_round_s: float | None,
-                      step_share: float = 1.0) -> int:
+                      share: StepShare = ALONE) -> int:
     """Plain rounds between probes of a losing drafter: so many that the probes cost at most
     `_PROBE_COST_SHARE` of the time (0 while a drafting round's loss is not known)."""
     if draft_round_s is None or plain_round_s is None:
         return 0
-    loss = draft_round_s / plain_round_s - (1 + gained_steps * step_share)  # plain steps' time a probe loses
+    # plain steps' time a probe loses
+    loss = share.draft_round_s(draft_round_s, plain_round_s) / plain_round_s - (1 + gained_steps * share.sequences)
     return min(math.ceil(max(loss, 0.0) / _PROBE_COST_SHARE), _MAX_PROBE_GAP_ROUNDS)
 
 
@@ -96,12 +117,13 @@ def _average(old: float | None, new: float) -> float:
 
 
 def _pays(gained_steps: float, draft_round_s: float | None, plain_round_s: float | None,
-          step_share: float = 1.0) -> bool:
+          share: StepShare = ALONE) -> bool:
     if gained_steps < MIN_GAINED_STEPS:
         return False
     if draft_round_s is None or plain_round_s is None:
         return True
-    return (1 + gained_steps * step_share) * plain_round_s >= (1 + _MARGIN) * draft_round_s
+    return ((1 + gained_steps * share.sequences) * plain_round_s
+            >= (1 + _MARGIN) * share.draft_round_s(draft_round_s, plain_round_s))
 
 
 class ShapeRecord:
@@ -111,10 +133,10 @@ class ShapeRecord:
         self.gained_steps: float | None = None
         self.draft_round_s: float | None = None
         self.plain_round_s: float | None = None
-        self.step_share = 1.0
+        self.share = ALONE
         self.num_started_off = 0  # requests that started backed off
 
-    def record(self, num_nodes: int, num_steps: int, round_s: float | None, step_share: float = 1.0) -> None:
+    def record(self, num_nodes: int, num_steps: int, round_s: float | None, share: StepShare = ALONE) -> None:
         if num_nodes == 0:
             if round_s is not None:
                 self.plain_round_s = _average(self.plain_round_s, round_s)
@@ -122,12 +144,12 @@ class ShapeRecord:
         self.gained_steps = _average(self.gained_steps, num_steps - 1)
         if round_s is not None:
             self.draft_round_s = _average(self.draft_round_s, round_s)
-            self.step_share = step_share
+            self.share = share
 
     def loses(self) -> bool:
         """Whether what this shape learned says drafting does not pay (False while nothing is known)."""
         return self.gained_steps is not None and not _pays(self.gained_steps, self.draft_round_s,
-                                                           self.plain_round_s, self.step_share)
+                                                           self.plain_round_s, self.share)
 
     def starts_off(self) -> bool:
         """Whether a new request of this shape starts backed off: drafting lost, and trying it is not
@@ -170,7 +192,7 @@ class DraftLength:
         self.gained_steps = 1.0  # optimistic: a new request drafts in full
         self.draft_round_s: float | None = None
         self.plain_round_s: float | None = None
-        self.step_share = 1.0  # this request's sequences over the step's, in its latest timed drafting round
+        self.share = ALONE  # this request's share of its latest timed drafting round's step
         self._skip_rounds = 0
         self._backoff_rounds = 1
         self._drafting_rounds_since_plain = 0
@@ -178,7 +200,7 @@ class DraftLength:
             # earlier requests of this shape lost by drafting: start backed off, from what they measured
             self.gained_steps = shape.gained_steps
             self.draft_round_s, self.plain_round_s = shape.draft_round_s, shape.plain_round_s
-            self.step_share = shape.step_share
+            self.share = shape.share
             self._backoff_rounds = _MAX_BACKOFF_ROUNDS
             shape.num_started_off += 1
             if shape.num_started_off % _PROBE_REQUEST_EVERY:
@@ -200,14 +222,14 @@ class DraftLength:
         return self.max_nodes
 
     def record(self, num_nodes: int, num_steps: int, round_s: float | None = None,
-               step_share: float = 1.0) -> None:
+               share: StepShare = ALONE) -> None:
         """A round drafted up to `num_nodes` nodes per sequence and took `num_steps` steps, in a step
-        of `round_s` seconds (None: not timed, e.g. the step also ran prompt chunks) where this
-        request's sequences were `step_share` of the step's."""
+        of `round_s` seconds (None: not timed, e.g. the step also ran prompt chunks) of which this
+        request had `share`."""
         if not self.adaptive:
             return
         if self.shape is not None:
-            self.shape.record(num_nodes, num_steps, round_s, step_share)
+            self.shape.record(num_nodes, num_steps, round_s, share)
         if num_nodes == 0:
             self._drafting_rounds_since_plain = 0
             if round_s is not None:
@@ -217,7 +239,7 @@ class DraftLength:
         self.gained_steps += _SMOOTHING * ((num_steps - 1) - self.gained_steps)
         if round_s is not None:
             self.draft_round_s = _average(self.draft_round_s, round_s)
-            self.step_share = step_share
+            self.share = share
         if self.pays():
             self._backoff_rounds = 1
             return
@@ -225,7 +247,7 @@ class DraftLength:
         self._backoff_rounds = min(2 * self._backoff_rounds, _MAX_BACKOFF_ROUNDS)
 
     def _probe_gap_rounds(self) -> int:
-        return _probe_gap_rounds(self.gained_steps, self.draft_round_s, self.plain_round_s, self.step_share)
+        return _probe_gap_rounds(self.gained_steps, self.draft_round_s, self.plain_round_s, self.share)
 
     @property
     def backed_off(self) -> bool:
@@ -242,4 +264,4 @@ class DraftLength:
 
     def pays(self) -> bool:
         """Whether drafting is expected to beat plain decoding (see the module docstring)."""
-        return _pays(self.gained_steps, self.draft_round_s, self.plain_round_s, self.step_share)
+        return _pays(self.gained_steps, self.draft_round_s, self.plain_round_s, self.share)
