@@ -1,6 +1,7 @@
 """The engine's memory of drafting per request shape (speculative/policy.py, `DraftShapes`): a new
-request of a shape where drafting lost starts backed off, one in `_PROBE_REQUEST_EVERY` probes at
-once, a probe that pays brings the shape back, and other shapes are untouched."""
+request of a shape where drafting lost starts backed off, now and then one probes at once (as often as
+keeps the probes' loss a small share of the requests' time), a probe that pays brings the shape back,
+and other shapes are untouched."""
 
 from __future__ import annotations
 
@@ -30,12 +31,16 @@ def test_a_new_request_of_a_losing_shape_starts_backed_off_and_probes_now_and_th
     first.record(4, 1, 0.2)
     lose(first)
     assert shapes.shapes[("draft", 4)].loses()
-    starts = []
-    for _ in range(2 * policy._PROBE_REQUEST_EVERY):
-        length = shapes.new_length("draft", 3, 4)  # width 3: the same bucket
-        starts.append(length.next_num_nodes())
-    probes = [i for i, n in enumerate(starts) if n]
-    assert probes == [policy._PROBE_REQUEST_EVERY - 1, 2 * policy._PROBE_REQUEST_EVERY - 1]
+    # A probe here loses a plain round's time (a drafting round costs 2 and gains nothing): requests
+    # probe at once when those started backed off since the last probe hold 1 / _PROBE_COST_SHARE
+    # rounds, every fifth request of 10 tokens, every request of as many tokens as that.
+    gap = math.ceil(1.0 / policy._PROBE_COST_SHARE)
+    for max_new_tokens, every in ((gap // 5, 5), (gap, 1)):
+        starts = []
+        for _ in range(2 * every):
+            length = shapes.new_length("draft", 3, 4, max_new_tokens=max_new_tokens)  # width 3: same bucket
+            starts.append(length.next_num_nodes())
+        assert [i for i, n in enumerate(starts) if n] == [every - 1, 2 * every - 1], max_new_tokens
     # a backed-off request probes after as many plain rounds as keep the probes' loss at
     # `_PROBE_COST_SHARE` of the time: a drafting round here costs 2 plain rounds and gains nothing
     length = shapes.new_length("draft", 4, 4)
@@ -55,9 +60,8 @@ def test_a_probe_that_pays_brings_the_shape_back():
     lose(shapes.new_length("ngram", 4, 4), rounds=8)
     shape = shapes.shapes[("ngram", 4)]
     assert shape.loses()
-    for _ in range(policy._PROBE_REQUEST_EVERY - 1):
-        assert shapes.new_length("ngram", 4, 4).next_num_nodes() == 0
-    probe = shapes.new_length("ngram", 4, 4)
+    assert shapes.new_length("ngram", 4, 4, max_new_tokens=1).next_num_nodes() == 0
+    probe = shapes.new_length("ngram", 4, 4, max_new_tokens=10_000)  # enough rounds to probe at once
     for _ in range(12):  # a copy task: every round takes 5 steps at 1.2 plain rounds' time
         num_nodes = probe.next_num_nodes()
         probe.record(num_nodes, 5 if num_nodes else 1, 0.12 if num_nodes else 0.1)

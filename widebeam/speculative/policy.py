@@ -35,8 +35,10 @@ shape also feeds that shape's averages (the same three quantities). A new reques
 averages say drafting does not pay, and where a drafting round costs at least `_CHEAP_PROBE_RATIO`
 plain rounds, starts as a backed-off request: its own estimates seeded from
 the shape's, not drafting for `_MAX_BACKOFF_ROUNDS` rounds, then probing as above; so a short request
-never pays the losing rounds a fresh one would. One in `_PROBE_REQUEST_EVERY` such requests probes on
-its first round instead, so a shape can come back (its probe's round feeds the shape too). A shape
+never pays the losing rounds a fresh one would. Now and then one such request probes on its first
+round instead, so a shape can come back (its probe's round feeds the shape too): when the requests
+started backed off since the last such probe hold enough rounds (their `max_new_tokens`, as a share
+of the step) that the probe's loss is `_PROBE_COST_SHARE` of their time. A shape
 with nothing learned yet, one where drafting pays, or one where a drafting round costs little more than
 a plain one (prompt lookup at W=1: a round whose lookup finds nothing is a plain round) starts
 requests fresh (optimistic): acceptance depends on the request's text (a copy task accepts most of
@@ -74,7 +76,6 @@ _PROBE_COST_SHARE = 0.02
 _MAX_PROBE_GAP_ROUNDS = 256  # so a shape whose drafting lost long ago still comes back
 _PROBE_PLAIN_AFTER = 2  # drafting rounds before the first plain round is measured
 _REFRESH_PLAIN_EVERY = 32  # drafting rounds between plain measurements (the context grows)
-_PROBE_REQUEST_EVERY = 8  # of the new requests of a losing shape, this one in so many probes at once
 # A drafting round costing less than this many plain rounds is cheap to try: new requests of a losing
 # shape still start drafting (benchmarks/speculative.py: prompt lookup at W=1 ~1.1, at W=4 ~1.5-2.2,
 # a draft model ~4.5 at W=1).
@@ -134,7 +135,8 @@ class ShapeRecord:
         self.draft_round_s: float | None = None
         self.plain_round_s: float | None = None
         self.share = ALONE
-        self.num_started_off = 0  # requests that started backed off
+        # rounds (in shares of a step) of the requests started backed off since one last probed at once
+        self.probe_credit_rounds = 0.0
 
     def record(self, num_nodes: int, num_steps: int, round_s: float | None, share: StepShare = ALONE) -> None:
         if num_nodes == 0:
@@ -170,8 +172,10 @@ class DraftShapes:
     def __init__(self) -> None:
         self.shapes: dict[tuple[str, int], ShapeRecord] = {}
 
-    def new_length(self, kind: str, beam_width: int, max_nodes: int, adaptive: bool = True) -> DraftLength:
-        """The policy of a new request of this shape (a non-adaptive one ignores the memory)."""
+    def new_length(self, kind: str, beam_width: int, max_nodes: int, adaptive: bool = True,
+                   max_new_tokens: int | None = None) -> DraftLength:
+        """The policy of a new request of this shape (a non-adaptive one ignores the memory); its
+        `max_new_tokens` bounds the rounds it runs (None: unknown, taken as `_MAX_BACKOFF_ROUNDS`)."""
         if not adaptive:
             return DraftLength(max_nodes, adaptive)
         bucket = width_bucket(beam_width)
@@ -180,12 +184,13 @@ class DraftShapes:
         # requests' texts taught says little, and one try costs a verify of 1 + D rows. Such a request
         # always tries, but from a losing shape one round that gains nothing ends it.
         content_decides = kind == "ngram" and bucket == 1
-        return DraftLength(max_nodes, adaptive, shape, may_start_off=not content_decides)
+        return DraftLength(max_nodes, adaptive, shape, may_start_off=not content_decides,
+                           max_rounds=max_new_tokens or _MAX_BACKOFF_ROUNDS)
 
 
 class DraftLength:
     def __init__(self, max_nodes: int, adaptive: bool = True, shape: ShapeRecord | None = None,
-                 may_start_off: bool = True):
+                 may_start_off: bool = True, max_rounds: int = _MAX_BACKOFF_ROUNDS):
         self.max_nodes = max_nodes
         self.adaptive = adaptive
         self.shape = shape
@@ -202,9 +207,12 @@ class DraftLength:
             self.draft_round_s, self.plain_round_s = shape.draft_round_s, shape.plain_round_s
             self.share = shape.share
             self._backoff_rounds = _MAX_BACKOFF_ROUNDS
-            shape.num_started_off += 1
-            if shape.num_started_off % _PROBE_REQUEST_EVERY:
-                self._skip_rounds = max(_MAX_BACKOFF_ROUNDS, self._probe_gap_rounds())
+            gap_rounds = self._probe_gap_rounds()
+            shape.probe_credit_rounds += max_rounds * self.share.sequences
+            if shape.probe_credit_rounds >= gap_rounds:
+                shape.probe_credit_rounds = 0.0  # this one probes on its first round
+            else:
+                self._skip_rounds = max(_MAX_BACKOFF_ROUNDS, gap_rounds)
         elif adaptive and shape is not None and shape.loses():
             # it tries, but one round that gains nothing ends the try for a long back-off
             self.gained_steps = _TRY_GAINED_STEPS
