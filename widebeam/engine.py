@@ -194,7 +194,7 @@ class LLMEngine:
         if self.speculative and not scoring:  # forced rows: nothing to draft
             draft_length = self.draft_shapes.new_length(self.speculative.method, params.beam_width,
                                                         self.num_draft_tokens, self.speculative.adaptive,
-                                                        admission.max_new_tokens)
+                                                        max_new_tokens=admission.max_new_tokens)
         kv = self.cache.new_request(key, len(encoder_token_ids or ()))
         request = Request(request_id, prepared.text, token_ids, admission, kv, decoder,
                           output_stream(decoder, self.tokenizer), encoder_token_ids, draft_length,

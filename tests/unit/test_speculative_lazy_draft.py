@@ -54,7 +54,7 @@ def scripted_engine(model_dir, pattern=PATTERN, num_draft_tokens: int = 3, max_n
                     **speculative) -> LLMEngine:
     options = {**OPTIONS, "max_num_batched_tokens": max_num_batched_tokens}
     engine = LLMEngine(str(model_dir), **options, num_speculative_tokens=num_draft_tokens, **speculative)
-    engine.draft_shapes.new_length = lambda kind, width, max_nodes, adaptive=True: ScriptedLength(
+    engine.draft_shapes.new_length = lambda kind, width, max_nodes, adaptive=True, max_new_tokens=None: ScriptedLength(
         max_nodes, pattern)
     return engine
 
@@ -259,7 +259,7 @@ class BackedOffLength(ScriptedLength):
 def backed_off_engine(model_dir, pattern, **options) -> LLMEngine:
     engine = LLMEngine(str(model_dir), **{**OPTIONS, **options}, num_speculative_tokens=3,
                        speculative_model=str(model_dir))
-    engine.draft_shapes.new_length = lambda kind, width, max_nodes, adaptive=True: BackedOffLength(
+    engine.draft_shapes.new_length = lambda kind, width, max_nodes, adaptive=True, max_new_tokens=None: BackedOffLength(
         max_nodes, pattern)
     return engine
 
