@@ -329,7 +329,8 @@ class LLMEngine:
             # The draft policy weighs a round's wall time: a step that also ran prompt chunks says
             # nothing of it, nor one where others drafted of a round that drafted nothing.
             round_s = None if prefills else time.perf_counter() - started
-            drafted = [any(len(rnd.tree) for rnd in request_rounds) for _, request_rounds in rounds_by_request]
+            drafted = [any(len(rnd.tree) for rnd in request_rounds)
+                       for _, request_rounds in rounds_by_request]
             num_seqs = len(rounds)
             num_nodes = sum(len(rnd.tree) for rnd in rounds) or 1
             for (request, request_rounds), request_drafted in zip(rounds_by_request, drafted):

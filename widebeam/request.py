@@ -293,8 +293,8 @@ class Request:
             for i, rnd in enumerate(rounds):
                 self.kv.truncate(i, rnd.committed_tokens + rnd.num_pending + num_kept)
             if num_kept:
-                replayed = ReplayedRound(replayed.parent_indices, [path[num_kept:] for path in replayed.paths],
-                                         replayed.num_steps)
+                paths = [path[num_kept:] for path in replayed.paths]
+                replayed = ReplayedRound(replayed.parent_indices, paths, replayed.num_steps)
                 if self._draft_tokens_after is not None:
                     self.draft_tokens += num_kept  # the draft fed them too (a level of its tree)
         self._continue(replayed)

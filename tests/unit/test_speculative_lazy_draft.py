@@ -54,7 +54,7 @@ def scripted_engine(model_dir, pattern=PATTERN, num_draft_tokens: int = 3, max_n
                     **speculative) -> LLMEngine:
     options = {**OPTIONS, "max_num_batched_tokens": max_num_batched_tokens}
     engine = LLMEngine(str(model_dir), **options, num_speculative_tokens=num_draft_tokens, **speculative)
-    engine.draft_shapes.new_length = lambda kind, width, max_nodes, adaptive=True, max_new_tokens=None: ScriptedLength(
+    engine.draft_shapes.new_length = lambda kind, width, max_nodes, adaptive=True, **_: ScriptedLength(
         max_nodes, pattern)
     return engine
 
@@ -259,7 +259,7 @@ class BackedOffLength(ScriptedLength):
 def backed_off_engine(model_dir, pattern, **options) -> LLMEngine:
     engine = LLMEngine(str(model_dir), **{**OPTIONS, **options}, num_speculative_tokens=3,
                        speculative_model=str(model_dir))
-    engine.draft_shapes.new_length = lambda kind, width, max_nodes, adaptive=True, max_new_tokens=None: BackedOffLength(
+    engine.draft_shapes.new_length = lambda kind, width, max_nodes, adaptive=True, **_: BackedOffLength(
         max_nodes, pattern)
     return engine
 
@@ -270,7 +270,7 @@ def test_a_request_that_starts_backed_off_costs_the_draft_no_prompt(tiny_llama_d
     request says the draft holds them, and outputs are plain decoding's."""
     engine = backed_off_engine(tiny_llama_dir, [0, 0, 0, 1, 1, 0, 1], max_num_batched_tokens=16)
     check = DraftKVCheck()
-    calls, steps = draft_calls(engine, mixed_requests())
+    _, steps = draft_calls(engine, mixed_requests())
     assert not any(prompt and n > before for (prompt, n), before in zip(steps, [0] + [n for _, n in steps]))
     engine = backed_off_engine(tiny_llama_dir, [0, 0, 0, 1, 1, 0, 1], max_num_batched_tokens=16)
     assert_same(plain_outputs, run(engine, mixed_requests(), after_step=check)[0])

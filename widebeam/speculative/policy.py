@@ -108,8 +108,8 @@ def _probe_gap_rounds(gained_steps: float, draft_round_s: float | None, plain_ro
     `_PROBE_COST_SHARE` of the time (0 while a drafting round's loss is not known)."""
     if draft_round_s is None or plain_round_s is None:
         return 0
-    # plain steps' time a probe loses
-    loss = share.draft_round_s(draft_round_s, plain_round_s) / plain_round_s - (1 + gained_steps * share.sequences)
+    round_s = share.draft_round_s(draft_round_s, plain_round_s)
+    loss = round_s / plain_round_s - (1 + gained_steps * share.sequences)  # plain steps' time a probe loses
     return min(math.ceil(max(loss, 0.0) / _PROBE_COST_SHARE), _MAX_PROBE_GAP_ROUNDS)
 
 
