@@ -125,3 +125,21 @@ def test_in_a_batch_a_request_weighs_its_gain_against_everyones_step():
     assert num_drafting(StepShare(1.0, 1.0)) > 90
     assert num_drafting(StepShare(1 / 6, 1 / 6)) > 90
     assert num_drafting(StepShare(1 / 6, 1.0)) < 20  # probes only
+
+
+def test_in_a_batch_probes_come_as_much_rarer_as_the_request_is_a_smaller_share():
+    """Drafting that gains nothing at 1.35x a plain step: a lone request's probes lose 0.35 of its
+    step each; one of six requests in the step loses as much of everyone's step, six times its own
+    share of it, so its probes come about six times rarer (each of the six probing so, the batch loses
+    what a lone request would)."""
+    def num_probes(share: StepShare) -> int:
+        policy = DraftLength(4)
+        probes = 0
+        for _ in range(1200):
+            n = policy.next_num_nodes()
+            probes += bool(n)
+            policy.record(n, 1, 0.0135 if n else 0.010, share)
+        return probes
+
+    alone, one_of_six = num_probes(StepShare(1.0, 1.0)), num_probes(StepShare(1 / 6, 1.0))
+    assert alone > 40 and one_of_six * 4 < alone, (alone, one_of_six)

@@ -37,8 +37,8 @@ plain rounds, starts as a backed-off request: its own estimates seeded from
 the shape's, not drafting for `_MAX_BACKOFF_ROUNDS` rounds, then probing as above; so a short request
 never pays the losing rounds a fresh one would. Now and then one such request probes on its first
 round instead, so a shape can come back (its probe's round feeds the shape too): when the requests
-started backed off since the last such probe hold enough rounds (their `max_new_tokens`, as a share
-of the step) that the probe's loss is `_PROBE_COST_SHARE` of their time. A shape
+started backed off since the last such probe hold enough rounds (their `max_new_tokens`) that the
+probe's loss is `_PROBE_COST_SHARE` of their time. A shape
 with nothing learned yet, one where drafting pays, or one where a drafting round costs little more than
 a plain one (prompt lookup at W=1: a round whose lookup finds nothing is a plain round) starts
 requests fresh (optimistic): acceptance depends on the request's text (a copy task accepts most of
@@ -105,12 +105,14 @@ ALONE = StepShare()
 def _probe_gap_rounds(gained_steps: float, draft_round_s: float | None, plain_round_s: float | None,
                       share: StepShare = ALONE) -> int:
     """Plain rounds between probes of a losing drafter: so many that the probes cost at most
-    `_PROBE_COST_SHARE` of the time (0 while a drafting round's loss is not known)."""
+    `_PROBE_COST_SHARE` of the request's time (0 while a drafting round's loss is not known). In a
+    batch a probe's loss is everyone's, while the request's own time is its share of each step: so
+    with every request probing so, the probes cost that share of the batch's time."""
     if draft_round_s is None or plain_round_s is None:
         return 0
     round_s = share.draft_round_s(draft_round_s, plain_round_s)
     loss = round_s / plain_round_s - (1 + gained_steps * share.sequences)  # plain steps' time a probe loses
-    return min(math.ceil(max(loss, 0.0) / _PROBE_COST_SHARE), _MAX_PROBE_GAP_ROUNDS)
+    return min(math.ceil(max(loss, 0.0) / (_PROBE_COST_SHARE * share.sequences)), _MAX_PROBE_GAP_ROUNDS)
 
 
 def _average(old: float | None, new: float) -> float:
@@ -135,7 +137,7 @@ class ShapeRecord:
         self.draft_round_s: float | None = None
         self.plain_round_s: float | None = None
         self.share = ALONE
-        # rounds (in shares of a step) of the requests started backed off since one last probed at once
+        # rounds of the requests started backed off since one last probed at once
         self.probe_credit_rounds = 0.0
 
     def record(self, num_nodes: int, num_steps: int, round_s: float | None, share: StepShare = ALONE) -> None:
@@ -208,7 +210,7 @@ class DraftLength:
             self.share = shape.share
             self._backoff_rounds = _MAX_BACKOFF_ROUNDS
             gap_rounds = self._probe_gap_rounds()
-            shape.probe_credit_rounds += max_rounds * self.share.sequences
+            shape.probe_credit_rounds += max_rounds
             if shape.probe_credit_rounds >= gap_rounds:
                 shape.probe_credit_rounds = 0.0  # this one probes on its first round
             else:
