@@ -10,7 +10,7 @@ import math
 from widebeam.engine import LLMEngine
 from widebeam.params import BeamSearchParams, SamplingParams
 from widebeam.speculative import policy
-from widebeam.speculative.policy import DraftShapes, width_bucket
+from widebeam.speculative.policy import DraftShapes, StepShare, width_bucket
 
 
 def lose(length, rounds: int = 6) -> None:
@@ -33,7 +33,7 @@ def test_a_new_request_of_a_losing_shape_starts_backed_off_and_probes_now_and_th
     assert shapes.shapes[("draft", 4)].loses()
     # A probe here loses a plain round's time (a drafting round costs 2 and gains nothing): requests
     # probe at once when those started backed off since the last probe hold 1 / _PROBE_COST_SHARE
-    # rounds, every fifth request of 10 tokens, every request of as many tokens as that.
+    # plain rounds' time, every fifth request of 10 tokens, every request of as many tokens as that.
     gap = math.ceil(1.0 / policy._PROBE_COST_SHARE)
     for max_new_tokens, every in ((gap // 5, 5), (gap, 1)):
         starts = []
@@ -149,3 +149,19 @@ def test_a_plain_round_is_measured_in_a_step_where_nobody_drafts(tiny_llama_dir)
             measured_steps += 1
             assert engine.stats()["speculative"]["drafted_tokens"] == drafted
     assert measured_steps > 0
+
+
+def test_requests_batched_with_others_probe_at_once_as_much_more_rarely():
+    """A probe's loss is the whole step's, while a request batched with five others holds a sixth of
+    each step's time: such requests probe at once six times rarer than requests alone in their steps."""
+    def num_probes(sequences_share: float) -> int:
+        shapes = DraftShapes()
+        first = shapes.new_length("draft", 4, 4)
+        for _ in range(6):  # drafting costs 2 plain steps and gains nothing
+            num_nodes = first.next_num_nodes()
+            first.record(num_nodes, 1, 0.2 if num_nodes else 0.1, StepShare(sequences_share, 1.0))
+        return sum(bool(shapes.new_length("draft", 4, 4, max_new_tokens=10).next_num_nodes())
+                   for _ in range(60))
+
+    alone, batched = num_probes(1.0), num_probes(1 / 6)
+    assert alone >= 10 and 0 < batched * 4 < alone, (alone, batched)

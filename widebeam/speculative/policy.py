@@ -37,8 +37,8 @@ plain rounds, starts as a backed-off request: its own estimates seeded from
 the shape's, not drafting for `_MAX_BACKOFF_ROUNDS` rounds, then probing as above; so a short request
 never pays the losing rounds a fresh one would. Now and then one such request probes on its first
 round instead, so a shape can come back (its probe's round feeds the shape too): when the requests
-started backed off since the last such probe hold enough rounds (their `max_new_tokens`) that the
-probe's loss is `_PROBE_COST_SHARE` of their time. A shape
+started backed off since the last such probe hold enough time (their `max_new_tokens` rounds, each
+their share of a plain step) that the probe's loss is `_PROBE_COST_SHARE` of it. A shape
 with nothing learned yet, one where drafting pays, or one where a drafting round costs little more than
 a plain one (prompt lookup at W=1: a round whose lookup finds nothing is a plain round) starts
 requests fresh (optimistic): acceptance depends on the request's text (a copy task accepts most of
@@ -136,14 +136,16 @@ class ShapeRecord:
         self.gained_steps: float | None = None
         self.draft_round_s: float | None = None
         self.plain_round_s: float | None = None
-        self.share = ALONE
-        # rounds of the requests started backed off since one last probed at once
-        self.probe_credit_rounds = 0.0
+        self.share = ALONE  # sequences: the latest timed round's; drafted nodes: the latest drafting one's
+        # seconds (their rounds, as their share of a step) of the requests started backed off since
+        # one last probed at once
+        self.probe_credit_s = 0.0
 
     def record(self, num_nodes: int, num_steps: int, round_s: float | None, share: StepShare = ALONE) -> None:
         if num_nodes == 0:
             if round_s is not None:
                 self.plain_round_s = _average(self.plain_round_s, round_s)
+                self.share = StepShare(share.sequences, self.share.drafted)
             return
         self.gained_steps = _average(self.gained_steps, num_steps - 1)
         if round_s is not None:
@@ -154,6 +156,22 @@ class ShapeRecord:
         """Whether what this shape learned says drafting does not pay (False while nothing is known)."""
         return self.gained_steps is not None and not _pays(self.gained_steps, self.draft_round_s,
                                                            self.plain_round_s, self.share)
+
+    def probe_loss_s(self) -> float:
+        """What a probe round is expected to lose, in seconds (0 while not known)."""
+        if self.gained_steps is None or self.draft_round_s is None or self.plain_round_s is None:
+            return 0.0
+        round_s = self.share.draft_round_s(self.draft_round_s, self.plain_round_s)
+        return max(0.0, round_s - self.plain_round_s * (1 + self.gained_steps * self.share.sequences))
+
+    def credit_probe(self, max_rounds: int) -> bool:
+        """A new request started backed off with up to `max_rounds` rounds: whether it probes on its
+        first round, so that such probes cost `_PROBE_COST_SHARE` of these requests' time."""
+        self.probe_credit_s += max_rounds * (self.plain_round_s or 0.0) * self.share.sequences
+        if self.probe_credit_s * _PROBE_COST_SHARE < self.probe_loss_s():
+            return False
+        self.probe_credit_s = 0.0
+        return True
 
     def starts_off(self) -> bool:
         """Whether a new request of this shape starts backed off: drafting lost, and trying it is not
@@ -209,12 +227,8 @@ class DraftLength:
             self.draft_round_s, self.plain_round_s = shape.draft_round_s, shape.plain_round_s
             self.share = shape.share
             self._backoff_rounds = _MAX_BACKOFF_ROUNDS
-            gap_rounds = self._probe_gap_rounds()
-            shape.probe_credit_rounds += max_rounds
-            if shape.probe_credit_rounds >= gap_rounds:
-                shape.probe_credit_rounds = 0.0  # this one probes on its first round
-            else:
-                self._skip_rounds = max(_MAX_BACKOFF_ROUNDS, gap_rounds)
+            if not shape.credit_probe(max_rounds):  # else it probes on its first round
+                self._skip_rounds = max(_MAX_BACKOFF_ROUNDS, self._probe_gap_rounds())
         elif adaptive and shape is not None and shape.loses():
             # it tries, but one round that gains nothing ends the try for a long back-off
             self.gained_steps = _TRY_GAINED_STEPS
