@@ -192,9 +192,12 @@ class LLMEngine:
                                             soft_prefix=prepared.soft_prefix)
         draft_length = None
         if self.speculative and not scoring:  # forced rows: nothing to draft
+            # its share of the steps it will run in: its beams over those of every request here now
+            num_seqs = params.beam_width + sum(r.params.beam_width for r in self._requests.values())
             draft_length = self.draft_shapes.new_length(self.speculative.method, params.beam_width,
                                                         self.num_draft_tokens, self.speculative.adaptive,
-                                                        max_new_tokens=admission.max_new_tokens)
+                                                        max_new_tokens=admission.max_new_tokens,
+                                                        sequences_share=params.beam_width / num_seqs)
         kv = self.cache.new_request(key, len(encoder_token_ids or ()))
         request = Request(request_id, prepared.text, token_ids, admission, kv, decoder,
                           output_stream(decoder, self.tokenizer), encoder_token_ids, draft_length,

@@ -10,7 +10,7 @@ import math
 from widebeam.engine import LLMEngine
 from widebeam.params import BeamSearchParams, SamplingParams
 from widebeam.speculative import policy
-from widebeam.speculative.policy import DraftShapes, StepShare, width_bucket
+from widebeam.speculative.policy import DraftShapes, width_bucket
 
 
 def lose(length, rounds: int = 6) -> None:
@@ -153,14 +153,13 @@ def test_a_plain_round_is_measured_in_a_step_where_nobody_drafts(tiny_llama_dir)
 
 def test_requests_batched_with_others_probe_at_once_as_much_more_rarely():
     """A probe's loss is the whole step's, while a request batched with five others holds a sixth of
-    each step's time: such requests probe at once six times rarer than requests alone in their steps."""
+    each step's time: such requests probe at once six times rarer than requests alone in their steps
+    (their share: their beams over those of every request in the engine when they came)."""
     def num_probes(sequences_share: float) -> int:
         shapes = DraftShapes()
-        first = shapes.new_length("draft", 4, 4)
-        for _ in range(6):  # drafting costs 2 plain steps and gains nothing
-            num_nodes = first.next_num_nodes()
-            first.record(num_nodes, 1, 0.2 if num_nodes else 0.1, StepShare(sequences_share, 1.0))
-        return sum(bool(shapes.new_length("draft", 4, 4, max_new_tokens=10).next_num_nodes())
+        lose(shapes.new_length("draft", 4, 4))  # drafting costs 2 plain steps and gains nothing
+        return sum(bool(shapes.new_length("draft", 4, 4, max_new_tokens=10,
+                                          sequences_share=sequences_share).next_num_nodes())
                    for _ in range(60))
 
     alone, batched = num_probes(1.0), num_probes(1 / 6)

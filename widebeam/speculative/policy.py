@@ -38,7 +38,8 @@ the shape's, not drafting for `_MAX_BACKOFF_ROUNDS` rounds, then probing as abov
 never pays the losing rounds a fresh one would. Now and then one such request probes on its first
 round instead, so a shape can come back (its probe's round feeds the shape too): when the requests
 started backed off since the last such probe hold enough time (their `max_new_tokens` rounds, each
-their share of a plain step) that the probe's loss is `_PROBE_COST_SHARE` of it. A shape
+their share of a plain step: their sequences over those in the engine when they came) that the
+probe's loss (it drafts alone in a step of everyone's) is `_PROBE_COST_SHARE` of it. A shape
 with nothing learned yet, one where drafting pays, or one where a drafting round costs little more than
 a plain one (prompt lookup at W=1: a round whose lookup finds nothing is a plain round) starts
 requests fresh (optimistic): acceptance depends on the request's text (a copy task accepts most of
@@ -136,7 +137,7 @@ class ShapeRecord:
         self.gained_steps: float | None = None
         self.draft_round_s: float | None = None
         self.plain_round_s: float | None = None
-        self.share = ALONE  # sequences: the latest timed round's; drafted nodes: the latest drafting one's
+        self.share = ALONE
         # seconds (their rounds, as their share of a step) of the requests started backed off since
         # one last probed at once
         self.probe_credit_s = 0.0
@@ -145,7 +146,6 @@ class ShapeRecord:
         if num_nodes == 0:
             if round_s is not None:
                 self.plain_round_s = _average(self.plain_round_s, round_s)
-                self.share = StepShare(share.sequences, self.share.drafted)
             return
         self.gained_steps = _average(self.gained_steps, num_steps - 1)
         if round_s is not None:
@@ -157,18 +157,19 @@ class ShapeRecord:
         return self.gained_steps is not None and not _pays(self.gained_steps, self.draft_round_s,
                                                            self.plain_round_s, self.share)
 
-    def probe_loss_s(self) -> float:
-        """What a probe round is expected to lose, in seconds (0 while not known)."""
+    def probe_loss_s(self, sequences_share: float) -> float:
+        """What a new request's probe round is expected to lose, in seconds (0 while not known): it
+        drafts alone in its step, where its sequences are `sequences_share` of the step's."""
         if self.gained_steps is None or self.draft_round_s is None or self.plain_round_s is None:
             return 0.0
-        round_s = self.share.draft_round_s(self.draft_round_s, self.plain_round_s)
-        return max(0.0, round_s - self.plain_round_s * (1 + self.gained_steps * self.share.sequences))
+        return max(0.0, self.draft_round_s - self.plain_round_s * (1 + self.gained_steps * sequences_share))
 
-    def credit_probe(self, max_rounds: int) -> bool:
-        """A new request started backed off with up to `max_rounds` rounds: whether it probes on its
-        first round, so that such probes cost `_PROBE_COST_SHARE` of these requests' time."""
-        self.probe_credit_s += max_rounds * (self.plain_round_s or 0.0) * self.share.sequences
-        if self.probe_credit_s * _PROBE_COST_SHARE < self.probe_loss_s():
+    def credit_probe(self, max_rounds: int, sequences_share: float) -> bool:
+        """A new request started backed off with up to `max_rounds` rounds, its sequences expected to be
+        `sequences_share` of a step's: whether it probes on its first round, so that such probes cost
+        `_PROBE_COST_SHARE` of these requests' time."""
+        self.probe_credit_s += max_rounds * (self.plain_round_s or 0.0) * sequences_share
+        if self.probe_credit_s * _PROBE_COST_SHARE < self.probe_loss_s(sequences_share):
             return False
         self.probe_credit_s = 0.0
         return True
@@ -193,9 +194,11 @@ class DraftShapes:
         self.shapes: dict[tuple[str, int], ShapeRecord] = {}
 
     def new_length(self, kind: str, beam_width: int, max_nodes: int, adaptive: bool = True,
-                   max_new_tokens: int | None = None) -> DraftLength:
+                   max_new_tokens: int | None = None, sequences_share: float = 1.0) -> DraftLength:
         """The policy of a new request of this shape (a non-adaptive one ignores the memory); its
-        `max_new_tokens` bounds the rounds it runs (None: unknown, taken as `_MAX_BACKOFF_ROUNDS`)."""
+        `max_new_tokens` bounds the rounds it runs (None: unknown, taken as `_MAX_BACKOFF_ROUNDS`) and
+        its sequences are expected to be `sequences_share` of a step's (those of the requests in the
+        engine when it came)."""
         if not adaptive:
             return DraftLength(max_nodes, adaptive)
         bucket = width_bucket(beam_width)
@@ -205,12 +208,13 @@ class DraftShapes:
         # always tries, but from a losing shape one round that gains nothing ends it.
         content_decides = kind == "ngram" and bucket == 1
         return DraftLength(max_nodes, adaptive, shape, may_start_off=not content_decides,
-                           max_rounds=max_new_tokens or _MAX_BACKOFF_ROUNDS)
+                           max_rounds=max_new_tokens or _MAX_BACKOFF_ROUNDS, sequences_share=sequences_share)
 
 
 class DraftLength:
     def __init__(self, max_nodes: int, adaptive: bool = True, shape: ShapeRecord | None = None,
-                 may_start_off: bool = True, max_rounds: int = _MAX_BACKOFF_ROUNDS):
+                 may_start_off: bool = True, max_rounds: int = _MAX_BACKOFF_ROUNDS,
+                 sequences_share: float = 1.0):
         self.max_nodes = max_nodes
         self.adaptive = adaptive
         self.shape = shape
@@ -227,7 +231,7 @@ class DraftLength:
             self.draft_round_s, self.plain_round_s = shape.draft_round_s, shape.plain_round_s
             self.share = shape.share
             self._backoff_rounds = _MAX_BACKOFF_ROUNDS
-            if not shape.credit_probe(max_rounds):  # else it probes on its first round
+            if not shape.credit_probe(max_rounds, sequences_share):  # else it probes on its first round
                 self._skip_rounds = max(_MAX_BACKOFF_ROUNDS, self._probe_gap_rounds())
         elif adaptive and shape is not None and shape.loses():
             # it tries, but one round that gains nothing ends the try for a long back-off
