@@ -164,3 +164,18 @@ def test_requests_batched_with_others_probe_at_once_as_much_more_rarely():
 
     alone, batched = num_probes(1.0), num_probes(1 / 6)
     assert alone >= 10 and 0 < batched * 4 < alone, (alone, batched)
+
+
+def test_a_shape_where_not_even_a_whole_accepted_draft_pays_is_not_probed_at_once():
+    """A draft as big as the target on a CPU: a round costs 6.3 plain rounds, more than the 1 + D = 5
+    steps a draft accepted whole gives. New requests never probe on their first round (whatever they
+    would accept, it loses); one long enough still probes after its gap, so the shape can come back."""
+    shapes = DraftShapes()
+    first = shapes.new_length("draft", 1, 4)
+    for _ in range(6):
+        num_nodes = first.next_num_nodes()
+        first.record(num_nodes, 5 if num_nodes else 1, 0.252 if num_nodes else 0.040)
+    assert shapes.shapes[("draft", 1)].starts_off()
+    assert not any(shapes.new_length("draft", 1, 4, max_new_tokens=64).next_num_nodes() for _ in range(200))
+    long_request = shapes.new_length("draft", 1, 4, max_new_tokens=10_000)
+    assert any(long_request.next_num_nodes() for _ in range(300))

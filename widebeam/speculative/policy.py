@@ -39,7 +39,8 @@ never pays the losing rounds a fresh one would. Now and then one such request pr
 round instead, so a shape can come back (its probe's round feeds the shape too): when the requests
 started backed off since the last such probe hold enough time (their `max_new_tokens` rounds, each
 their share of a plain step: their sequences over those in the engine when they came) that the
-probe's loss (it drafts alone in a step of everyone's) is `_PROBE_COST_SHARE` of it. A shape
+probe's loss (it drafts alone in a step of everyone's) is `_PROBE_COST_SHARE` of it; never where
+a drafting round costs more than 1 + D plain rounds (not even a draft accepted whole would pay). A shape
 with nothing learned yet, one where drafting pays, or one where a drafting round costs little more than
 a plain one (prompt lookup at W=1: a round whose lookup finds nothing is a plain round) starts
 requests fresh (optimistic): acceptance depends on the request's text (a copy task accepts most of
@@ -164,10 +165,15 @@ class ShapeRecord:
             return 0.0
         return max(0.0, self.draft_round_s - self.plain_round_s * (1 + self.gained_steps * sequences_share))
 
-    def credit_probe(self, max_rounds: int, sequences_share: float) -> bool:
+    def credit_probe(self, max_rounds: int, sequences_share: float, max_steps: int) -> bool:
         """A new request started backed off with up to `max_rounds` rounds, its sequences expected to be
         `sequences_share` of a step's: whether it probes on its first round, so that such probes cost
-        `_PROBE_COST_SHARE` of these requests' time."""
+        `_PROBE_COST_SHARE` of these requests' time. Never where a drafting round costs more than
+        `max_steps` (1 + D) plain rounds: there not even a draft accepted whole pays, whatever the
+        text (a probe would learn only what the next long request's own probe will)."""
+        if self.draft_round_s is not None and self.plain_round_s is not None and (
+                self.draft_round_s >= max_steps * self.plain_round_s):
+            return False
         self.probe_credit_s += max_rounds * (self.plain_round_s or 0.0) * sequences_share
         if self.probe_credit_s * _PROBE_COST_SHARE < self.probe_loss_s(sequences_share):
             return False
@@ -231,7 +237,7 @@ class DraftLength:
             self.draft_round_s, self.plain_round_s = shape.draft_round_s, shape.plain_round_s
             self.share = shape.share
             self._backoff_rounds = _MAX_BACKOFF_ROUNDS
-            if not shape.credit_probe(max_rounds, sequences_share):  # else it probes on its first round
+            if not shape.credit_probe(max_rounds, sequences_share, 1 + max_nodes):  # else it probes now
                 self._skip_rounds = max(_MAX_BACKOFF_ROUNDS, self._probe_gap_rounds())
         elif adaptive and shape is not None and shape.loses():
             # it tries, but one round that gains nothing ends the try for a long back-off
