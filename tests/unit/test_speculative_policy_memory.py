@@ -100,17 +100,22 @@ def test_engine_requests_share_their_shape(tiny_llama_dir):
     assert shape.gained_steps is not None and shape.plain_round_s is not None
 
 
-def test_a_losing_shape_where_trying_is_cheap_still_starts_requests_drafting():
-    """Prompt lookup at W=1: a drafting round that finds nothing costs about a plain round, so a
-    shape that lost (free text) still lets a new request (maybe a copy task) find out for itself."""
-    shapes = DraftShapes()
-    length = shapes.new_length("ngram", 1, 4)
-    for _ in range(8):
-        num_nodes = length.next_num_nodes()
-        length.record(num_nodes, 1, 0.11 if num_nodes else 0.1)
-    shape = shapes.shapes[("ngram", 1)]
-    assert shape.loses() and not shape.starts_off()
-    assert shapes.new_length("ngram", 1, 4).next_num_nodes() == 4
+def test_a_losing_shape_where_trying_is_cheap_still_lets_requests_try_at_once():
+    """Prompt lookup at W=4 on free text: a drafting round costs 1.1 plain rounds and gains nothing.
+    New requests start backed off, but a probe loses so little that each one's rounds pay for one:
+    each still finds out for itself (maybe it copies its prompt). Where a probe costs two plain
+    rounds, one request in several probes at once."""
+    def first_rounds(draft_round_s: float) -> list[int]:
+        shapes = DraftShapes()
+        length = shapes.new_length("ngram", 4, 4)
+        for _ in range(8):
+            num_nodes = length.next_num_nodes()
+            length.record(num_nodes, 1, draft_round_s if num_nodes else 0.1)
+        assert shapes.shapes[("ngram", 4)].starts_off()
+        return [shapes.new_length("ngram", 4, 4, max_new_tokens=16).next_num_nodes() for _ in range(10)]
+
+    assert first_rounds(0.11) == [4] * 10
+    assert 0 < sum(1 for n in first_rounds(0.2) if n) <= 5
 
 
 def test_a_lookup_that_finds_nothing_is_a_plain_round(tiny_llama_dir):

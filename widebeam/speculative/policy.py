@@ -32,19 +32,17 @@ everyone (`wants_plain_round`).
 What earlier requests learned stays at the engine (`DraftShapes`), per request shape: the drafter
 kind and the beam width rounded up to a power of two. Every recorded round of every request of a
 shape also feeds that shape's averages (the same three quantities). A new request of a shape whose
-averages say drafting does not pay, and where a drafting round costs at least `_CHEAP_PROBE_RATIO`
-plain rounds, starts as a backed-off request: its own estimates seeded from
-the shape's, not drafting for `_MAX_BACKOFF_ROUNDS` rounds, then probing as above; so a short request
-never pays the losing rounds a fresh one would. Now and then one such request probes on its first
-round instead, so a shape can come back (its probe's round feeds the shape too): when the requests
-started backed off since the last such probe hold enough time (their `max_new_tokens` rounds, each
-their share of a plain step: their sequences over those in the engine when they came) that the
-probe's loss (it drafts alone in a step of everyone's) is `_PROBE_COST_SHARE` of it; never where
-a drafting round costs more than 1 + D plain rounds (not even a draft accepted whole would pay). A shape
-with nothing learned yet, one where drafting pays, or one where a drafting round costs little more than
-a plain one (prompt lookup at W=1: a round whose lookup finds nothing is a plain round) starts
-requests fresh (optimistic): acceptance depends on the request's text (a copy task accepts most of
-what prompt lookup drafts, free text almost nothing), so where finding out is cheap each request does.
+averages (both times known) say drafting does not pay starts as a backed-off request: its own
+estimates seeded from the shape's, not drafting for its probe gap (at least `_MAX_BACKOFF_ROUNDS`
+rounds), then probing as above; so a short request never pays the losing rounds a fresh one would.
+Now and then one such request probes on its first round instead, so a shape can come back (its
+probe's round feeds the shape too): when the requests started backed off since the last such probe
+hold enough time (their `max_new_tokens` rounds, each their share of a plain step: their sequences
+over those in the engine when they came) that the probe's loss (it drafts alone in a step of
+everyone's) is `_PROBE_COST_SHARE` of it; never where a drafting round costs more than 1 + D plain
+rounds (not even a draft accepted whole would pay). So where a probe is cheap (prompt lookup at 1.1
+plain rounds) every request probes at once, and where it is dear, few. A shape with nothing learned yet, or one where drafting pays, starts
+requests fresh (optimistic).
 
 Greedy prompt lookup (W=1) is the exception: it is accepted exactly when the request's own text
 recurs, so what other requests' texts taught says little; such a request always tries, but from a
@@ -78,10 +76,6 @@ _PROBE_COST_SHARE = 0.02
 _MAX_PROBE_GAP_ROUNDS = 256  # so a shape whose drafting lost long ago still comes back
 _PROBE_PLAIN_AFTER = 2  # drafting rounds before the first plain round is measured
 _REFRESH_PLAIN_EVERY = 32  # drafting rounds between plain measurements (the context grows)
-# A drafting round costing less than this many plain rounds is cheap to try: new requests of a losing
-# shape still start drafting (benchmarks/speculative.py: prompt lookup at W=1 ~1.1, at W=4 ~1.5-2.2,
-# a draft model ~4.5 at W=1).
-_CHEAP_PROBE_RATIO = 1.3
 # Where a request of a losing shape still tries: one round gaining nothing takes the average below
 # MIN_GAINED_STEPS (0.6 -> 0.42), one that gains a step keeps it drafting (0.6 -> 0.72).
 _TRY_GAINED_STEPS = 0.6
@@ -181,11 +175,9 @@ class ShapeRecord:
         return True
 
     def starts_off(self) -> bool:
-        """Whether a new request of this shape starts backed off: drafting lost, and trying it is not
-        cheap (a drafting round's time is known and at least `_CHEAP_PROBE_RATIO` plain rounds)."""
-        if not self.loses() or self.draft_round_s is None or self.plain_round_s is None:
-            return False
-        return self.draft_round_s >= _CHEAP_PROBE_RATIO * self.plain_round_s
+        """Whether a new request of this shape starts backed off: drafting lost, by the times of both
+        kinds of rounds (`credit_probe` then says whether it probes at once)."""
+        return self.loses() and self.draft_round_s is not None and self.plain_round_s is not None
 
 
 def width_bucket(beam_width: int) -> int:
