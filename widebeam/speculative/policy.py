@@ -41,8 +41,8 @@ hold enough time (their `max_new_tokens` rounds, each their share of a plain ste
 over those in the engine when they came) that the probe's loss (it drafts alone in a step of
 everyone's) is `_PROBE_COST_SHARE` of it; never where a drafting round costs more than 1 + D plain
 rounds (not even a draft accepted whole would pay). So where a probe is cheap (prompt lookup at 1.1
-plain rounds) every request probes at once, and where it is dear, few. A shape with nothing learned yet, or one where drafting pays, starts
-requests fresh (optimistic).
+plain rounds) every request probes at once, and where it is dear, few. A shape with nothing learned
+yet, or one where drafting pays, starts requests fresh (optimistic).
 
 Greedy prompt lookup (W=1) is the exception: it is accepted exactly when the request's own text
 recurs, so what other requests' texts taught says little; such a request always tries, but from a
