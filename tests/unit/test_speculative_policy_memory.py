@@ -10,7 +10,7 @@ import math
 from widebeam.engine import LLMEngine
 from widebeam.params import BeamSearchParams, SamplingParams
 from widebeam.speculative import policy
-from widebeam.speculative.policy import DraftShapes, width_bucket
+from widebeam.speculative.policy import DraftShapes, StepShare, width_bucket
 
 
 def lose(length, rounds: int = 6) -> None:
@@ -184,3 +184,18 @@ def test_a_shape_where_not_even_a_whole_accepted_draft_pays_is_not_probed_at_onc
     assert not any(shapes.new_length("draft", 1, 4, max_new_tokens=64).next_num_nodes() for _ in range(200))
     long_request = shapes.new_length("draft", 1, 4, max_new_tokens=10_000)
     assert any(long_request.next_num_nodes() for _ in range(300))
+
+
+def test_a_greedy_lookup_try_that_fails_in_a_batch_waits_as_long_as_its_share_asks():
+    """W=1 prompt lookup from a losing shape tries once at once; failing, it waits as long as keeps such
+    tries a small share of its time, by what the shape measured (a try costs 0.3 of a plain step of
+    everyone's): one of six requests in its steps waits far longer than the doubling back-off's 16."""
+    shapes = DraftShapes()
+    lose_cheaply = shapes.new_length("ngram", 1, 4)
+    for _ in range(8):
+        num_nodes = lose_cheaply.next_num_nodes()
+        lose_cheaply.record(num_nodes, 1, 0.13 if num_nodes else 0.1)
+    trying = shapes.new_length("ngram", 1, 4, max_new_tokens=64, sequences_share=1 / 6)
+    assert trying.next_num_nodes() == 4
+    trying.record(4, 1, 0.13, StepShare(1 / 6, 1.0))
+    assert not any(trying.next_num_nodes() for _ in range(60))

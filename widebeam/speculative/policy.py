@@ -232,8 +232,11 @@ class DraftLength:
             if not shape.credit_probe(max_rounds, sequences_share, 1 + max_nodes):  # else it probes now
                 self._skip_rounds = max(_MAX_BACKOFF_ROUNDS, self._probe_gap_rounds())
         elif adaptive and shape is not None and shape.loses():
-            # it tries, but one round that gains nothing ends the try for a long back-off
+            # it tries, but one round that gains nothing ends the try for a long back-off: as long as
+            # what the shape measured says keeps such tries `_PROBE_COST_SHARE` of the time
             self.gained_steps = _TRY_GAINED_STEPS
+            self.draft_round_s, self.plain_round_s = shape.draft_round_s, shape.plain_round_s
+            self.share = StepShare(sequences_share, shape.share.drafted)
             self._backoff_rounds = _MAX_BACKOFF_ROUNDS
 
     def next_num_nodes(self) -> int:
