@@ -1,6 +1,7 @@
-"""The adaptive draft length: a request drafts D nodes while its drafts are accepted, backs off
-(1, 2, 4, ... 16 rounds without drafting) while they are not, and drafts in full again as soon as
-a probe pays; with `adaptive=False` it always drafts D."""
+"""The adaptive draft length: a request drafts D nodes while its drafts pay, backs off (1, 2, 4, ...
+16 rounds without drafting, or as long as keeps its probes a small share of its time once their loss
+is known) while they do not, and drafts in full again as soon as a probe pays; with `adaptive=False`
+it always drafts D."""
 
 from __future__ import annotations
 

@@ -14,7 +14,9 @@ It drafts while `(1 + gained_steps) / draft_round_s >= (1 + _MARGIN) / plain_rou
 each side as the request's share of the step: see below), and also needs
 `gained_steps >= MIN_GAINED_STEPS` (before both times are known, and as a floor: a draft that is
 almost never accepted is not worth its rows even when the host is idle). Otherwise it stops drafting
-and probes again after 1, 2, 4 ... 16 rounds; a probe that pays resumes full drafting. The times are
+and probes again after 1, 2, 4 ... 16 rounds, or, once a drafting round's loss is known, after as many
+as keep its probes `_PROBE_COST_SHARE` of its time (`_probe_gap_rounds`); a probe that pays resumes
+full drafting. The times are
 the engine step's wall time, taken only from steps that ran rounds alone (a step that also ran
 prompt chunks says nothing about a round). Output never depends on this: a round without drafts is a
 plain decode step.
