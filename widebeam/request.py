@@ -177,11 +177,12 @@ class Request:
         self.num_catch_up_tokens = 0
         # lazy draft: per sequence, the positions [start, end) its first pass feeds (None: nothing)
         draft_ranges: list[tuple[int, int] | None] | None = None
-        if self.lazy_draft and num_nodes:
+        # (the last token's round drafts nothing: no catch-up for it, its D slots taken as counted)
+        if self.lazy_draft and num_nodes and self.admission.max_new_tokens - generated - 1 > 0:
             draft_ranges = self._catch_up_ranges(committed, num_fed, max_catch_up_tokens)
             if draft_ranges is None or draft_ranges[0][1] <= committed:
-                # Too far behind for this step's budget (it catches up what fits), or nothing left to
-                # draft: nothing drafted, and the round's time is not a drafting round's.
+                # Too far behind for this step's budget: it catches up what fits (if anything) and
+                # drafts nothing; a round that fed the draft is not a plain round's time either.
                 num_nodes, self._round_timed = 0, draft_ranges is None
         slots = self.kv.decode_slots(num_fed + num_nodes)
         # A round takes at most depth + 1 steps and never passes max_new_tokens, so deeper nodes
@@ -222,8 +223,6 @@ class Request:
         num_shared, num_own = shared_end - start, committed - shared_end
         budget = None if max_tokens is None else max(0, max_tokens)
         if budget is None or num_shared + num_own * num_seqs <= budget:
-            if self.admission.max_new_tokens - self.decoder.num_generated_tokens - 1 <= 0:
-                return None  # the last token: nothing to draft, nothing to catch up for
             self.num_catch_up_tokens = num_shared + num_own * num_seqs
             end = committed + num_fed
             return [(start, end)] + [(shared_end, end)] * (num_seqs - 1)
