@@ -199,3 +199,19 @@ def test_a_greedy_lookup_try_that_fails_in_a_batch_waits_as_long_as_its_share_as
     assert trying.next_num_nodes() == 4
     trying.record(4, 1, 0.13, StepShare(1 / 6, 1.0))
     assert not any(trying.next_num_nodes() for _ in range(60))
+
+
+def test_hopeless_means_past_the_most_steps_a_round_of_that_width_can_take():
+    """A draft model's tree at W > 4 branches 4 ways: D = 4 nodes are one level, a round takes 2 steps
+    at most. There a drafting round of 3 plain rounds can never pay (no at-once probes), while at W=1
+    (a chain of 4: 5 steps) it could, so there requests still probe at once now and then."""
+    def num_at_once_probes(width: int) -> int:
+        shapes = DraftShapes()
+        first = shapes.new_length("draft", width, 4)
+        for _ in range(6):  # 1.5 steps a round at 3 plain rounds' time: losing at either width
+            num_nodes = first.next_num_nodes()
+            first.record(num_nodes, 2 if num_nodes else 1, 0.3 if num_nodes else 0.1)
+        return sum(bool(shapes.new_length("draft", width, 4, max_new_tokens=64).next_num_nodes())
+                   for _ in range(40))
+
+    assert num_at_once_probes(8) == 0 and num_at_once_probes(1) > 0

@@ -63,6 +63,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from widebeam.speculative.tree import branching_for_width, max_tree_depth
+
 # A floor on accepted steps per drafting round (an exponential average): below it the rejected nodes
 # cost more than the steps saved (benchmarks/speculative.py, W=4 prompt lookup at 1.27 steps per
 # round: 0.58x).
@@ -165,8 +167,9 @@ class ShapeRecord:
         """A new request started backed off with up to `max_rounds` rounds, its sequences expected to be
         `sequences_share` of a step's: whether it probes on its first round, so that such probes cost
         `_PROBE_COST_SHARE` of these requests' time. Never where a drafting round costs more than
-        `max_steps` (1 + D) plain rounds: there not even a draft accepted whole pays, whatever the
-        text (a probe would learn only what the next long request's own probe will)."""
+        `max_steps` plain rounds (the most steps a round takes: 1 + its tree's depth): there not even
+        a draft accepted whole pays, whatever the text (a probe would learn only what the next long
+        request's own probe will)."""
         if self.draft_round_s is not None and self.plain_round_s is not None and (
                 self.draft_round_s >= max_steps * self.plain_round_s):
             return False
@@ -207,15 +210,20 @@ class DraftShapes:
         # requests' texts taught says little, and one try costs a verify of 1 + D rows. Such a request
         # always tries, but from a losing shape one round that gains nothing ends it.
         content_decides = kind == "ngram" and bucket == 1
+        # prompt lookup drafts a chain; a draft model a tree branching by the width
+        branching = 1 if kind == "ngram" else branching_for_width(beam_width)
+        max_depth = max_tree_depth(max_nodes, branching)
         return DraftLength(max_nodes, adaptive, shape, may_start_off=not content_decides,
-                           max_rounds=max_new_tokens or _MAX_BACKOFF_ROUNDS, sequences_share=sequences_share)
+                           max_rounds=max_new_tokens or _MAX_BACKOFF_ROUNDS, sequences_share=sequences_share,
+                           max_depth=max_depth)
 
 
 class DraftLength:
     def __init__(self, max_nodes: int, adaptive: bool = True, shape: ShapeRecord | None = None,
                  may_start_off: bool = True, max_rounds: int = _MAX_BACKOFF_ROUNDS,
-                 sequences_share: float = 1.0):
+                 sequences_share: float = 1.0, max_depth: int | None = None):
         self.max_nodes = max_nodes
+        max_depth = max_nodes if max_depth is None else max_depth  # of the trees it drafts
         self.adaptive = adaptive
         self.shape = shape
         self.gained_steps = 1.0  # optimistic: a new request drafts in full
@@ -231,7 +239,7 @@ class DraftLength:
             self.draft_round_s, self.plain_round_s = shape.draft_round_s, shape.plain_round_s
             self.share = shape.share
             self._backoff_rounds = _MAX_BACKOFF_ROUNDS
-            if not shape.credit_probe(max_rounds, sequences_share, 1 + max_nodes):  # else it probes now
+            if not shape.credit_probe(max_rounds, sequences_share, 1 + max_depth):  # else it probes now
                 self._skip_rounds = max(_MAX_BACKOFF_ROUNDS, self._probe_gap_rounds())
         elif adaptive and shape is not None and shape.loses():
             # it tries, but one round that gains nothing ends the try for a long back-off: as long as

@@ -30,6 +30,13 @@ def branching_for_width(beam_width: int) -> int:
     return 2 if beam_width <= 4 else 4
 
 
+def max_tree_depth(num_nodes: int, branching: int) -> int:
+    """The deepest a tree of `num_nodes` nodes gets when every level but the last takes `branching`
+    children of one node at least (a draft model's: its first level is the root's best `branching`
+    children), so the most steps one round takes is this + 1. A chain (branching 1) is `num_nodes` deep."""
+    return num_nodes - min(branching, num_nodes) + 1 if num_nodes else 0
+
+
 @dataclass
 class DraftTree:
     """Drafted tokens in breadth-first order, with each node's parent and draft score."""
