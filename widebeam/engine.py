@@ -105,7 +105,8 @@ class LLMEngine:
         # The last finished requests' KV blocks per pool, required (admission's bound) vs peak (held at
         # once): `stats()["recent_requests"]`, drawn by the web page's capacity panel.
         self._recent_requests: deque[dict] = deque(maxlen=RECENT_REQUESTS)
-        # refed_tokens: accepted drafted tokens fed again in a later round (their K/V were not kept)
+        # refed_tokens: tokens a round fed beyond each sequence's last chosen one: accepted drafts whose
+        # K/V were not kept, and re-fed tokens after a preemption
         self._speculative_counts = {"rounds": 0, "steps": 0, "drafted_tokens": 0, "accepted_tokens": 0,
                                     "refed_tokens": 0}
         self.draft_shapes = DraftShapes()  # what earlier requests learned about drafting, per shape
