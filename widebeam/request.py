@@ -24,7 +24,7 @@ from widebeam.sched.admission import Admission
 from widebeam.speculative.policy import ALONE, DraftLength, StepShare
 from widebeam.speculative.replay import ReplayedRound, replay_round
 from widebeam.speculative.round import SequenceRound
-from widebeam.speculative.tree import ROOT, DraftTree, branching_for_width
+from widebeam.speculative.tree import DraftTree, branching_for_width
 
 
 class DraftPrompts:
@@ -301,24 +301,11 @@ class Request:
 
     def _num_kept_nodes(self, rounds: list[SequenceRound], replayed: ReplayedRound) -> int:
         """Accepted nodes whose K/V every chosen sequence keeps, so the next round does not feed them
-        again: a path's leading nodes that sit where a fed token would (node j at depth j + 1, as in a
-        chain: see speculative/tree.py), never a path's last token (the next round feeds one at
-        least), and with a draft model never a tree's deepest node (the draft drafted it, never fed
-        it). The same count for every sequence: a request's sequences stay the same length."""
-        num_kept = None
-        for parent, path in zip(replayed.parent_indices, replayed.paths):
-            tree = rounds[parent].tree
-            limit = len(path) - 1
-            if self.draft_pools:
-                limit = min(limit, len(tree) - 1)
-            n, node = 0, ROOT
-            while n < limit:
-                node = tree.child(node, path[n])
-                if node != n:
-                    break
-                n += 1
-            num_kept = n if num_kept is None else min(num_kept, n)
-        return num_kept or 0
+        again (`DraftTree.num_kept`; with a draft model, only nodes it was fed too). The same count
+        for every sequence: a request's sequences stay the same length."""
+        draft_fed = bool(self.draft_pools)
+        return min((rounds[parent].tree.num_kept(path, draft_fed)
+                    for parent, path in zip(replayed.parent_indices, replayed.paths)), default=0)
 
     def record_round(self, round_s: float | None, share: StepShare = ALONE) -> None:
         """Tell the draft policy how the latest round went: its steps and, when the step ran rounds

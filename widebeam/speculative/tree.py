@@ -79,3 +79,20 @@ class DraftTree:
 
     def level(self, depth: int) -> list[int]:
         return [j for j, d in enumerate(self.depths) if d == depth]
+
+    def num_kept(self, path: list[int], draft_fed: bool = False) -> int:
+        """How many leading tokens of a chosen `path` are nodes whose K/V may stay where the verify pass
+        wrote them: node j at depth j + 1 sits where the (j + 1)-th fed token would (a chain's nodes
+        do). Never the path's last token (the next round feeds one at least). With `draft_fed`, only
+        nodes a draft model was fed too: it feeds a level only to draft the next, so not the deepest
+        (`ModelDrafter.draft`)."""
+        limit = len(path) - 1
+        if draft_fed:
+            limit = min(limit, max(self.depths, default=0) - 1)
+        n, node = 0, ROOT
+        while n < limit:
+            node = self.child(node, path[n])
+            if node != n:
+                break
+            n += 1
+        return n
