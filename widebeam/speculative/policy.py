@@ -102,6 +102,13 @@ class StepShare:
 ALONE = StepShare()
 
 
+def _probe_loss_steps(gained_steps: float, draft_round_s: float, plain_round_s: float,
+                      share: StepShare = ALONE) -> float:
+    """Plain steps' time a losing drafting round loses (0 if it does not lose)."""
+    round_s = share.draft_round_s(draft_round_s, plain_round_s)
+    return max(0.0, round_s / plain_round_s - (1 + gained_steps * share.sequences))
+
+
 def _probe_gap_rounds(gained_steps: float, draft_round_s: float | None, plain_round_s: float | None,
                       share: StepShare = ALONE) -> int:
     """Plain rounds between probes of a losing drafter: so many that the probes cost at most
@@ -110,9 +117,8 @@ def _probe_gap_rounds(gained_steps: float, draft_round_s: float | None, plain_ro
     with every request probing so, the probes cost that share of the batch's time."""
     if draft_round_s is None or plain_round_s is None:
         return 0
-    round_s = share.draft_round_s(draft_round_s, plain_round_s)
-    loss = round_s / plain_round_s - (1 + gained_steps * share.sequences)  # plain steps' time a probe loses
-    return min(math.ceil(max(loss, 0.0) / (_PROBE_COST_SHARE * share.sequences)), _MAX_PROBE_GAP_ROUNDS)
+    loss = _probe_loss_steps(gained_steps, draft_round_s, plain_round_s, share)
+    return min(math.ceil(loss / (_PROBE_COST_SHARE * share.sequences)), _MAX_PROBE_GAP_ROUNDS)
 
 
 def _average(old: float | None, new: float) -> float:
@@ -161,7 +167,9 @@ class ShapeRecord:
         drafts alone in its step, where its sequences are `sequences_share` of the step's."""
         if self.gained_steps is None or self.draft_round_s is None or self.plain_round_s is None:
             return 0.0
-        return max(0.0, self.draft_round_s - self.plain_round_s * (1 + self.gained_steps * sequences_share))
+        alone = StepShare(sequences_share, 1.0)
+        loss = _probe_loss_steps(self.gained_steps, self.draft_round_s, self.plain_round_s, alone)
+        return self.plain_round_s * loss
 
     def credit_probe(self, max_rounds: int, sequences_share: float, max_steps: int) -> bool:
         """A new request started backed off with up to `max_rounds` rounds, its sequences expected to be
