@@ -11,6 +11,8 @@ import time
 from typing import Self
 
 import httpx
+import openai
+import pytest
 import uvicorn
 
 from widebeam.outputs import CompletionOutput, RequestDelta, RequestOutput
@@ -170,3 +172,46 @@ def start_calls(server: ThreadServer, calls: dict[str, dict]) -> tuple[dict, lis
     for thread in threads:
         thread.start()
     return outcomes, threads
+
+
+# -- the QA reproductions' shared check: a bad request refused beside a greedy stream ---------------
+QA_PROMPT = "The user bought running shoes, socks and a water bottle. Next item:"
+QA_GREEDY = {"max_tokens": 12, "temperature": 0}
+
+
+def client_of(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.api_key or "unused", max_retries=0,
+                         timeout=60)
+
+
+def streamed_text(client, prompt: str = QA_PROMPT) -> str:
+    return "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny-chat", prompt=prompt, stream=True, **QA_GREEDY) if c.choices)
+
+
+def refused_alongside_a_stream(server, client, param: str, **kwargs) -> dict:
+    """Send the bad request while a greedy stream runs; the stream answers as it does alone, the bad
+    request is a 400 naming `param` without a source path or a traceback, and the pools are whole."""
+    alone = streamed_text(client)
+    got: list[str] = []
+    stream = threading.Thread(target=lambda: got.append(streamed_text(client)))
+    stream.start()
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny-chat", prompt=QA_PROMPT, **kwargs)
+    stream.join(timeout=60)
+    assert got == [alone]
+    error = info.value.body
+    assert error["param"] == param, error
+    assert "Traceback" not in error["message"] and ".py" not in error["message"], error
+    # the next request is served as before
+    next_text = client.completions.create(model="tiny-chat", prompt=QA_PROMPT, **QA_GREEDY).choices[0].text
+    assert next_text == alone
+    assert_pools_whole(server)
+    return error
+
+
+def assert_pools_whole(server) -> None:
+    """Once the server is idle every pool's free blocks are its total again."""
+    server.wait_idle()
+    pools = server.pools()
+    assert pools and all(free == total for free, total in pools.values()), pools

@@ -5,21 +5,14 @@ works); a greedy stream running at the same time is unaffected, and the pools ar
 
 from __future__ import annotations
 
-import threading
-
 import httpx
 import openai
 import pytest
 from conftest import ServerProcess
+from e2e_helpers import QA_GREEDY, QA_PROMPT, client_of, refused_alongside_a_stream
 
-PROMPT = "The user bought running shoes, socks and a water bottle. Next item:"
-GREEDY = {"max_tokens": 12, "temperature": 0}
+PROMPT, GREEDY = QA_PROMPT, QA_GREEDY
 BEAM = {"use_beam_search": True, "beam_width": 4}
-
-
-def client_of(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.api_key or "unused", max_retries=0,
-                         timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -35,33 +28,6 @@ def items(tiny_chat_model_dir) -> list[list[int]]:
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_chat_model_dir))
     texts = ["yoga mat", "running shoes", "a green scarf"]
     return [tokenizer.encode(" " + text, add_special_tokens=False) for text in texts]
-
-
-def streamed_text(client, prompt: str = PROMPT) -> str:
-    return "".join(c.choices[0].text for c in client.completions.create(
-        model="tiny-chat", prompt=prompt, stream=True, **GREEDY) if c.choices)
-
-
-def refused_alongside_a_stream(server, client, param: str, **kwargs) -> dict:
-    """Send the bad request while a greedy stream runs; the stream answers as it does alone, the bad
-    request is a 400 naming `param` without a source path or a traceback, and the pools are whole."""
-    alone = streamed_text(client)
-    got: list[str] = []
-    stream = threading.Thread(target=lambda: got.append(streamed_text(client)))
-    stream.start()
-    with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model="tiny-chat", prompt=PROMPT, **kwargs)
-    stream.join(timeout=60)
-    assert got == [alone]
-    error = info.value.body
-    assert error["param"] == param, error
-    assert "Traceback" not in error["message"] and ".py" not in error["message"], error
-    # the next request is served as before
-    assert client.completions.create(model="tiny-chat", prompt=PROMPT, **GREEDY).choices[0].text == alone
-    server.wait_idle()
-    pools = server.pools()
-    assert pools and all(free == total for free, total in pools.values()), pools
-    return error
 
 
 # -- 3. penalties: a range where the arithmetic stays finite ----------------------------------------
