@@ -15,11 +15,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from widebeam.kv.budget import KVRequest, full_attention_blocks, sliding_window_blocks
+from widebeam.defaults import MAX_NUM_SPECULATIVE_TOKENS
+from widebeam.kv.budget import (
+    KVRequest,
+    _sliding_window_blocks_reference,
+    full_attention_blocks,
+    sliding_window_blocks,
+)
 from widebeam.kv.cache import KVCache
 from widebeam.kv.spec import CrossAttentionSpec, FullAttentionSpec, SlidingWindowSpec
 
 COMMON = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 8}
+# D over the range the engine accepts (num_speculative_tokens), small values drawn as often as large
+SPECULATIVE_TOKENS = st.integers(0, 5) | st.integers(6, MAX_NUM_SPECULATIVE_TOKENS)
 
 
 class SpecTrace:
@@ -124,7 +132,7 @@ def draw_parents(data, live, beam_width):
 @settings(max_examples=1000, deadline=None)
 @given(data=st.data(), prompt_tokens=st.integers(1, 40), max_new_tokens=st.integers(1, 16),
        beam_width=st.integers(1, 5), tokens_per_block=st.sampled_from([1, 2, 3, 4, 8, 16]),
-       window_tokens=st.integers(3, 20), speculative_tokens=st.integers(0, 5),
+       window_tokens=st.integers(3, 20), speculative_tokens=SPECULATIVE_TOKENS,
        chunk_tokens=st.integers(1, 24), encoder_tokens=st.integers(0, 20))
 def test_random_speculative_rounds_stay_within_every_pool(data, prompt_tokens, max_new_tokens, beam_width,
                                                           tokens_per_block, window_tokens, speculative_tokens,
@@ -165,7 +173,7 @@ def adversarial_full_trace(prompt_tokens, max_new_tokens, beam_width, tokens_per
 
 @settings(max_examples=600, deadline=None)
 @given(prompt_tokens=st.integers(1, 40), max_new_tokens=st.integers(1, 16), beam_width=st.integers(1, 5),
-       tokens_per_block=st.sampled_from([1, 2, 3, 4, 8, 16]), speculative_tokens=st.integers(0, 5))
+       tokens_per_block=st.sampled_from([1, 2, 3, 4, 8, 16]), speculative_tokens=SPECULATIVE_TOKENS)
 def test_adversarial_rounds_reach_the_full_attention_bound(prompt_tokens, max_new_tokens, beam_width,
                                                            tokens_per_block, speculative_tokens):
     """A round that starts with g <= N - 1 tokens generated has C + k = P + g and writes positions
@@ -184,16 +192,11 @@ def test_adversarial_rounds_reach_the_full_attention_bound(prompt_tokens, max_ne
     assert trace.peak["full"] == required
 
 
-@settings(max_examples=300, deadline=None)
-@given(prompt_tokens=st.integers(1, 40), max_new_tokens=st.integers(1, 12), beam_width=st.integers(1, 4),
-       tokens_per_block=st.sampled_from([1, 2, 3, 4, 8]), window_tokens=st.integers(3, 20),
-       speculative_tokens=st.integers(0, 4))
-def test_adversarial_rounds_reach_the_sliding_bound(
-        prompt_tokens, max_new_tokens, beam_width, tokens_per_block, window_tokens, speculative_tokens):
+def adversarial_sliding_peak(prompt_tokens, max_new_tokens, beam_width, tokens_per_block, window_tokens,
+                             speculative_tokens):
     """For every committed length x a round can start at, one trace starts a round there with as many
     pending tokens as allowed (k = min(D + 1, N - 1 - (x - P)), after single-token rounds), every beam
-    diverging. The bound's writes reach position P + N - 2 + D, the last a round ever writes (see the
-    full-attention test above), so the largest of these traces reaches it exactly."""
+    diverging; returns (the largest sliding-pool peak of these traces, the pool's required blocks)."""
     p, n, d = prompt_tokens, max_new_tokens, speculative_tokens
     peak = required = 0
     for x in range(p, max(p + n - 1, p + 1)):  # N = 1: the prompt alone, no round
@@ -206,8 +209,33 @@ def test_adversarial_rounds_reach_the_sliding_bound(
             trace.round([], list(range(beam_width)), 1)  # the round at x, with k = pending
         trace.finish()
         peak, required = max(peak, trace.peak["sliding"]), trace.required["sliding"]
+    return peak, required
+
+
+@settings(max_examples=150, deadline=None)
+@given(prompt_tokens=st.integers(1, 40), max_new_tokens=st.integers(1, 12) | st.integers(13, 40),
+       beam_width=st.integers(1, 4), tokens_per_block=st.sampled_from([1, 2, 3, 4, 8]),
+       window_tokens=st.integers(3, 20) | st.integers(21, 64), speculative_tokens=SPECULATIVE_TOKENS)
+def test_adversarial_rounds_reach_the_sliding_bound(
+        prompt_tokens, max_new_tokens, beam_width, tokens_per_block, window_tokens, speculative_tokens):
+    """The bound's writes reach position P + N - 2 + D, the last a round ever writes (see the
+    full-attention test above), so the largest of the adversarial traces reaches it exactly, and it
+    is the reference loop's value."""
+    peak, required = adversarial_sliding_peak(prompt_tokens, max_new_tokens, beam_width, tokens_per_block,
+                                              window_tokens, speculative_tokens)
     assert required - beam_width <= peak <= required
     assert peak == required
+    d = speculative_tokens
+    assert required == _sliding_window_blocks_reference(prompt_tokens, max_new_tokens, beam_width,
+                                                        tokens_per_block, window_tokens, None, d, d)
+
+
+def test_the_audit_point_holds_its_reference_blocks():
+    """T=16, window 128, P=91, N=90, W=3, D=R=25: beams diverging in speculative rounds hold 29 blocks
+    of the sliding pool at once, what the reference loop gives; a pool sized by a fast bound that
+    forgets the re-feed tail (27) runs dry."""
+    peak, required = adversarial_sliding_peak(91, 90, 3, 16, 128, 25)
+    assert peak == required == _sliding_window_blocks_reference(91, 90, 3, 16, 128, None, 25, 25) == 29
 
 
 def test_the_refeed_term_is_what_keeps_the_sliding_pool_from_running_dry():

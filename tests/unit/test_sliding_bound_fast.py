@@ -5,40 +5,57 @@ definition. They must agree everywhere."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from widebeam.defaults import MAX_NUM_SPECULATIVE_TOKENS
 from widebeam.kv import budget
 from widebeam.kv.budget import _sliding_window_blocks_reference, sliding_window_blocks
-
-
-@st.composite
-def _bound_args(draw):
-    prompt = draw(st.integers(1, 300))
-    extra = draw(st.integers(0, 4))
-    return {
-        "prompt_tokens": prompt,
-        "max_new_tokens": draw(st.integers(1, 400)),
-        "beam_width": draw(st.integers(1, 8)),
-        "tokens_per_block": draw(st.integers(1, 16)),
-        "window_tokens": draw(st.integers(1, 64)),
-        "prefill_chunk_tokens": draw(st.none() | st.integers(1, 64)),
-        "extra_tokens": extra,
-        "refeed_tokens": draw(st.integers(0, extra)),
-        "cached_prompt_tokens": draw(st.integers(0, prompt - 1)),
-    }
-
-
-@settings(max_examples=2000, deadline=None)
-@given(_bound_args())
-def test_fast_bound_equals_reference(args):
-    assert sliding_window_blocks(**args) == _sliding_window_blocks_reference(**args)
 
 
 def _args(p, n, beams, t, w, chunk=None, extra=0, refeed=0, cached=0):
     return {"prompt_tokens": p, "max_new_tokens": n, "beam_width": beams, "tokens_per_block": t,
             "window_tokens": w, "prefill_chunk_tokens": chunk, "extra_tokens": extra,
             "refeed_tokens": refeed, "cached_prompt_tokens": cached}
+
+
+# D and R over the whole range the engine accepts (num_speculative_tokens = D, and the engine
+# reserves R = D); R is also drawn on its own, which the bound allows.
+_TOKENS_D = st.integers(0, MAX_NUM_SPECULATIVE_TOKENS)
+
+
+@st.composite
+def _bound_args(draw):
+    prompt = draw(st.integers(1, 300))
+    extra = draw(_TOKENS_D)
+    return {
+        "prompt_tokens": prompt,
+        "max_new_tokens": draw(st.integers(1, 400)),
+        "beam_width": draw(st.integers(1, 8)),
+        "tokens_per_block": draw(st.integers(1, 32)),
+        "window_tokens": draw(st.integers(1, 64) | st.integers(65, 512)),
+        "prefill_chunk_tokens": draw(st.none() | st.integers(1, 64)),
+        "extra_tokens": extra,
+        "refeed_tokens": draw(st.just(extra) | _TOKENS_D),
+        "cached_prompt_tokens": draw(st.integers(0, prompt - 1)),
+    }
+
+
+@settings(max_examples=2000, deadline=None)
+@given(_bound_args())
+# the audit's point: a tail window that forgets the re-feed shift gives 27 here
+@example(_args(91, 90, 3, 16, 128, extra=25, refeed=25))
+@example(_args(91, 90, 3, 16, 128, extra=MAX_NUM_SPECULATIVE_TOKENS, refeed=MAX_NUM_SPECULATIVE_TOKENS))
+def test_fast_bound_equals_reference(args):
+    assert sliding_window_blocks(**args) == _sliding_window_blocks_reference(**args)
+
+
+def test_the_audit_point_needs_its_refeed_tail():
+    """T=16, window 128, P=91, N=90, W=3, D=R=25: the reference loop's maximum lies in the re-feed tail
+    (positions within R + T of the last one fed), 29 blocks."""
+    args = _args(91, 90, 3, 16, 128, extra=25, refeed=25)
+    assert _sliding_window_blocks_reference(**args) == 29
+    assert sliding_window_blocks(**args) == 29
 
 
 _EDGES = [
