@@ -33,6 +33,11 @@ from widebeam.kv.cache import KVCache
 from widebeam.layout import StartupLayout, compute_layout, draft_dtype, estimate_activation_bytes
 from widebeam.model.arch import CROSS_POOL, ModelArch
 
+# The most memory a plan is made for: 256 TiB, past the largest single-system memory sold today (tens of
+# TiB). Larger is a typo or an attack, refused naming --memory; the plan's cost does not grow with it
+# (pools are counts: kv/block_pool.py hands out ids lazily).
+MAX_PLAN_MEMORY_BYTES = 1 << 48
+
 
 @dataclass(frozen=True)
 class CataloguePlan:
@@ -145,6 +150,9 @@ def plan(arch: ModelArch, inputs: PlanInputs, draft_arch: ModelArch | None = Non
         raise ValueError("speculative method 'draft' needs the draft model's arch (draft_arch)")
     if not uses_draft:
         draft_arch = None
+    if not 0 < inputs.memory_bytes <= MAX_PLAN_MEMORY_BYTES:
+        raise PlanError(f"--memory must be in (0, {MAX_PLAN_MEMORY_BYTES}] bytes (256 TiB, more than any "
+                        f"machine has), got {inputs.memory_bytes}")
     config = inputs.engine_config()
     weight_bytes = arch.weight_bytes(inputs.dtype)
     # the engine's own estimate, for an engine whose widest request is this one (summed over its workers)

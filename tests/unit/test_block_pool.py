@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from widebeam.errors import BlockStateError, OutOfBlocksError
 from widebeam.kv.block_pool import BlockPool
@@ -73,3 +75,44 @@ def test_bulk_ref_counts_match_one_call_per_block_and_check_each_block():
         bulk.inc_ref_many([9])
     with pytest.raises(BlockStateError, match="out of range"):
         bulk.free([-1])
+
+
+class EagerFreeList:
+    """The pool's hand-out order as an explicit free list of every id (what the pool kept before issue 41):
+    [n-1, ..., 1, 0] popped from the end, returned ids appended."""
+
+    def __init__(self, num_blocks: int):
+        self.free_ids = list(range(num_blocks - 1, -1, -1))
+
+    def allocate(self) -> int:
+        return self.free_ids.pop()
+
+    def free(self, block_id: int) -> None:
+        self.free_ids.append(block_id)
+
+
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 63)), max_size=200))
+def test_lazy_ids_are_handed_out_in_the_eager_lists_order(ops):
+    num_blocks = 8
+    pool, reference, held = BlockPool(num_blocks), EagerFreeList(num_blocks), []
+    for allocate, which in ops:
+        if allocate and pool.num_free_blocks:
+            block_id = pool.allocate()
+            assert block_id == reference.allocate()
+            held.append(block_id)
+        elif held:
+            block_id = held.pop(which % len(held))
+            pool.free([block_id])
+            reference.free(block_id)
+        assert pool.num_free_blocks == len(reference.free_ids) == num_blocks - len(held)
+        assert all(pool.ref_count(b) == (b in held) for b in range(num_blocks))
+
+
+def test_a_huge_pool_costs_nothing_until_used():
+    """`widebeam plan` builds the pools of 256 TiB (issue 41): no per-block state up front."""
+    pool = BlockPool(2**40)
+    assert pool.num_free_blocks == 2**40 and pool.ref_count(2**40 - 1) == 0
+    assert [pool.allocate() for _ in range(3)] == [0, 1, 2]
+    assert len(pool._ref_counts) == 3
+    with pytest.raises(BlockStateError, match="which is free"):
+        pool.dec_ref(2**39)  # never handed out: free

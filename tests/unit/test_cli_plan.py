@@ -96,6 +96,7 @@ def test_plan_table_shows_both_models():
         (["--tokens-per-block", "0"], "--tokens-per-block"),
         (["--memory", "lots"], "--memory"),
         (["--memory", "10MiB"], "--memory"),
+        (["--memory", "1024TiB"], "--memory"),  # past any machine (2^50 bytes)
         (["--kv-cache-fraction", "1.5"], "--kv-cache-fraction"),
         (["--model", "no-such-model"], "--model"),
         (["--dtype", "int3"], "--dtype"),

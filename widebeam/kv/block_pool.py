@@ -12,6 +12,11 @@ Free and evictable blocks together are what can be handed out (`num_free_blocks`
 takes a free block first and evicts only when none is left, so no allocation path reports the pool
 full while evictable blocks remain. The pool only hands out ids: the K/V tensors indexed by those
 ids belong to the model runner.
+
+Memory is O(blocks ever handed out), not O(`num_blocks`): the ids never handed out are a count
+(`_num_untouched`), so a pool of 2^40 blocks (what `widebeam plan` builds for a large memory) costs
+nothing until it is used. Ids are handed out in the order an explicit free list [0, 1, 2, ...] would
+give them, returned blocks first (last returned, first reused).
 """
 
 from __future__ import annotations
@@ -28,9 +33,10 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         self.name = name
         self.num_blocks = num_blocks
-        self._ref_counts = [0] * num_blocks
-        # Pop from the end; reversed so block 0 is handed out first (easier to read in tests and dumps).
-        self._free_block_ids = list(range(num_blocks - 1, -1, -1))
+        # One entry per block ever handed out (ids 0 .. len - 1); ids past it were never used.
+        self._ref_counts: list[int] = []
+        # Blocks handed out and returned, popped from the end: the last returned is reused first.
+        self._free_block_ids: list[int] = []
         # Cached-evictable blocks, least recently released first (the eviction order).
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._hash_to_block: dict[bytes, int] = {}
@@ -41,7 +47,12 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         """Blocks not in use: free plus cached-evictable (what `allocate` can hand out)."""
-        return len(self._free_block_ids) + len(self._evictable)
+        return len(self._free_block_ids) + self._num_untouched + len(self._evictable)
+
+    @property
+    def _num_untouched(self) -> int:
+        """Blocks never handed out: the next one is id `len(self._ref_counts)`."""
+        return self.num_blocks - len(self._ref_counts)
 
     @property
     def num_evictable_blocks(self) -> int:
@@ -57,13 +68,17 @@ class BlockPool:
 
     def ref_count(self, block_id: int) -> int:
         self._check_id(block_id)
-        return self._ref_counts[block_id]
+        return self._ref_counts[block_id] if block_id < len(self._ref_counts) else 0
 
     def allocate(self) -> int:
         """Take one block (free first, else evict the least recently released cached one); its ref
         count becomes 1."""
         if self._free_block_ids:
             block_id = self._free_block_ids.pop()
+        elif len(self._ref_counts) < self.num_blocks:
+            block_id = len(self._ref_counts)
+            self._ref_counts.append(1)
+            return block_id
         elif self._evictable:
             block_id, _ = self._evictable.popitem(last=False)
             del self._hash_to_block[self._block_to_hash.pop(block_id)]
@@ -99,19 +114,21 @@ class BlockPool:
     def inc_ref_many(self, block_ids: Iterable[int]) -> None:
         """`inc_ref` on each block, in order (a fork shares a whole table): one loop over the ref
         counts, not a checked call per block; a wide beam step forks hundreds of long tables."""
-        counts, num_blocks = self._ref_counts, self.num_blocks
+        counts = self._ref_counts
+        num_touched = len(counts)
         for block_id in block_ids:
-            if not 0 <= block_id < num_blocks or counts[block_id] <= 0:
+            if not 0 <= block_id < num_touched or counts[block_id] <= 0:
                 self._check_live(block_id, "inc_ref")  # raises, naming the block
             counts[block_id] += 1
 
     def free(self, block_ids: Iterable[int]) -> int:
         """Drop one reference from each block, in order (`dec_ref` on each, in one loop); return how
         many blocks left use."""
-        counts, num_blocks, cached = self._ref_counts, self.num_blocks, self._block_to_hash
+        counts, cached = self._ref_counts, self._block_to_hash
+        num_touched = len(counts)
         num_left = 0
         for block_id in block_ids:
-            if not 0 <= block_id < num_blocks or counts[block_id] <= 0:
+            if not 0 <= block_id < num_touched or counts[block_id] <= 0:
                 self._check_live(block_id, "dec_ref")  # raises, naming the block
             count = counts[block_id] - 1
             counts[block_id] = count
@@ -177,6 +194,5 @@ class BlockPool:
                                   f"[0, {self.num_blocks})")
 
     def _check_live(self, block_id: int, op: str) -> None:
-        self._check_id(block_id)
-        if self._ref_counts[block_id] <= 0:
+        if self.ref_count(block_id) <= 0:
             raise BlockStateError(f"pool '{self.name}': {op} on block {block_id}, which is free")

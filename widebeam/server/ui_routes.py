@@ -40,7 +40,6 @@ def is_ui_path(path: str) -> bool:
 # Bounds that keep one plan quick (the layout's loops are over pools and lengths, not memory).
 MAX_PLAN_BEAM_WIDTH = 1 << 16
 MAX_PLAN_TOKENS = 1 << 20
-MAX_PLAN_MEMORY_BYTES = 1 << 50
 
 
 class PlanRequest(BaseModel):
@@ -57,6 +56,7 @@ class PlanRequest(BaseModel):
 
 
 def _memory_bytes(memory: str | int) -> int:
+    from widebeam.plan import MAX_PLAN_MEMORY_BYTES
     from widebeam.units import parse_bytes
 
     try:
@@ -64,7 +64,8 @@ def _memory_bytes(memory: str | int) -> int:
     except ValueError as exc:
         raise s.invalid("memory", f"memory: {exc}") from None
     if not 0 < value <= MAX_PLAN_MEMORY_BYTES:
-        raise s.invalid("memory", f"memory must be in (0, {MAX_PLAN_MEMORY_BYTES}] bytes, got {memory!r}")
+        raise s.invalid("memory", f"memory must be in (0, {MAX_PLAN_MEMORY_BYTES}] bytes (256 TiB, more than "
+                                  f"any machine has), got {memory!r}")
     return value
 
 
