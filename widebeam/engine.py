@@ -30,6 +30,7 @@ from widebeam.errors import InvalidParameterError
 from widebeam.kv.spec import FullAttentionSpec
 from widebeam.model.runner import SequenceInput
 from widebeam.outputs import RequestDelta
+from widebeam.param_checks import check_bans_leave_a_token
 from widebeam.params import BeamSearchParams, SamplingParams
 from widebeam.pinning import pin_prefixes, pin_token_ids
 from widebeam.prompts import (
@@ -93,7 +94,8 @@ class LLMEngine:
         self.eos_token_ids = generation.eos_token_ids
         self.grammars = Grammars(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)  # response_format
         self.prompt_rules = PromptRules(self.tokenizer, self.arch.vocab_size,
-                                        generation.decoder_start_token_id, generation.forced_bos_token_id)
+                                        generation.decoder_start_token_id, generation.forced_bos_token_id,
+                                        self.max_seq_len)
         self.suppress_token_ids = generation.suppress_token_ids
         self.forced_eos_token_id = generation.forced_eos_token_id
         self.scheduler = make_scheduler(sched_config.scheduling_policy, self.cache,
@@ -167,6 +169,9 @@ class LLMEngine:
                                             "without speculative decoding")
             catalogue, params = self.catalogues.fit_request(params)
             prepared = prepare_prompt(prompt, params, self.prompt_rules)
+            if not scoring:  # bans that leave the first step no token: a 400, not an empty answer
+                check_bans_leave_a_token(params, self.arch.vocab_size, self.eos_token_ids,
+                                         self.suppress_token_ids)
             token_ids, encoder_token_ids = prepared.token_ids, prepared.encoder_token_ids
             # prompt log-probs compute every token: no prefix reuse for them
             caching = self.cache.enable_prefix_caching and params.prompt_logprobs is None

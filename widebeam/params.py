@@ -62,7 +62,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # Encoder-decoder models: the decoder starts from these tokens after its start token (NLLB's target
     # language, a T5 task prefix, a forced partial translation): its prompt, never scored nor returned.
-    # Decoder-only models: appended to the prompt. Text is tokenized without special tokens.
+    # Decoder-only models refuse it at admission (put the tokens in the prompt), as they refuse
+    # forced_bos_token_id. Text is tokenized without special tokens.
     decoder_prefix: tuple[int, ...] | str = ()
     # HF `forced_bos_token_id`: the first generated token (mBART-50 / NLLB target language), scored 0.
     # None: the model's generation config's. Only without a decoder_prefix, as in HF.
@@ -156,7 +157,9 @@ class BeamSearchParams:
     `num_return_sequences` (default: all) follow the final width.
     """
 
-    beam_width: int = DEFAULT_BEAM_WIDTH
+    # None: not given, resolved in __post_init__ to the schedule's widest step or DEFAULT_BEAM_WIDTH (an
+    # int after construction, always); a given width beside a schedule must be its widest step.
+    beam_width: int | None = None
     max_new_tokens: int | None = 16
     length_penalty: float = 1.0
     early_stopping: bool | str = False
@@ -175,7 +178,8 @@ class BeamSearchParams:
     prompt_logprobs: int | None = None
     # Encoder-decoder models: the decoder starts from these tokens after its start token (NLLB's target
     # language, a T5 task prefix, a forced partial translation): its prompt, never scored nor returned.
-    # Decoder-only models: appended to the prompt. Text is tokenized without special tokens.
+    # Decoder-only models refuse it at admission (put the tokens in the prompt), except as a soft
+    # prefix (prefix_bias_beta), which is generated under a bias. Text is tokenized without special tokens.
     decoder_prefix: tuple[int, ...] | str = ()
     # HF `forced_bos_token_id`: the first generated token (mBART-50 / NLLB target language), scored 0.
     # None: the model's generation config's. Only without a decoder_prefix, as in HF.
@@ -226,10 +230,12 @@ class BeamSearchParams:
     def __post_init__(self) -> None:
         as_tuple(self, "stop", str)
         as_tuple(self, "stop_token_ids", int)
-        require(isinstance(self.beam_width, int) and not isinstance(self.beam_width, bool)
-                 and self.beam_width >= 1, "beam_width", "must be an integer >= 1, got {value!r}",
-                 value=self.beam_width)
+        require(self.beam_width is None or (is_int(self.beam_width) and self.beam_width >= 1), "beam_width",
+                 "must be an integer >= 1 (or None: the schedule's widest step, else "
+                 f"{DEFAULT_BEAM_WIDTH}), got {{value!r}}", value=self.beam_width)
         check_schedule(self)
+        if self.beam_width is None:
+            object.__setattr__(self, "beam_width", DEFAULT_BEAM_WIDTH)
         check_item_filters(self)
         check_groups(self)
         require(self.catalogue is None or (isinstance(self.catalogue, str) and bool(self.catalogue)),
@@ -326,7 +332,7 @@ class BeamSearchParams:
                 and self.num_return_sequences == self.final_beam_width):
             values["num_return_sequences"] = None
         if changes.get("beam_width_schedule") is not None and "beam_width" not in changes:
-            values["beam_width"] = DEFAULT_BEAM_WIDTH  # the new schedule's widest step
+            values["beam_width"] = None  # not given: the new schedule's widest step
         values.update(changes)
         return type(self)(**values)
 

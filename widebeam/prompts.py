@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from widebeam.errors import InvalidParameterError
 from widebeam.model.families import GenerationSettings, generation_settings
 from widebeam.model.loader import ModelSource, load_config
+from widebeam.score_params import ScoreParams
 
 
 def tokenize_prompt(prompt: str | dict | list[int], tokenizer,
@@ -78,10 +79,15 @@ def split_prompt(token_ids: list[int], decoder_prefix: tuple[int, ...] | str, to
                  decoder_start_token_id: int | None) -> tuple[list[int] | None, list[int]]:
     """(the encoder's source or None, the decoder's prompt). An encoder-decoder model encodes the
     prompt and starts its decoder from its start token and `decoder_prefix`; a decoder-only model
-    continues the prompt and the prefix. A text prefix is tokenized without special tokens."""
+    continues the prompt, and refuses a (hard) prefix as it refuses `forced_bos_token_id`. A text
+    prefix is tokenized without special tokens."""
     decoder_prefix = prefix_token_ids(decoder_prefix, tokenizer, vocab_size)
     if decoder_start_token_id is None:
-        return None, [*token_ids, *decoder_prefix]
+        if decoder_prefix:  # refused, as forced_bos_token_id is: appending it silently hid the mistake
+            raise InvalidParameterError("decoder_prefix", "{decoder_prefix} applies to encoder-decoder "
+                                        "models; this one continues its prompt: put the tokens at the end "
+                                        "of the prompt")
+        return None, list(token_ids)
     if not token_ids:
         raise InvalidParameterError("prompt", "the source is empty: give at least one token")
     return token_ids, [decoder_start_token_id, *decoder_prefix]
@@ -95,13 +101,16 @@ class PromptRules:
     vocab_size: int
     decoder_start_token_id: int | None = None
     forced_bos_token_id: int | None = None
+    # the engine's max_seq_len: a decoder prefix or a scored continuation past it is refused by name
+    # here (admission's own check would blame the prompt or max_new_tokens); None: admission alone
+    max_seq_len: int | None = None
 
 
 @dataclass(frozen=True)
 class PreparedPrompt:
     """A request's prompt as the engine runs it."""
     text: str | None  # the prompt's text, None when given as token ids
-    token_ids: list[int]  # the decoder's prompt (decoder-only: the prompt and any decoder prefix)
+    token_ids: list[int]  # the decoder's prompt (decoder-only: the prompt; else start token and prefix)
     encoder_token_ids: list[int] | None  # an encoder-decoder's source, else None
     soft_prefix: tuple[int, ...]  # a prefix generated under a bias (prefix_bias_beta), not given
     forced_bos_token_id: int | None  # forced as the first generated token
@@ -120,7 +129,29 @@ def prepare_prompt(prompt: str | dict | list[int], params, rules: PromptRules) -
     encoder_token_ids, token_ids = split_prompt(token_ids, hard_prefix, rules.tokenizer, rules.vocab_size,
                                                 rules.decoder_start_token_id)
     soft_prefix = prefix_token_ids(params.decoder_prefix, rules.tokenizer, rules.vocab_size) if soft else ()
+    if rules.max_seq_len is not None:
+        check_decoder_length(token_ids, encoder_token_ids is not None, params, rules.max_seq_len)
     return PreparedPrompt(text, token_ids, encoder_token_ids, soft_prefix, forced_bos_token_id(params, rules))
+
+
+def check_decoder_length(token_ids: list[int], encoder_decoder: bool, params, max_seq_len: int) -> None:
+    """Name the field at fault when the decoder's sequence cannot fit `max_seq_len`: an encoder-decoder's
+    `decoder_prefix` (its decoder's prompt is the start token and the prefix), or a scored continuation
+    (scoring has no max_new_tokens: the longest continuation is what it generates). A prompt too long by
+    itself is admission's to refuse, naming the prompt."""
+    if encoder_decoder and params.decoder_prefix and len(token_ids) >= max_seq_len:
+        raise InvalidParameterError("decoder_prefix", "{decoder_prefix} has {count} tokens; after the "
+                                    "decoder's start token it leaves no room to generate within max_seq_len "
+                                    "({limit}): give at most {most} tokens", count=len(token_ids) - 1,
+                                    limit=max_seq_len, most=max_seq_len - 2)
+    if isinstance(params, ScoreParams) and len(token_ids) < max_seq_len:
+        longest = params.max_new_tokens
+        if len(token_ids) + longest > max_seq_len:
+            held = "the decoder's start token and prefix" if encoder_decoder else "the prompt"
+            raise InvalidParameterError("continuations", "{continuations} holds one of {longest} tokens; "
+                                        "after {held} ({count} tokens) at most {most} fit within max_seq_len "
+                                        "({limit})", longest=longest, held=held, count=len(token_ids),
+                                        most=max_seq_len - len(token_ids), limit=max_seq_len)
 
 
 def check_token_ids(params, vocab_size: int) -> None:

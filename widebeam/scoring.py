@@ -69,6 +69,11 @@ def score_groups(prompts, continuations: Sequence, max_rows: int, decoder_prefix
     return groups
 
 
+def distinct_prompts(groups: Sequence[ScoreGroup]) -> int:
+    """How many different prompts the groups score (a prompt's continuations may take several)."""
+    return len({_key(group.prompt) for group in groups})
+
+
 def score_outputs(groups: Sequence[ScoreGroup], outputs: Sequence[RequestOutput]) -> list[ScoreOutput]:
     """One `ScoreOutput` per continuation, in input order, from each group's finished request."""
     results: dict[int, ScoreOutput] = {}

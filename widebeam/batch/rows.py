@@ -36,6 +36,7 @@ INTEGER_FIELDS = {"seed", "max_new_tokens", "top_k", "beam_width", "min_new_toke
                   "forced_bos_token_id", "no_repeat_ngram_size", "max_input_length"}
 JSON_FIELDS = {"messages", "prompt_token_ids", "stop", "stop_token_ids", "allowed_sequences", "bad_words_ids",
                "continuations", "decoder_prefix"}
+WIDTH_FIELDS = ("beam_width", "beam_width_schedule")
 SCORE_MODE = "score"  # the defaults' key of a scoring job
 SCORE_FIELDS = {"continuation", "continuations", "decoder_prefix", "max_input_length"}
 
@@ -98,6 +99,10 @@ def make_params(values: Mapping[str, Any], defaults: Mapping[str, Any] | None = 
     if use_beams is not None and not isinstance(use_beams, bool):
         raise InvalidParameterError("use_beam_search", "use_beam_search must be true or false, got {value!r}",
                                     value=use_beams)
+    if any(name in values for name in WIDTH_FIELDS):
+        # the row's width, fixed or scheduled, overrides the job's: a default of the other kind beside
+        # it would read as given and disagree with it
+        defaults = {k: v for k, v in defaults.items() if k not in WIDTH_FIELDS}
     width = values.get("beam_width", defaults.get("beam_width", 1))
     if isinstance(width, float) and width.is_integer():
         width = int(width)

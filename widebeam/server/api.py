@@ -20,6 +20,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from widebeam.errors import InvalidParameterError
 from widebeam.logprobs import TokenText
 from widebeam.outputs import RequestOutput
 from widebeam.server import protocol as p
@@ -227,14 +228,15 @@ def create_app(engine, *, model_name: str, api_key: str | None = None,
                              f"model {req.model!r} is not served here; this server serves {model_name!r}",
                              param="model", code="model_not_found")
         plan = p.plan_request(req)
-        if req.stream and plan.echo and plan.num_top_logprobs is not None and not plan.beam:
-            raise s.invalid("echo", "echo with logprobs cannot be streamed for sampled choices (the prompt's "
-                                    "log-probs come with the final output): drop stream or logprobs")
+        p.check_echo(req, plan, engine)
         prompts = p.chat_prompts(engine.tokenizer, req) if chat else p.completion_prompts(req)
         render = ChoiceRenderer(plan, chat, engine.tokenizer, token_text)
-        prompt_texts = ([render.prompt_text(prompt) for prompt in prompts] if plan.echo
-                        else [""] * len(prompts))
         prompt_field = "messages" if chat else "prompt"
+        try:
+            prompt_texts = ([render.prompt_text(prompt, p.vocab_size(engine)) for prompt in prompts]
+                            if plan.echo else [""] * len(prompts))
+        except InvalidParameterError as exc:
+            raise p.engine_error(exc, prompt_field=prompt_field) from None
         if len(prompts) * plan.requests_per_prompt > p.MAX_ENGINE_REQUESTS_PER_CALL:
             raise s.invalid(prompt_field, f"too many prompts x choices in one call: at most "
                                           f"{p.MAX_ENGINE_REQUESTS_PER_CALL} engine requests")

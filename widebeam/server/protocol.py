@@ -14,7 +14,7 @@ from pydantic import BaseModel
 
 from widebeam.errors import InvalidParameterError, RequestTooLargeError
 from widebeam.outputs import CompletionOutput, RequestOutput
-from widebeam.params import DEFAULT_BEAM_WIDTH, BeamSearchParams, SamplingParams
+from widebeam.params import BeamSearchParams, SamplingParams
 from widebeam.server.schemas import (
     MAX_INLINE_ITEM_TOKENS,
     MAX_INLINE_ITEMS,
@@ -184,8 +184,10 @@ def _beam_plan(req, max_tokens, stop, stop_token_ids, max_tokens_name: str, extr
         # n beams come from the schedule's last width; a width field beside it must be its widest
         # step (BeamSearchParams says so, naming the field)
         width_field = "beam_width_schedule" if width_field == "n" else width_field
+        # None: not given, so the schedule's widest step (never a default's value, which would read
+        # as given and could disagree with the schedule)
         width = (req.beam_width if _given(req, "beam_width")
-                 else req.best_of if _given(req, "best_of") else DEFAULT_BEAM_WIDTH)
+                 else req.best_of if _given(req, "best_of") else None)
     elif req.n > width:
         raise invalid("n", f"n ({req.n}) must be <= the beams searched ({width_field}={width})")
     allowed_sequences = _inline_catalogue(req.allowed_sequences)
@@ -228,6 +230,30 @@ def _inline_catalogue(items: list[list[int]] | None) -> list[list[int]] | None:
                               f"allowed_sequences[{i}] holds {token}: token ids are >= 0 "
                               "and within the model's vocabulary")
     return items
+
+
+def check_echo(req: _GenerationFields, plan: Plan, engine) -> None:
+    """`echo` only where there is a prompt to echo, and streamed only where its log-probs can lead."""
+    if plan.echo and is_encoder_decoder(engine):
+        raise invalid("echo", "echo applies to decoder-only models: this one is an encoder-decoder, whose "
+                              "prompt is a source its decoder neither continues nor scores (the decoder "
+                              "starts from its start token), so there is no prompt to echo or to give "
+                              "log-probs for: drop echo (the source is the prompt you sent)")
+    if req.stream and plan.echo and plan.num_top_logprobs is not None and not plan.beam:
+        raise invalid("echo", "echo with logprobs cannot be streamed for sampled choices (the prompt's "
+                              "log-probs come with the final output): drop stream or logprobs")
+
+
+def is_encoder_decoder(engine) -> bool:
+    """The served model encodes its prompt as a source (its decoder starts from a start token)."""
+    rules = getattr(engine, "prompt_rules", None)
+    return rules is not None and rules.decoder_start_token_id is not None
+
+
+def vocab_size(engine) -> int:
+    """The served model's vocabulary (an engine without prompt rules, a test's, bounds nothing)."""
+    rules = getattr(engine, "prompt_rules", None)
+    return rules.vocab_size if rules is not None else 2**63
 
 
 def api_names(*, width_field: str = "n", prompt_field: str = "prompt",

@@ -1,4 +1,4 @@
-"""A call's choices as the API writes them: text (with the prompt before it for `echo`), finish reason,
+"""A call's choices as the API writes them: text (with the prompt used before it for `echo`), finish reason,
 beam score, and log-probs (completions' and chat's shapes, vLLM's `prompt_logprobs`), whole or as
 stream chunks. The shapes of the log-probs themselves are in logprobs_format.py."""
 
@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from widebeam.logprobs import TokenText
 from widebeam.outputs import CompletionOutput, RequestOutput
+from widebeam.prompts import tokenize_prompt, truncate_prompt
 from widebeam.server import protocol as p
 from widebeam.server import schemas as s
 from widebeam.server.logprobs_format import LogprobsWriter
@@ -23,13 +24,21 @@ class ChoiceRenderer:
     def logprobs(self) -> bool:
         return self.plan.num_top_logprobs is not None
 
-    def prompt_text(self, prompt) -> str:
-        """What `echo` puts before a choice: the prompt as given, or its token ids decoded."""
-        if isinstance(prompt, str):
+    def prompt_text(self, prompt, vocab_size: int) -> str:
+        """What `echo` puts before a choice: the prompt that was used, as its log-probs and `usage`
+        count it. The prompt as given, or its token ids decoded; a prompt `max_input_length` cut (a
+        decoder-only prompt keeps its last tokens, prompts.py) is its kept tokens decoded. Raises
+        `InvalidParameterError` for a prompt the engine would refuse (it tokenizes the same way)."""
+        max_input_length = self.plan.params[0].max_input_length
+        if isinstance(prompt, str) and (max_input_length is None or self.tokenizer is None):
             return prompt
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode(prompt["prompt_token_ids"], skip_special_tokens=False)
+        _, token_ids = tokenize_prompt(prompt, self.tokenizer, vocab_size)
+        kept = truncate_prompt(token_ids, max_input_length, decoder_start_token_id=None)
+        if isinstance(prompt, str) and len(kept) == len(token_ids):
+            return prompt
+        return self.tokenizer.decode(kept, skip_special_tokens=False)
 
     def whole(self, index: int, output: RequestOutput, completion: CompletionOutput,
               prompt_text: str) -> dict:

@@ -1,8 +1,11 @@
 """`POST /v1/score`: forced-decoding scores (widebeam/scoring.py) over HTTP.
 
 Request: `prompt` (text or token ids, one for every continuation; or a list of them, one per
-continuation), `continuations` (texts or token-id lists; a text is tokenized without special tokens),
-and optionally `decoder_prefix` (encoder-decoder models) and `max_input_length`. Response: one entry
+continuation), `continuations` (texts or token-id lists, mixed as `widebeam batch --score` takes them;
+a text is tokenized without special tokens), and optionally `decoder_prefix` (encoder-decoder models)
+and `max_input_length`. Caps: at most `MAX_SCORE_CONTINUATIONS` continuations, in at most
+`MAX_ENGINE_REQUESTS_PER_CALL` engine requests (one per distinct prompt per `max_beam_width` of its
+continuations); each refusal names `prompt` or `continuations` and states the cap. Response: one entry
 per continuation, in order, with its token ids, each token's log-prob under the model's raw
 log-softmax, and their sum (`logprob`). A prompt's continuations share its computation (it is
 prefilled once; they fork from it as beams do).
@@ -17,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
 from widebeam.errors import InvalidParameterError
-from widebeam.scoring import score_groups, score_outputs
+from widebeam.scoring import distinct_prompts, score_groups, score_outputs
 from widebeam.server import protocol as p
 from widebeam.server import schemas as s
 
@@ -30,8 +33,8 @@ class ScoreRequest(BaseModel):
     model: str | None = None
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
         ..., description="one prompt for every continuation, or one per continuation")
-    continuations: list[str] | list[list[int]] = Field(..., min_length=1,
-                                                       max_length=MAX_SCORE_CONTINUATIONS)
+    # texts and token-id lists, mixed as `widebeam batch --score` takes them (the same ScoreParams)
+    continuations: list[str | list[int]] = Field(..., min_length=1, max_length=MAX_SCORE_CONTINUATIONS)
     decoder_prefix: str | list[int] | None = None
     max_input_length: int | None = Field(None, ge=1)
 
@@ -67,6 +70,20 @@ def _prompts(req: ScoreRequest):
     return [{"prompt_token_ids": list(x)} if isinstance(x, list) else x for x in prompt]
 
 
+def _too_many_requests(groups, max_beam_width: int) -> s.ApiError:
+    """The real cap, stated: a call makes at most MAX_ENGINE_REQUESTS_PER_CALL engine requests, one per
+    distinct prompt per `max_beam_width` of its continuations. Names `prompt` when the distinct prompts
+    alone exceed it, else `continuations`."""
+    cap = p.MAX_ENGINE_REQUESTS_PER_CALL
+    num_prompts = distinct_prompts(groups)
+    param = "prompt" if num_prompts > cap else "continuations"
+    return s.invalid(param, f"these continuations need {len(groups)} engine requests ({num_prompts} "
+                            f"distinct prompts; each takes one per {max_beam_width} of its continuations, "
+                            f"the server's max_beam_width); a call makes at most {cap}: at most "
+                            f"{cap * max_beam_width} continuations of one prompt, or {cap} distinct prompts. "
+                            "Split the call")
+
+
 def add_score_route(app, engine, loop, model_name: str, model_aliases: tuple[str, ...], collect,
                     error_responses: dict) -> None:
     """Add the route to `app` (api.py's `create_app`); `collect` waits for a group's final outputs."""
@@ -82,8 +99,7 @@ def add_score_route(app, engine, loop, model_name: str, model_aliases: tuple[str
         except InvalidParameterError as exc:
             raise p.engine_error(exc) from None
         if len(groups) > p.MAX_ENGINE_REQUESTS_PER_CALL:
-            raise s.invalid("continuations", f"too many prompts in one call: at most "
-                                              f"{p.MAX_ENGINE_REQUESTS_PER_CALL} engine requests")
+            raise _too_many_requests(groups, engine.max_beam_width)
         call_id = s.new_id("score")
         request_ids = [f"{call_id}-{k}" for k in range(len(groups))]
         try:
