@@ -261,7 +261,7 @@ MAX_SCHEDULE_WIDTH = 2**20
 def check_schedule(params) -> None:
     """`beam_width_schedule`: None, or a non-empty list of integer widths >= 1 with at most
     `max_new_tokens` entries; stored as a tuple, and `beam_width` set to its widest step (a
-    `beam_width` given beside it must be that width, or left at its default)."""
+    `beam_width` given beside it, i.e. not None, must be that width)."""
     schedule = params.beam_width_schedule
     if schedule is None:
         return
@@ -277,8 +277,10 @@ def check_schedule(params) -> None:
              "has {length} entries, more than {max_new_tokens} ({limit}): one width per generated token "
              "at most (the last one repeats)", length=len(schedule), limit=params.max_new_tokens)
     widest = max(schedule)
-    require(params.beam_width in (DEFAULT_BEAM_WIDTH, widest), "beam_width",
+    # None is "not given"; any width given (the default's value too) must be the widest step
+    require(params.beam_width is None or params.beam_width == widest, "beam_width",
              "and {beam_width_schedule} disagree: with a schedule {beam_width} is its widest step "
-             "({limit}); leave it out, got {value!r}", limit=widest, value=params.beam_width)
+             "({limit}); give that or leave {beam_width} out, got {value!r}", limit=widest,
+             value=params.beam_width)
     object.__setattr__(params, "beam_width_schedule", schedule)
     object.__setattr__(params, "beam_width", widest)
