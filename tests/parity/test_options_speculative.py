@@ -20,7 +20,8 @@ PARAMS = [
     BeamSearchParams(beam_width=4, max_new_tokens=12, no_repeat_ngram_size=3, bad_words_ids=[[9, 7], [4]]),
     BeamSearchParams(beam_width=4, max_new_tokens=12, patience=2.0, stop_token_ids=[5, 9]),
     BeamSearchParams(beam_width=4, max_new_tokens=8, decoder_prefix=[40, 41], prefix_bias_beta=0.5),
-    BeamSearchParams(beam_width=4, max_new_tokens=8, decoder_prefix=[40], return_alternatives=True),
+    # (a hard decoder_prefix is refused on this decoder-only model: the soft one above is not)
+    BeamSearchParams(beam_width=4, max_new_tokens=8, return_alternatives=True),
 ]
 
 
