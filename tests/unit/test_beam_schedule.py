@@ -97,6 +97,7 @@ def test_constant_schedule_is_plain_beam_search():
     ({"beam_width_schedule": [4, 2.5]}, "beam_width_schedule"),
     ({"beam_width_schedule": [2] * 5, "max_new_tokens": 4}, "beam_width_schedule"),
     ({"beam_width_schedule": [2, 8], "beam_width": 3}, "beam_width"),
+    ({"beam_width_schedule": [2, 8], "beam_width": 4}, "beam_width"),  # 4, the default's value, is given
     ({"beam_width_schedule": [8, 2], "num_return_sequences": 3}, "num_return_sequences"),
 ])
 def test_schedule_errors_name_the_parameter(kwargs, param):
@@ -110,3 +111,40 @@ def test_schedule_sets_width_and_returns():
     assert params.beam_width == 16 and params.num_return_sequences == 8
     assert [params.width_at_step(k) for k in (1, 2, 3, 9)] == [2, 16, 8, 8]
     assert params.replace(beam_width_schedule=[3]).num_return_sequences == 3
+
+
+def test_a_width_not_given_is_none_and_resolves_to_an_int():
+    """`beam_width=None` is "not given": the schedule's widest step, else 4; every reader gets an int."""
+    assert BeamSearchParams().beam_width == 4 and isinstance(BeamSearchParams().beam_width, int)
+    assert BeamSearchParams(beam_width=8).beam_width == 8
+    assert BeamSearchParams(beam_width_schedule=[2, 8]).beam_width == 8
+    assert BeamSearchParams(beam_width=8, beam_width_schedule=[2, 8]).beam_width == 8
+    assert BeamSearchParams(beam_width=None) == BeamSearchParams(beam_width=4)
+    assert BeamSearchParams().replace(beam_width_schedule=[3, 5]).beam_width == 5
+    with pytest.raises(InvalidParameterError, match="beam_width and beam_width_schedule disagree"):
+        BeamSearchParams(beam_width_schedule=[2, 8]).replace(beam_width=4)
+
+
+@pytest.mark.parametrize("extra, param", [({"beam_width": 4}, "beam_width"), ({"best_of": 4}, "best_of")])
+def test_http_width_beside_a_schedule_must_be_its_widest(extra, param):
+    from widebeam.server.protocol import plan_request
+    from widebeam.server.schemas import ApiError, CompletionRequest
+
+    body = {"prompt": "hi", "use_beam_search": True, "beam_width_schedule": [2, 8]}
+    with pytest.raises(ApiError) as error:
+        plan_request(CompletionRequest(**body, **extra))
+    assert error.value.param == param and "widest step (8)" in error.value.message
+    assert plan_request(CompletionRequest(**body)).params[0].beam_width == 8
+    assert plan_request(CompletionRequest(**body, beam_width=8)).params[0].beam_width == 8
+
+
+def test_batch_row_width_overrides_the_jobs_other_kind():
+    from widebeam.batch.rows import make_params
+
+    # the job's --beam-width beside a row's own schedule (and the reverse) is the row's choice, not a clash
+    assert make_params({"beam_width_schedule": [2, 8]}, {"beam_width": 4}).beam_width_schedule == (2, 8)
+    assert make_params({"beam_width": 3}, {"beam_width_schedule": [2, 8]}).beam_width == 3
+    # both in one row are the row's own, and must agree
+    with pytest.raises(InvalidParameterError) as error:
+        make_params({"beam_width": 4, "beam_width_schedule": [2, 8]})
+    assert error.value.param == "beam_width"
