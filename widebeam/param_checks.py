@@ -138,6 +138,38 @@ def check_bans(params) -> None:
     object.__setattr__(params, "bad_words_ids", tuple(sequences))
 
 
+def check_bans_leave_a_token(params, vocab_size: int, eos_token_ids, suppress_token_ids=()) -> None:
+    """Refuse bans that leave no token for the first step (the engine's check, at admission: it knows
+    the vocabulary): the one-token `bad_words_ids` (less the end ids, which they never ban), the model's
+    suppressed tokens and, before `min_new_tokens`, the end ids (EOS unless ignored, `stop_token_ids`)
+    covering all `vocab_size` ids. A ban that runs out only while decoding (an n-gram rule, a
+    multi-token word) ends the sequence instead (finish reason "banned", decoding/decoders.py)."""
+    bad_words = getattr(params, "bad_words_ids", ())
+    stop_ids = set(getattr(params, "stop_token_ids", ()))
+    if not bad_words and not stop_ids:
+        return
+    ends = stop_ids | (set() if params.ignore_eos else set(eos_token_ids))
+    singles = {s[0] for s in bad_words if len(s) == 1} - (set(eos_token_ids) | stop_ids)
+    banned = {t for t in singles | set(suppress_token_ids) if 0 <= t < vocab_size}
+    if len(banned) >= vocab_size:
+        raise InvalidParameterError("bad_words_ids", "{bad_words_ids} bans every one of the model's {size} "
+                                    "tokens: leave at least one token that may be generated", size=vocab_size)
+    withheld = banned | {t for t in ends if 0 <= t < vocab_size} if params.min_new_tokens else banned
+    if len(withheld) < vocab_size:
+        return
+    # only the end ids are left, and min_new_tokens withholds them
+    if bad_words:
+        raise InvalidParameterError(
+            "bad_words_ids", "{bad_words_ids} bans every token but the end ids {ends}, which "
+            "{min_new_tokens} ({value}) withholds: no token could be generated first. Leave at least one "
+            "other token unbanned, or lower {min_new_tokens} to 0", ends=sorted(ends),
+            value=params.min_new_tokens)
+    raise InvalidParameterError(
+        "stop_token_ids", "{stop_token_ids} with the end-of-sequence ids cover all {size} tokens, which "
+        "{min_new_tokens} ({value}) withholds: no token could be generated first. List fewer stop ids, "
+        "or lower {min_new_tokens} to 0", size=vocab_size, value=params.min_new_tokens)
+
+
 def check_max_input_length(params) -> None:
     """`max_input_length`: None (off: a prompt too long is refused) or the most prompt tokens kept."""
     require(params.max_input_length is None
