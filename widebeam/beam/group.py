@@ -32,7 +32,7 @@ from collections.abc import Iterable
 
 import torch
 
-from widebeam.beam.search import Hypothesis, StepResult
+from widebeam.beam.search import BANNED, Hypothesis, StepResult
 from widebeam.params import BeamSearchParams
 
 _NEG = -1.0e9  # transformers' score of a group's prompt copies but the first
@@ -97,6 +97,7 @@ class GroupBeamSearchState:
         self._scores: list[list[float]] = [[0.0] for _ in range(self.num_groups)]
         self._generated = 0
         self._done = False
+        self._ended: list[tuple[list[int], float, int, str]] = []  # constrained: beams nothing continued
 
     # -- read-only views ----------------------------------------------------------------------------
     @property
@@ -135,6 +136,7 @@ class GroupBeamSearchState:
             lp[:, self._eos_sorted] = float("-inf")
         generated = self._generated + 1
         vocab = lp.shape[1]
+        allows = (lp > float("-inf")).any(dim=1).tolist()  # per row: any token left (else it ends)
         step_tokens: list[int] = []  # tokens the groups chose this step, in group order
         out_parents: list[int] = []
         out_tokens: list[int] = []
@@ -149,11 +151,13 @@ class GroupBeamSearchState:
                 running = torch.full((self.group_size,), _NEG, dtype=torch.float32)
                 running[0] = 0.0
                 parent_rows = [0] * self.group_size
+                self._end_banned(k, [0] if k == 0 and not allows[0] else [])  # the one prompt: once
             else:
                 n = len(self._tokens[k])
                 group_lp = lp[row:row + n]
                 running = torch.tensor(self._scores[k], dtype=torch.float32)
                 parent_rows = list(range(row, row + n))
+                self._end_banned(k, [i for i in range(n) if not allows[row + i]])
                 row += n
             if k > 0 and self.params.diversity_penalty:
                 frequency = torch.bincount(torch.tensor(step_tokens, dtype=torch.long), minlength=vocab)
@@ -205,6 +209,17 @@ class GroupBeamSearchState:
             self._group_done[k] = True  # a constraint left this group nothing to extend
         return chosen + [self.pad_token_id] * (self.group_size - len(chosen))
 
+    def _end_banned(self, k: int, local_rows: list[int]) -> None:
+        """Group k's beams at `local_rows` that no allowed token can continue end where they stand,
+        finish reason "banned" (a constrained search keeps them aside: returned only if nothing else
+        finished, as beam/search.py does)."""
+        for i in local_rows:
+            entry = (list(self._tokens[k][i]), self._scores[k][i], max(1, self._generated), BANNED)
+            if self.params.constrained:
+                self._ended.append(entry)
+            else:
+                self._pools[k].add(*entry)
+
     def finish_live_beams(self, indices) -> None:
         raise ValueError("stop strings are not supported with num_beam_groups > 1")
 
@@ -220,6 +235,11 @@ class GroupBeamSearchState:
     def finalize(self) -> list[Hypothesis]:
         """The best `num_return_sequences` hypotheses over every group, best first."""
         entries = [entry for pool in self._pools for entry in pool.entries]
+        if not entries:  # only beams that nothing could continue (a constrained search)
+            pool = _Pool(len(self._ended) or 1, float(self.params.length_penalty), False, self.max_new_tokens)
+            for entry in self._ended:
+                pool.add(*entry)
+            entries = pool.entries
         entries.sort(key=lambda e: e[0], reverse=True)
         return [Hypothesis(tokens, cumulative, score, reason)
                 for score, tokens, cumulative, reason in entries[:self.params.num_return_sequences]]

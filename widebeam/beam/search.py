@@ -54,6 +54,11 @@ _IMPOSSIBLE = float("-inf")
 
 _NO_NODE = -1  # parent of the first generated token: the prompt
 
+# The finish reason of a sequence (a beam, a sample) that its constraints (bans, the n-gram rule,
+# min_new_tokens' end ban, a catalogue or grammar, a caller's processor) left no token to take: it ends
+# where it stands, never with a banned token.
+BANNED = "banned"
+
 
 @dataclass(frozen=True)
 class Hypothesis:
@@ -62,7 +67,7 @@ class Hypothesis:
     token_ids: list[int]
     cumulative_logprob: float
     score: float
-    finish_reason: str  # "stop" (EOS / stop token / stop string) or "length"
+    finish_reason: str  # "stop" (EOS / stop token / stop string), "length", or BANNED (no token was left)
     # One per token when the steps were annotated (`step(annotate=...)`): the beam's own history.
     annotations: list | None = None
 
@@ -162,6 +167,12 @@ class BeamSearchState:
         self._live_tokens_cache: list[list[int]] | None = None
         self._generated = 0
         self._finished: list[_Finished] = []  # best first, at most _num_kept
+        # [rows of the latest step's log-probs] each row's best allowed score, set by the ranking
+        # (`_top_candidates` / `_top_allowed`): -inf where no token is left
+        self._row_best = torch.empty(0)
+        # constrained search: beams that no allowed token could continue (finish reason "banned"), best
+        # first; returned only when no hypothesis finished (unconstrained, they are hypotheses at once)
+        self._ended: list[_Finished] = []
         self._done = False
         # return_tree: every kept candidate (beam/tree.py); None, and no per-step work, when off.
         self.tree = SearchTree(self.beam_width, self._length_penalty) if params.return_tree else None
@@ -238,6 +249,7 @@ class BeamSearchState:
             values, parent_rows, tokens = self._top_candidates(lp, running.to(device), mask_eos)
         else:
             values, parent_rows, tokens = self._top_allowed(lp, running.to(device), mask_eos, *allowed)
+        row_best = self._row_best  # what the ranking saw of each row: its best allowed score
         num_candidates = values.shape[0]
         generated = self._generated + 1
         last = generated >= self.max_new_tokens
@@ -248,10 +260,14 @@ class BeamSearchState:
         else:
             hypothetical_len = generated
         best_possible = divided_scores(values, length_normalizer(hypothetical_len, lp_exp))
-        floats = torch.stack((values.double(), finished_scores.double(),
-                              best_possible.double())).cpu().tolist()
+        # one read of the candidates' floats and of each row's best allowed score (-inf: none allowed)
+        candidates = torch.stack((values.double(), finished_scores.double(), best_possible.double()))
+        floats = torch.cat((candidates.reshape(-1), row_best.double())).cpu().tolist()
         ints = torch.stack((parent_rows, tokens)).cpu().tolist()
-        values_l, finished_l, best_possible_l = floats
+        values_l = floats[:num_candidates]
+        finished_l = floats[num_candidates:2 * num_candidates]
+        best_possible_l = floats[2 * num_candidates:3 * num_candidates]
+        ended = self._ended_beams(floats[3 * num_candidates:], first)
         parents_l, tokens_l = ints
 
         eos = self.eos_token_ids
@@ -297,7 +313,14 @@ class BeamSearchState:
         if self.tree is not None:
             self.tree.record_step(generated, new_finished, [self._live_nodes[p] for p in out_parents],
                                   out_tokens, new_scores)
-        self._merge_finished(new_finished)
+            for entry in ended:
+                if entry.node != _NO_NODE:  # the prompt itself has no node
+                    self.tree.finish_node(entry)
+        if self.params.constrained:
+            # under a catalogue a beam cut inside an item is no item: returned only if nothing else is
+            self._ended = sorted(self._ended + ended, key=lambda f: f.score, reverse=True)[:self._num_kept]
+            ended = []
+        self._merge_finished(new_finished + ended)
 
         if last or not out_tokens:
             return self._finish()
@@ -366,7 +389,7 @@ class BeamSearchState:
         reachable.
         """
         wanted = self.params.num_return_sequences
-        entries = list(self._finished[:wanted])
+        entries = list(self._finished[:wanted] or self._ended[:wanted])
         # A finished search never fills with live beams: they are the previous step's, and under a
         # constraint an unfinished beam is not an item.
         if len(entries) < wanted and self._generated > 0 and not self._done:
@@ -407,6 +430,9 @@ class BeamSearchState:
         raw_last = top_values[:, -1]
         if mask_eos:
             top_values = top_values.masked_fill(torch.isin(top_tokens, self._eos_on(device)), float("-inf"))
+        # each row's best allowed score: its shallow list holds more than the masked EOS ids (or the
+        # whole vocabulary), so a row whose list is all -inf allows nothing
+        self._row_best = top_values.max(dim=1).values
         if lp.shape[0] != rows:
             top_values = top_values.expand(rows, k_shallow)
             top_tokens = top_tokens.expand(rows, k_shallow)
@@ -441,7 +467,23 @@ class BeamSearchState:
         if mask_eos:
             sums = sums.masked_fill(torch.isin(tokens, self._eos_on(lp.device)), float("-inf"))
         values, order = torch.topk(sums, min(self._num_candidates, sums.shape[0]))
+        # each row's best allowed score (-inf: no pair, or only banned ones)
+        self._row_best = torch.full((lp.shape[0],), float("-inf"), device=lp.device).scatter_reduce(
+            0, rows, sums, "amax")
         return values, rows[order], tokens[order]
+
+    def _ended_beams(self, row_best: list[float], first: bool) -> list[_Finished]:
+        """The live beams (on the first step: the prompt) whose every continuation is banned (their
+        best allowed score is -inf): each ends where it stands, finish reason "banned", scored at its
+        length (a prompt with no allowed first token: no tokens, score 0)."""
+        ended = []
+        for row, best in enumerate(row_best):
+            if best > _IMPOSSIBLE:
+                continue
+            node, cumulative = (_NO_NODE, 0.0) if first else (self._live_nodes[row], self._live_scores[row])
+            score = hypothesis_score(cumulative, max(1, self._generated), self._length_penalty)
+            ended.append(_Finished(score, cumulative, node, None, BANNED))
+        return ended
 
     def _merge_finished(self, new_finished: list[_Finished]) -> None:
         if new_finished:

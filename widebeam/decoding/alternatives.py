@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from widebeam.beam.scores import hypothesis_score
-from widebeam.beam.search import Hypothesis
+from widebeam.beam.search import BANNED, Hypothesis
 from widebeam.decoding.context import TokenHistory, drop_rows
 from widebeam.decoding.decoders import Advance
 from widebeam.decoding.processors import LogitsProcessor, StepProcessor, apply_processors, step_processors
@@ -81,6 +81,10 @@ class AlternativesDecoder:
             logprobs[:, self.end_token_ids] = float("-inf")
         if self._generated == 0:
             rows, tokens, values = self._expand(logprobs)
+            if not rows:  # the prompt allows no token: one alternative of none, ended (never empty)
+                self._tokens, self._logprobs, self._reasons = [[]], [0.0], [BANNED]
+                self._done = True
+                return Advance([], [])
         else:
             values_t, tokens_t = logprobs.max(dim=-1)
             rows, tokens, values = list(range(num_rows)), tokens_t.tolist(), values_t.double().tolist()
@@ -94,6 +98,9 @@ class AlternativesDecoder:
                 self._reasons.append(None)
             else:
                 alternative = self._live[row]
+            if not value > float("-inf"):  # every token banned: it ends where it stands
+                self._reasons[alternative] = BANNED
+                continue
             self._tokens[alternative].append(token)
             self._logprobs[alternative] += value
             if token in self.end_token_ids:
@@ -138,6 +145,6 @@ class AlternativesDecoder:
         them (an aborted request's unfinished ones with finish reason "length")."""
         out = []
         for tokens, logprob, reason in zip(self._tokens, self._logprobs, self._reasons):
-            score = hypothesis_score(logprob, len(tokens), self.params.length_penalty)
+            score = hypothesis_score(logprob, max(1, len(tokens)), self.params.length_penalty)
             out.append(Hypothesis(list(tokens), logprob, score, reason or "length"))
         return out[:self.params.num_return_sequences]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from widebeam.beam.group import GroupBeamSearchState
-from widebeam.beam.search import BeamSearchState, Hypothesis
+from widebeam.beam.search import BANNED, BeamSearchState, Hypothesis
 from widebeam.decoding.context import StepContext, TokenHistory, drop_rows
 from widebeam.decoding.logprobs import PromptLogprobs, token_logprobs
 from widebeam.decoding.processors import (
@@ -71,6 +71,12 @@ class StepScores:
             index = torch.tensor(list(rows), device=self.logits.device)
             logits, logprobs = self.logits.index_select(0, index), self.logprobs.index_select(0, index)
         return RowScores(logits, logprobs, self.greedy.get(start) if len(rows) == 1 else None)
+
+
+def any_token_left(scores: torch.Tensor) -> list[bool]:
+    """Per row of processed scores [rows, vocab]: whether any token is still allowed (a score above
+    -inf; a nan row, from a log-softmax of nothing, allows none). One host read."""
+    return (scores > float("-inf")).any(dim=-1).tolist()
 
 
 @dataclass(frozen=True)
@@ -138,6 +144,11 @@ class SamplingDecoder:
         logits = scores.logits
         if self.processors:  # as HF's processors: on the logits, before sampling
             logits = apply_processors(self.processors, logits.clone(), self._context(scores))
+            if not any_token_left(logits)[0]:
+                # nothing left to take: end here, never a banned token (argmax of -inf) nor nan
+                # probabilities
+                self.finish_reason = BANNED
+                return Advance([], [])
         token, logprob, _ = verify_draft_token(logits[0], self.params, self.generator, draft_token,
                                                None if self.processors else scores.logprobs[0])
         return self._record(token, logprob, scores)
@@ -230,7 +241,9 @@ class BeamDecoder:
                 # divides or multiplies those); the log-softmax after them leaves the choice HF's and
                 # makes the score the log-prob of the distribution chosen from, as SamplingDecoder's.
                 logits = apply_processors(self.processors, scores.logits.clone(), context)
-                scores = torch.log_softmax(logits, dim=-1)
+                # a row with every token banned has no distribution (nan): it allows nothing
+                scores = torch.log_softmax(logits, dim=-1).nan_to_num(nan=float("-inf"), posinf=float("inf"),
+                                                                      neginf=float("-inf"))
             elif self.processors:
                 scores = apply_processors(self.processors, scores.logprobs.clone(), context)
             else:
