@@ -107,9 +107,77 @@ def test_exhausted_filter_returns_fewer_and_only_allowed(setup):
     (out,) = llm.generate([prompt], BeamSearchParams(beam_width=8, catalogue="shop", catalogue_subset="tiny"),
                           use_tqdm=False)
     assert sorted(tuple(b.token_ids[:-1]) for b in out.outputs) == sorted(tuple(items[i]) for i in subset[:3])
-    (none,) = llm.generate([prompt], BeamSearchParams(beam_width=4, catalogue="shop", allowed_items=[]),
-                           use_tqdm=False)
-    assert none.outputs == []
+
+
+def first_tokens(items, indices) -> list[int]:
+    return sorted({int(items[i][0]) for i in indices})
+
+
+@pytest.mark.parametrize("case", ["allowed empty", "excluded all", "subset disjoint", "first codes banned",
+                                  "allowed items' tokens banned", "subset's first codes banned"])
+def test_a_filter_or_ban_that_leaves_no_item_is_refused_naming_the_field(setup, case):
+    """Known at admission, so never an empty answer: the field that emptied the items is named, with
+    what would do, and nothing is queued."""
+    llm, items, subset = setup
+    outside = [i for i in range(len(items)) if i not in set(subset)]
+    kwargs, param, says = {
+        "allowed empty": ({"allowed_items": []}, "allowed_items",
+                          f"allowed_items is empty: list at least one item index in [0, {len(items)})"),
+        "excluded all": ({"excluded_items": list(range(len(items)))}, "excluded_items",
+                         "excluded_items excludes every item of the catalogue"),
+        "subset disjoint": ({"catalogue_subset": "store_17", "allowed_items": outside[:5]}, "allowed_items",
+                            "allowed_items and catalogue_subset 'store_17' share no item"),
+        "first codes banned": ({"bad_words_ids": [[t] for t in first_tokens(items, range(len(items)))]},
+                               "bad_words_ids", "bad_words_ids bans a token of every item of the catalogue"),
+        # the items' last tokens: the first codes stay open, yet no item can end
+        "allowed items' tokens banned": ({"allowed_items": subset[:2],
+                                          "bad_words_ids": [[int(items[i][-1])] for i in subset[:2]]},
+                                         "bad_words_ids", "every item that allowed_items allow"),
+        "subset's first codes banned": ({"catalogue_subset": "tiny",
+                                         "bad_words_ids": [[t] for t in first_tokens(items, subset[:3])]},
+                                        "bad_words_ids", "every item that catalogue_subset allow"),
+    }[case]
+    engine = llm.engine
+    rejected = engine.stats()["rejected"]
+    with pytest.raises(InvalidParameterError) as error:
+        engine.add_request(f"empty-{case}", {"prompt_token_ids": [5, 9, 33]},
+                           BeamSearchParams(beam_width=4, catalogue="shop", **kwargs))
+    assert error.value.param == param and says in str(error.value), str(error.value)
+    assert not engine.has_unfinished() and engine.stats()["rejected"] == rejected + 1
+    # one item left open is enough: the same request with that item's tokens unbanned runs
+    if case in ("first codes banned", "allowed items' tokens banned"):
+        open_item = {int(t) for t in items[subset[0]]}
+        kept = [w for w in kwargs["bad_words_ids"] if w[0] not in open_item]
+        (out,) = llm.generate([{"prompt_token_ids": [5, 9, 33]}],
+                              BeamSearchParams(beam_width=4, catalogue="shop",
+                                               **{**kwargs, "bad_words_ids": kept}), use_tqdm=False)
+        assert out.outputs and all(b.finish_reason == "stop" for b in out.outputs)
+        assert not any(t in {w[0] for w in kept} for b in out.outputs for t in b.token_ids)
+
+
+def test_a_subset_and_allowed_items_together_allow_only_their_intersection(setup):
+    """Both filters apply: the answer is the one for their intersection given as `allowed_items`, and
+    differs from either filter alone (so a search honouring one of them fails here)."""
+    llm, items, subset = setup
+    rng = np.random.default_rng(5)
+    outside = [i for i in range(len(items)) if i not in set(subset)]
+    inside = subset[::2]  # half the subset, and as many items outside it
+    allowed = sorted(inside + rng.choice(outside, size=len(inside), replace=False).tolist())
+    intersection = sorted(set(allowed) & set(subset))
+    base = BeamSearchParams(beam_width=8, catalogue="shop")
+    changed_subset = changed_allowed = False
+    for seed in range(4):
+        prompt = {"prompt_token_ids": np.random.default_rng(seed).integers(3, 128, size=6).tolist()}
+        (both,) = llm.generate([prompt], base.replace(catalogue_subset="store_17", allowed_items=allowed),
+                               use_tqdm=False)
+        (want,) = llm.generate([prompt], base.replace(allowed_items=intersection), use_tqdm=False)
+        assert [t for t, _ in beams(both)] == [t for t, _ in beams(want)]
+        assert {tuple(t) for t, _ in beams(both)} <= {tuple(items[i]) for i in intersection}
+        (only_subset,) = llm.generate([prompt], base.replace(catalogue_subset="store_17"), use_tqdm=False)
+        (only_allowed,) = llm.generate([prompt], base.replace(allowed_items=allowed), use_tqdm=False)
+        changed_subset |= beams(only_subset) != beams(both)
+        changed_allowed |= beams(only_allowed) != beams(both)
+    assert changed_subset and changed_allowed, "each filter alone gives the same answer: nothing is tested"
 
 
 def test_excluded_items_are_the_complement(setup):

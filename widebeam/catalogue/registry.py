@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from widebeam.catalogue.filters import FilteredCatalogue, ItemFilter, filter_stats
+from widebeam.catalogue.filters import FilteredCatalogue, ItemFilter, filter_stats, node_item_ranges
 from widebeam.catalogue.trie import Catalogue, CatalogueError
 from widebeam.errors import InvalidParameterError
 from widebeam.params import BeamSearchParams
@@ -147,11 +147,15 @@ class CatalogueRegistry(dict):
 
     def _filtered(self, catalogue: Catalogue, params: BeamSearchParams) -> Catalogue:
         """The catalogue with the request's item filter, if it has one: allowed items (and a named
-        subset: both when given), less the excluded ones."""
+        subset: both when given), less the excluded ones. A filter or a ban that leaves no item is
+        refused naming the field that emptied it (the search could only come back empty)."""
         subset = params.catalogue_subset
+        single_bans = {s[0] for s in params.bad_words_ids if len(s) == 1}
         if params.allowed_items is None and params.excluded_items is None and subset is None:
+            if single_bans:
+                _check_bans_leave_an_item(catalogue, np.ones(catalogue.num_items, dtype=bool), single_bans)
             return catalogue
-        chosen = []
+        allowed = np.ones(catalogue.num_items, dtype=bool)
         if subset is not None:
             subsets = self.subsets.get(params.catalogue, {})
             if subset not in subsets:
@@ -159,23 +163,71 @@ class CatalogueRegistry(dict):
                                             "registered with {catalogue} {name!r}; registered: {names}",
                                             value=subset,
                                             name=params.catalogue, names=", ".join(sorted(subsets)) or "none")
-            chosen.append(subsets[subset])
+            allowed = _only(allowed, subsets[subset])
+            if not allowed.any():
+                raise InvalidParameterError("catalogue_subset", "{catalogue_subset} {value!r} holds no item: "
+                                            "name a subset with at least one", value=subset)
         if params.allowed_items is not None:
-            chosen.append(_item_indices(catalogue, params.allowed_items, "allowed_items"))
-        allowed = np.ones(catalogue.num_items, dtype=bool)
-        for items in chosen:
-            mask = np.zeros(catalogue.num_items, dtype=bool)
-            mask[items] = True
-            allowed &= mask
+            allowed = _only(allowed, _item_indices(catalogue, params.allowed_items, "allowed_items"))
+            if not allowed.any():
+                if subset is None:
+                    raise InvalidParameterError("allowed_items", "{allowed_items} is empty: list at least "
+                                                "one item index in [0, {limit})", limit=_num_given(catalogue))
+                raise InvalidParameterError("allowed_items", "{allowed_items} and {catalogue_subset} "
+                                            "{value!r} share no item: allow at least one item of the subset",
+                                            value=subset)
         if params.excluded_items is not None:
             allowed[_item_indices(catalogue, params.excluded_items, "excluded_items")] = False
+            if not allowed.any():
+                raise InvalidParameterError("excluded_items", "{excluded_items} excludes every item "
+                                            + _left_by(params) + ": leave at least one")
+        if single_bans:
+            _check_bans_leave_an_item(catalogue, allowed, single_bans, _left_by(params))
         return FilteredCatalogue(catalogue, ItemFilter(catalogue, allowed))
+
+
+def _only(allowed: np.ndarray, items: np.ndarray) -> np.ndarray:
+    """`allowed` less every item not in `items` (trie items)."""
+    mask = np.zeros(allowed.shape[0], dtype=bool)
+    mask[items] = True
+    return allowed & mask
+
+
+def _num_given(catalogue: Catalogue) -> int:
+    return catalogue.num_items if catalogue.source_items is None else catalogue.source_items.shape[0]
+
+
+def _left_by(params: BeamSearchParams) -> str:
+    """Which items a later check counts from, in words (a template: the names in braces): the
+    filters given before it."""
+    given = ["{" + name + "}" for name in ("catalogue_subset", "allowed_items")
+             if getattr(params, name) is not None]
+    return "of the catalogue" if not given else "that " + " and ".join(given) + " allow"
+
+
+def _check_bans_leave_an_item(catalogue: Catalogue, allowed: np.ndarray, single_bans: set[int],
+                              left_by: str = "of the catalogue") -> None:
+    """Refuse one-token `bad_words_ids` that ban a token of every allowed item: a node whose token is
+    banned takes its whole subtree's items (a contiguous range, catalogue/filters.py) with it. Longer
+    banned sequences (and n-grams) depend on the path and end a beam while decoding instead."""
+    tokens = catalogue.node_token.cpu().numpy()
+    banned_nodes = np.flatnonzero(np.isin(tokens, np.fromiter(single_bans, dtype=np.int64)))
+    banned_nodes = banned_nodes[banned_nodes > 0]  # the root has no token
+    if banned_nodes.size == 0:
+        return
+    first, end = (t.cpu().numpy() for t in node_item_ranges(catalogue))
+    covered = np.zeros(catalogue.num_items + 1, dtype=np.int64)
+    np.add.at(covered, first[banned_nodes], 1)
+    np.add.at(covered, end[banned_nodes], -1)
+    if not (allowed & (np.cumsum(covered[:-1]) == 0)).any():
+        raise InvalidParameterError("bad_words_ids", "{bad_words_ids} bans a token of every item " + left_by
+                                    + ": no item could be returned. Leave one item's tokens unbanned")
 
 
 def _item_indices(catalogue: Catalogue, ids, param: str, what: str | None = None) -> np.ndarray:
     """Item indices as given -> trie items; an index past the items given is an error naming `param`."""
     ids = np.asarray(ids)
-    num_given = catalogue.num_items if catalogue.source_items is None else catalogue.source_items.shape[0]
+    num_given = _num_given(catalogue)
     if ids.size and (ids.ndim != 1 or ids.dtype.kind not in "iu" or int(ids.min()) < 0
                      or int(ids.max()) >= num_given):
         raise InvalidParameterError(param, "{" + param + "} " + (what + " " if what else "")
