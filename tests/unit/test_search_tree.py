@@ -99,19 +99,36 @@ def test_replaying_the_tree_reproduces_the_hypotheses_exactly(width, length_pena
     assert sorted(r for r in tree["rank"] if r is not None) == list(range(len(returned)))
 
 
-@pytest.mark.parametrize("width", [4, 16])
-def test_live_and_pruned_nodes(width):
-    tree, _, _ = run_search(width, 6, 200, seed=7)
-    steps = tree["num_steps"]
+@pytest.mark.parametrize("width, max_new_tokens, early_stopping, stops_early", [
+    (4, 6, False, False), (16, 6, False, False),  # the search runs to max_new_tokens
+    (1, 30, False, True), (4, 30, True, True), (16, 30, True, True),  # it ends with beams still live
+])
+def test_live_and_pruned_nodes(width, max_new_tokens, early_stopping, stops_early):
+    """A node with no kept continuation that did not finish was dropped at the next step the search
+    ran, or, when no step ran after its own (the search ended with it live), at its own step: never
+    past the last step, counted here by the rows the search was fed, not read off the tree."""
+    tree, _, rows = run_search(width, max_new_tokens, 200, seed=7, early_stopping=early_stopping)
+    last_step = len(rows)  # the steps the search ran
+    assert (last_step < max_new_tokens) == stops_early
+    assert tree["num_steps"] == last_step
+    dropped_at_the_end = 0
     for node in range(tree["num_nodes"]):
         children = [c for c in range(tree["num_nodes"]) if tree["parent"][c] == node]
         if tree["finished"][node] or children:
             assert tree["pruned_at"][node] is None
-        else:
-            step = tree["step"][node]
-            assert tree["pruned_at"][node] == (step + 1 if step < steps else step)
+            continue
+        step = tree["step"][node]
+        if step < last_step:
+            assert tree["pruned_at"][node] == step + 1
+        else:  # live when the search ended: dropped at that step, not after it
+            assert tree["pruned_at"][node] == last_step
+            dropped_at_the_end += 1
+    assert max(p for p in tree["pruned_at"] if p is not None) <= last_step
+    # an early stop leaves the last step's live beams unfinished (the branch above is reached);
+    # a search that ran to max_new_tokens finished every candidate of its last step
+    assert dropped_at_the_end == (width if stops_early else 0)
     # every step before the last keeps W live beams (the vocabulary is wide enough)
-    for step in range(1, steps):
+    for step in range(1, last_step):
         live = [n for n in range(tree["num_nodes"]) if tree["step"][n] == step and not tree["finished"][n]]
         assert len(live) == width
 
