@@ -5,6 +5,8 @@ workers is whole after every scenario. (Plain beam search equals transformers: t
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from tiny_models import save_noisy_copy
 
@@ -211,3 +213,20 @@ def test_prompt_logprobs_are_the_same_with_speculation(engines, draft, beam):
         for token, entry in got.items():
             assert entry.rank == want[token].rank
             assert entry.logprob == pytest.approx(want[token].logprob, rel=1e-5, abs=1e-6)
+
+
+def test_beam_search_is_exact_where_each_beam_drafts_its_own_tree(engines):
+    """W > 1 with a deep perfect draft (D = 16, the target itself) over varied prompts: every beam
+    drafts a tree of its own (its own context), rounds often stay inside the trees for three steps and
+    more, and by the second step a beam's row in the step is no longer its old sequence's (beams reorder).
+    The replay must follow each chosen node in its own sequence's tree; a lookup in another sequence's
+    tree scores the wrong context (or leaves the tree early) and the tokens differ from plain's."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 128) for _ in range(rng.randrange(3, 20))] for _ in range(24)]
+    requests = [(prompt, BeamSearchParams(beam_width=width, max_new_tokens=24))
+                for width in (2, 3, 8) for prompt in prompts]
+    engine = engines("self", 16)
+    before = dict(engine.stats()["speculative"])
+    assert_same(run(engines(), requests), run(engine, requests))
+    after = engine.stats()["speculative"]
+    assert after["steps"] - before["steps"] > 1.8 * (after["rounds"] - before["rounds"])  # deep rounds
