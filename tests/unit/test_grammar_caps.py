@@ -1,7 +1,15 @@
 """`response_format` caps, references and refused combinations, checked torch-free at the edge
-(structured/formats.py, params.py): each refusal names the field; what is under the caps passes."""
+(structured/formats.py, params.py): each refusal names the field; what is under the caps passes. And the
+server's bounded compile (structured/compile_worker.py): a compile in a worker process is the compile
+done here, a compile past its bound kills its worker, and a dead worker is replaced."""
 
 from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
 
 import pytest
 
@@ -88,3 +96,106 @@ def test_xgrammar_errors_are_one_line_without_a_source_path():
     message = str(info.value)
     assert info.value.param == "response_format" and "bad rule" in message, message
     assert "\n" not in message and ".cc" not in message and "Stack trace" not in message, message
+
+
+# -- compiles in worker processes (the server's path) -------------------------------------------------
+# A vocabulary of a few JSON pieces: the workers' cost is xgrammar's import, not the tokenizer.
+TINY_VOCAB = ["<eos>", "{", "}", '"', ":", ",", " ", "a", "b", "1", "2", "[", "]", "ab", '": ']
+SMALL = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+# A fresh bounded-repeat regex: tens of seconds of xgrammar's schema-to-grammar conversion here.
+HEAVY = json.dumps({"type": "string", "pattern": "[a-zA-Z0-9 ]{1000,20000}"})
+
+
+def tiny_info():
+    xgrammar = pytest.importorskip("xgrammar")
+    return xgrammar.TokenizerInfo(TINY_VOCAB, stop_token_ids=[0])
+
+
+def process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def wait_dead(pid: int) -> None:
+    """Until the killed child has exited (a zombie until its parent reaps it)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] in "ZX":
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"process {pid} still runs")
+
+
+@pytest.fixture()
+def workers():
+    from widebeam.structured.compile_worker import CompileWorkers
+
+    pool = CompileWorkers(tiny_info().serialize_json().encode(), num_workers=1)
+    yield pool
+    pool.close()
+
+
+def test_a_compile_in_a_worker_is_the_compile_here(workers):
+    """The worker's grammar, deserialized against this process's tokenizer info, is the one compiled here."""
+    import xgrammar
+
+    from widebeam.structured.compile_worker import grammar_of
+
+    info = tiny_info()
+    here = xgrammar.GrammarCompiler(info, max_threads=1).compile_grammar(grammar_of(SMALL))
+    serialized = workers.compile(SMALL, timeout_s=60).decode()
+    assert serialized == here.serialize_json()
+    matcher = xgrammar.GrammarMatcher(xgrammar.CompiledGrammar.deserialize_json(serialized, info))
+    assert matcher.accept_string('{"a": 12}') and matcher.accept_token(0) and matcher.is_terminated()
+
+
+def test_a_compile_past_its_bound_kills_its_worker(workers):
+    """The refused compile stops: its process is gone when the refusal comes, and the next schema
+    compiles in a fresh one."""
+    from widebeam.structured.compile_worker import CompileTimeout
+
+    workers.compile(SMALL, timeout_s=60)  # the worker is up: its start is not part of the bound
+    (pid,) = workers.pids
+    with pytest.raises(CompileTimeout):
+        workers.compile(HEAVY, timeout_s=0.5)
+    assert not process_exists(pid) and workers.num_killed == 1
+    assert workers.compile(SMALL, timeout_s=60) and workers.pids != [pid]
+
+
+def test_a_dead_worker_is_replaced(workers):
+    """A worker killed while idle is replaced on the next compile; one that dies mid-compile (as if
+    xgrammar crashed on the schema) refuses that schema and is replaced too."""
+    from widebeam.structured.compile_worker import CompileRefused
+
+    workers.compile(SMALL, timeout_s=60)
+    (pid,) = workers.pids
+    os.kill(pid, signal.SIGKILL)
+    wait_dead(pid)
+    assert workers.compile(SMALL, timeout_s=60) and workers.pids != [pid]
+    (pid,) = workers.pids
+    threading.Timer(0.5, os.kill, (pid, signal.SIGKILL)).start()
+    with pytest.raises(CompileRefused, match="crashed the grammar compiler"):
+        workers.compile(HEAVY, timeout_s=60)
+    assert workers.num_killed == 0 and workers.compile(SMALL, timeout_s=60) and workers.pids != [pid]
+
+
+def test_close_ends_every_worker():
+    from widebeam.structured.compile_worker import CompileWorkers
+
+    pool = CompileWorkers(tiny_info().serialize_json().encode(), num_workers=2)
+    pids = pool.pids
+    assert len(pids) == 2 and all(process_exists(pid) for pid in pids)
+    pool.close()
+    deadline = time.monotonic() + 10
+    while any(process_exists(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(process_exists(pid) for pid in pids)
+    with pytest.raises(RuntimeError, match="shut down"):
+        pool.compile(SMALL, timeout_s=60)

@@ -25,11 +25,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from widebeam.errors import InvalidParameterError
 from widebeam.outputs import RequestDelta
 from widebeam.server import schemas as s
 from widebeam.server.metrics import ServerMetrics
 from widebeam.structured.formats import GRAMMAR_COMPILE_TIMEOUT_S
+from widebeam.structured.grammars import NUM_COMPILE_WORKERS
 
 log = logging.getLogger("widebeam.server")
 
@@ -77,8 +77,9 @@ class EngineLoop:
         self.failure: BaseException | None = None
         self.draining = False  # set by drain() and close(): new calls are refused with 503
         self._commands: list = []
-        # grammars compile here, one at a time, off the engine's thread (see _compile_grammars)
-        self._compile_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="widebeam-grammar")
+        # threads that wait for a grammar's worker process, one per process (see _compile_grammars)
+        self._compile_executor = ThreadPoolExecutor(max_workers=NUM_COMPILE_WORKERS,
+                                                    thread_name_prefix="widebeam-grammar")
         self._applying: list = []  # the commands the worker thread is applying now
         self._wake = asyncio.Event()
         self._tracked: dict[str, _Tracked] = {}
@@ -138,6 +139,9 @@ class EngineLoop:
                 command.future.set_exception(shutting_down("the server is shutting down"))
         self._commands = []
         self._compile_executor.shutdown(wait=False, cancel_futures=True)
+        grammars = getattr(self.engine, "grammars", None)
+        if grammars is not None:  # kill the grammar worker processes (a compile in flight ends)
+            grammars.close()
         if self.failure is None:
             self.snapshot = self.engine.stats()
 
@@ -161,34 +165,23 @@ class EngineLoop:
         return group
 
     async def _compile_grammars(self, entries: list) -> None:
-        """Compile each `response_format` in a thread of its own before the request reaches the
-        engine (whose `add_request` then finds it compiled): a slow compile holds up this call alone,
-        never the engine's steps, and past GRAMMAR_COMPILE_TIMEOUT_S of its own compile time (queueing
-        behind other compiles not counted) it is refused. A compile that times out finishes in its
-        thread; the caps in structured/formats.py bound its cost."""
+        """Compile each `response_format` before the request reaches the engine (whose `add_request`
+        then finds it compiled), never on the engine's thread. A schema not compiled before goes to a
+        worker process (structured/grammars.py), which is killed past GRAMMAR_COMPILE_TIMEOUT_S of its
+        own compile time (the request gets a 400), so a refused compile costs nothing after its 400.
+        `json_object` and schemas compiled before skip the workers' queue: another client's compiles
+        never hold them up."""
         formats = {}
         for _, params in entries:
             response_format = getattr(params, "response_format", None)
             if response_format is not None:
                 formats[repr(response_format)] = response_format
         loop = asyncio.get_running_loop()
+        grammars = self.engine.grammars
         for response_format in formats.values():
-            began = loop.create_future()
-
-            def compile_now(response_format=response_format, began=began):
-                loop.call_soon_threadsafe(lambda: began.done() or began.set_result(None))
-                return self.engine.grammars.compile(response_format)
-
-            compiling = loop.run_in_executor(self._compile_executor, compile_now)
-            # The clock starts when this compile does: waiting behind other requests' compiles in the
-            # one worker is not this schema's cost (each of those is bounded the same way).
-            await asyncio.wait({began, compiling}, return_when=asyncio.FIRST_COMPLETED)
-            try:
-                await asyncio.wait_for(compiling, GRAMMAR_COMPILE_TIMEOUT_S)
-            except TimeoutError:
-                raise InvalidParameterError(
-                    "response_format", "{response_format} took longer than {limit_s} s to compile: simplify "
-                    "the schema", limit_s=GRAMMAR_COMPILE_TIMEOUT_S) from None
+            # a quick one takes the default executor (milliseconds); the rest wait for a worker here
+            executor = None if grammars.is_quick(response_format) else self._compile_executor
+            await loop.run_in_executor(executor, grammars.compile, response_format, GRAMMAR_COMPILE_TIMEOUT_S)
 
     def abort(self, request_ids: list[str]) -> None:
         self._commands.append(("abort", list(request_ids)))

@@ -7,27 +7,36 @@ valid against the schema). Both JSON grammars are compiled without free whitespa
 blanks; the end-of-sequence token is allowed only once the value is complete. A schema xgrammar cannot
 compile is an `InvalidParameterError` naming `response_format` and xgrammar's reason.
 
-xgrammar is imported on first use (`pip install 'widebeam[server]'` installs it); compiled grammars are
-cached by xgrammar's compiler, so a schema repeated across requests compiles once.
+Two ways to compile: in this process (`compile(fmt)`: the offline `LLM` and the engine's own
+`add_request`), or with a time bound (`compile(fmt, timeout_s)`: the server, before admission), where a
+schema not yet compiled goes to a worker process that is killed past the bound (compile_worker.py).
+`json_object` is one small fixed grammar and always compiles here. Compiled grammars are kept (the last
+64 schemas), so a schema repeated across requests compiles once and never waits for a worker.
+
+xgrammar is imported on first use (`pip install 'widebeam[server]'` installs it).
 """
 
 from __future__ import annotations
 
-import re
 import threading
 from collections import OrderedDict
 
+from widebeam.errors import InvalidParameterError
+from widebeam.structured.compile_worker import (
+    CompileRefused,
+    CompileTimeout,
+    CompileWorkers,
+    grammar_of,
+    one_line_reason,
+)
 from widebeam.structured.constraint import GrammarConstraint
 from widebeam.structured.formats import bad_format, schema_of
 
-# xgrammar 0.2.9 writes a string with minLength / maxLength as `"\"" chars{m, n} "\""` whose character
-# class lets raw control characters through (invalid JSON: json.loads refuses "a<TAB>b"); its other strings
-# exclude them. The class is narrowed to JSON's in the grammar's text before it is compiled.
-_LENGTH_LIMITED_CHAR = r'[^\"\\\r\n]'
-_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
-
-
 _MAX_CACHED_GRAMMARS = 64
+_JSON_OBJECT_SCHEMA = schema_of({"type": "json_object"})
+# Two: a client's heavy schema (up to its bound) leaves a worker for everyone else's; each holds ~0.3 GB
+# (xgrammar imports torch) and a core while it compiles.
+NUM_COMPILE_WORKERS = 2
 
 
 class Grammars:
@@ -38,9 +47,11 @@ class Grammars:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
+        self._info = None  # xgrammar.TokenizerInfo
         self._compiler = None
-        # schema text -> compiled grammar, most recent last: the server compiles in a thread of its
-        # own before a request reaches the engine, whose `constraint` then finds it here
+        self._workers: CompileWorkers | None = None
+        # schema text -> compiled grammar, most recent last: the server compiles before a request reaches
+        # the engine, whose `constraint` then finds it here
         self._compiled: OrderedDict[str, object] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -52,44 +63,90 @@ class Grammars:
                 raise bad_format("needs xgrammar: pip install 'widebeam[server]'") from None
             if self.tokenizer is None:
                 raise bad_format("needs the model's tokenizer, and this model directory has none")
-            info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                           stop_token_ids=self.eos_token_ids or None)
-            # one thread: a compile runs beside the engine's steps (the server's compile thread), and
-            # xgrammar's default of 8 threads would take the cores the steps need
-            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+            self._info = xgrammar.TokenizerInfo.from_huggingface(
+                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids or None)
+            # one thread: a compile runs beside the engine's steps, and xgrammar's default of 8 threads
+            # would take the cores the steps need
+            self._compiler = xgrammar.GrammarCompiler(self._info, max_threads=1)
         return self._compiler
 
-    def compile(self, response_format):
-        """The compiled grammar of a `response_format` (cached), or None for plain text. Thread-safe:
-        the server calls it off the engine's thread, with a time bound
-        (formats.GRAMMAR_COMPILE_TIMEOUT_S)."""
-        schema = schema_of(response_format)
-        if schema is None:
-            return None
+    def _get_workers(self) -> CompileWorkers:
+        if self._workers is None:
+            self._get_compiler()
+            self._workers = CompileWorkers(self._info.serialize_json().encode(), NUM_COMPILE_WORKERS)
+        return self._workers
+
+    def _cached(self, schema: str):
         with self._lock:
             compiled = self._compiled.get(schema)
             if compiled is not None:
                 self._compiled.move_to_end(schema)
-                return compiled
-            compiler = self._get_compiler()
-        import xgrammar
+            return compiled
 
-        try:
-            grammar = str(xgrammar.Grammar.from_json_schema(schema, any_whitespace=False))
-            compiled = compiler.compile_grammar(grammar.replace(_LENGTH_LIMITED_CHAR, _JSON_STRING_CHAR))
-        except (RuntimeError, ValueError, TypeError) as exc:
-            # one line, without xgrammar's source location
-            reason = re.sub(r"^\[[^\]]*\] [^:]*:\d+: ", "", str(exc).strip())
-            reason = re.sub(r"\S+\.(?:cc|cpp|h|hpp|py):\d+:?\s*", "", reason)
-            reason = (reason.splitlines() or ["xgrammar refused it"])[0]
-            raise bad_format("has a schema that cannot be used: {reason}", reason=reason) from None
+    def is_quick(self, response_format) -> bool:
+        """Whether `compile(response_format, timeout_s)` needs no worker: plain text, `json_object` or a
+        schema compiled before (it never waits behind another request's compile)."""
+        schema = schema_of(response_format)
+        return schema is None or schema == _JSON_OBJECT_SCHEMA or self._cached(schema) is not None
+
+    def compile(self, response_format, timeout_s: float | None = None):
+        """The compiled grammar of a `response_format` (cached), or None for plain text. Thread-safe.
+        With `timeout_s` (the server: formats.GRAMMAR_COMPILE_TIMEOUT_S), a schema other than
+        `json_object` compiles in a worker process, which is killed past `timeout_s` of its own compile
+        time (waiting for a free worker is not counted): an InvalidParameterError naming
+        `response_format`."""
+        schema = schema_of(response_format)
+        if schema is None:
+            return None
+        compiled = self._cached(schema)
+        if compiled is not None:
+            return compiled
+        with self._lock:
+            compiler = self._get_compiler()
+        if timeout_s is None or schema == _JSON_OBJECT_SCHEMA:
+            compiled = self._compile_here(compiler, schema)
+        else:
+            compiled = self._compile_in_worker(schema, timeout_s)
         with self._lock:
             self._compiled[schema] = compiled
             while len(self._compiled) > _MAX_CACHED_GRAMMARS:
                 self._compiled.popitem(last=False)
         return compiled
 
+    @staticmethod
+    def _compile_here(compiler, schema: str):
+        try:
+            return compiler.compile_grammar(grammar_of(schema))
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise refused(one_line_reason(exc)) from None
+
+    def _compile_in_worker(self, schema: str, timeout_s: float):
+        import xgrammar
+
+        with self._lock:
+            workers = self._get_workers()
+        try:
+            serialized = workers.compile(schema, timeout_s)
+        except CompileRefused as exc:
+            raise refused(str(exc)) from None
+        except CompileTimeout:
+            raise InvalidParameterError(
+                "response_format", "{response_format} took longer than {limit_s} s to compile: simplify the "
+                "schema", limit_s=timeout_s) from None
+        return xgrammar.CompiledGrammar.deserialize_json(serialized.decode(), self._info)
+
+    def close(self) -> None:
+        """Stop the worker processes (the server's shutdown); a later bounded compile fails."""
+        with self._lock:
+            if self._workers is not None:
+                self._workers.close()
+
     def constraint(self, response_format) -> GrammarConstraint | None:
         """The request's constraint (a fresh matcher), or None for plain text."""
         compiled = self.compile(response_format)
         return None if compiled is None else GrammarConstraint(compiled, self.vocab_size)
+
+
+def refused(reason: str) -> InvalidParameterError:
+    """xgrammar's one-line reason as the client's 400."""
+    return bad_format("has a schema that cannot be used: {reason}", reason=reason)
