@@ -2,9 +2,13 @@
 and the tiny Marian, at W in {1, 4, 16} (beam search: sequences and `sequences_scores` to 1e-4; W=1 and
 greedy sampling: tokens). The banned sequences come from each prompt's unbanned output, so every case
 changes what is generated (checked), and no returned beam holds a banned n-gram or word (checked apart
-from transformers)."""
+from transformers). The exact edges (a history exactly n tokens long; exactly a word's prefix) are
+generated with a first-step boost that the ban must overrule, and the processors are compared with
+transformers' on every short history."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -145,3 +149,113 @@ def test_out_of_vocabulary_words_are_refused(family):
         family.llm.generate([{"prompt_token_ids": family.prompts[0]}],
                             BeamSearchParams(bad_words_ids=[[3, 10**6]]), use_tqdm=False)
     assert excinfo.value.param == "bad_words_ids"
+
+
+# -- the exact edges: a history exactly n tokens long, a history exactly as long as a word's prefix --
+# transformers bans in both (`NoRepeatNGramLogitsProcessor` from `cur_len >= n`, `NoBadWordsLogitsProcessor`
+# wherever the history ends with the prefix, however long the history is).
+EDGE_BOOST = 50.0  # added to one token's first-step score: the pick without the ban, never with it
+
+
+class HfBoostAtStart:
+    """transformers' side of `boost_at_start`: +EDGE_BOOST to `token` on the first generated step."""
+
+    def __init__(self, token: int, start_len: int):
+        self.token, self.start_len = token, start_len
+
+    def __call__(self, input_ids, scores):
+        if input_ids.shape[1] == self.start_len:
+            scores[:, self.token] += EDGE_BOOST
+        return scores
+
+
+def boost_at_start(token: int):
+    """A caller's processor (run after the engine's bans, as transformers runs `logits_processor` after its
+    own): a banned token stays -inf, an allowed one wins the first step."""
+    def boost(scores, num_generated_tokens):
+        if num_generated_tokens == 0:
+            scores[:, token] += EDGE_BOOST
+    return boost
+
+
+_EDGE_IDS = itertools.count()
+
+
+def engine_generate(llm, prompt, params, processors=()):
+    """One request through the engine with a caller's processors (what `LLM.generate` does not take)."""
+    engine = llm.engine
+    request_id = f"edge-{next(_EDGE_IDS)}"
+    engine.add_request(request_id, {"prompt_token_ids": prompt}, params, logits_processors=processors)
+    output = None
+    while engine.has_unfinished():
+        for delta in engine.step():
+            assert delta.error is None, delta.error
+            if delta.request_id == request_id and delta.finished:
+                output = delta.output
+    return output
+
+
+def run_edge(family, prompt, params, ban: dict, boosted: int, label: str):
+    """The edge case with the boost against transformers; the boosted token is the first pick without the
+    ban (so the ban is what the case tests) and never with it."""
+    plain = engine_generate(family.llm, prompt, params, [boost_at_start(boosted)])
+    assert plain.outputs[0].token_ids[0] == boosted, f"{label}: the boost does not decide the first step"
+    output = engine_generate(family.llm, prompt, params.replace(**ban), [boost_at_start(boosted)])
+    start = family.start if family.start is not None else len(prompt)
+    expected = family.hf_generate(prompt, params, **ban, logits_processor=[HfBoostAtStart(boosted, start)])
+    assert all(beam.token_ids[0] != boosted for beam in output.outputs), f"{label}: the ban did not bite"
+    assert_beams_match(output, expected, start, family.pad, family.eos, params.beam_width, label)
+
+
+# W=1, W=4 and greedy sampling (transformers' side of the last is its W=1 greedy search)
+EDGE_PARAMS = [BeamSearchParams(beam_width=width, max_new_tokens=6) for width in (1, 4)]
+EDGE_PARAMS.append(SamplingParams(temperature=0, max_new_tokens=6))
+
+
+@pytest.mark.parametrize("params", EDGE_PARAMS, ids=["W1", "W4", "greedy"])
+@pytest.mark.parametrize("ngram", [1, 2, 3])
+def test_no_repeat_ngram_bans_when_the_history_is_exactly_n_tokens(family, params, ngram):
+    """The decoder's history is [x] * n (the prompt: a decoder-only model's): its one n-gram's first n-1
+    tokens are its last n-1, so x is banned at once."""
+    if family.start is not None:
+        pytest.skip("an encoder-decoder's history is its start token: [pad] * n is no history it has")
+    x = 40
+    run_edge(family, [x] * ngram, params, {"no_repeat_ngram_size": ngram}, x, f"n={ngram}")
+
+
+@pytest.mark.parametrize("params", EDGE_PARAMS, ids=["W1", "W4", "greedy"])
+@pytest.mark.parametrize("word_len", [2, 3])
+def test_a_word_is_banned_when_the_history_is_exactly_its_prefix(family, params, word_len):
+    """The history is exactly the word's prefix (the decoder-only prompt; the encoder-decoder's start
+    token for a two-token word), so its last token is banned on the first step."""
+    y = 77
+    if family.start is None:
+        prompt = [40, 41][:word_len - 1]
+        word = prompt + [y]
+    else:
+        if word_len != 2:
+            pytest.skip("an encoder-decoder's history on the first step is its one start token")
+        prompt, word = family.prompts[0], [family.pad, y]
+    run_edge(family, prompt, params, {"bad_words_ids": [word]}, y, f"word {word}")
+
+
+@pytest.mark.parametrize("ngram", [1, 2, 3, 4])
+def test_the_processors_match_transformers_at_every_short_history(ngram):
+    """Every history over 3 tokens of length n - 1 .. n + 2 (all of them: the edges included), through
+    widebeam's processors against transformers' on the same scores; and words of 1-3 tokens."""
+    from transformers import NoBadWordsLogitsProcessor, NoRepeatNGramLogitsProcessor
+
+    from widebeam.decoding.bans import BadWords, NoRepeatNGram
+    from widebeam.decoding.context import TokenHistory
+
+    vocab = 5
+    words = [[0, 1], [1, 1, 2], [2, 0, 0], [3]]
+    for length in range(max(1, ngram - 1), ngram + 3):
+        for history in itertools.product(range(3), repeat=length):
+            ids = torch.tensor([history])
+            for ours, theirs in ((NoRepeatNGram(ngram), NoRepeatNGramLogitsProcessor(ngram)),
+                                 (BadWords(words, [4]), NoBadWordsLogitsProcessor(words, eos_token_id=4))):
+                got = torch.zeros(1, vocab)
+                ours.process(got, TokenHistory(list(history)).context(1, 0, torch.device("cpu")))
+                want = theirs(ids, torch.zeros(1, vocab))
+                assert torch.equal(got.isinf(), want.isinf()), (type(ours).__name__, history)
