@@ -478,7 +478,7 @@ class BeamSearchState:
         length (a prompt with no allowed first token: no tokens, score 0)."""
         ended = []
         for row, best in enumerate(row_best):
-            if best > _IMPOSSIBLE:
+            if best > _IMPOSSIBLE:  # false for nan too (the log-softmax of a row with nothing left)
                 continue
             node, cumulative = (_NO_NODE, 0.0) if first else (self._live_nodes[row], self._live_scores[row])
             score = hypothesis_score(cumulative, max(1, self._generated), self._length_penalty)

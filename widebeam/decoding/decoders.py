@@ -241,9 +241,8 @@ class BeamDecoder:
                 # divides or multiplies those); the log-softmax after them leaves the choice HF's and
                 # makes the score the log-prob of the distribution chosen from, as SamplingDecoder's.
                 logits = apply_processors(self.processors, scores.logits.clone(), context)
-                # a row with every token banned has no distribution (nan): it allows nothing
-                scores = torch.log_softmax(logits, dim=-1).nan_to_num(nan=float("-inf"), posinf=float("inf"),
-                                                                      neginf=float("-inf"))
+                # (a row with every token banned turns nan here: the search reads it as allowing nothing)
+                scores = torch.log_softmax(logits, dim=-1)
             elif self.processors:
                 scores = apply_processors(self.processors, scores.logprobs.clone(), context)
             else:
