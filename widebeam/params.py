@@ -230,6 +230,9 @@ class BeamSearchParams:
     def __post_init__(self) -> None:
         as_tuple(self, "stop", str)
         as_tuple(self, "stop_token_ids", int)
+        # what the caller gave, before None is resolved: `replace` re-resolves only what was not given
+        object.__setattr__(self, "_given", frozenset(name for name in ("beam_width", "num_return_sequences")
+                                                     if getattr(self, name) is not None))
         require(self.beam_width is None or (is_int(self.beam_width) and self.beam_width >= 1), "beam_width",
                  "must be an integer >= 1 (or None: the schedule's widest step, else "
                  f"{DEFAULT_BEAM_WIDTH}), got {{value!r}}", value=self.beam_width)
@@ -324,15 +327,16 @@ class BeamSearchParams:
         return self.beam_width_schedule[min(step, len(self.beam_width_schedule)) - 1]
 
     def replace(self, **changes) -> BeamSearchParams:
-        """A copy with `changes` applied. A `num_return_sequences` equal to the final width (the
-        default, all beams) follows a changed `beam_width` or schedule unless it is given too."""
+        """A copy with `changes` applied. What was not given (None: all beams returned, the schedule's
+        widest step or the default width) follows a changed `beam_width` or schedule; what was given
+        stays, and is checked against the change."""
         values = {f.name: getattr(self, f.name) for f in fields(self)}
-        widths = {"beam_width", "beam_width_schedule"}
-        if (widths & changes.keys() and "num_return_sequences" not in changes
-                and self.num_return_sequences == self.final_beam_width):
-            values["num_return_sequences"] = None
+        if {"beam_width", "beam_width_schedule"} & changes.keys():
+            for name in ("num_return_sequences", "beam_width"):
+                if name not in self._given:
+                    values[name] = None
         if changes.get("beam_width_schedule") is not None and "beam_width" not in changes:
-            values["beam_width"] = None  # not given: the new schedule's widest step
+            values["beam_width"] = None  # the new schedule's widest step
         values.update(changes)
         return type(self)(**values)
 

@@ -125,6 +125,21 @@ def test_a_width_not_given_is_none_and_resolves_to_an_int():
         BeamSearchParams(beam_width_schedule=[2, 8]).replace(beam_width=4)
 
 
+def test_replace_keeps_what_was_given_even_at_the_defaults_value():
+    """`num_return_sequences=4` at width 4 was given: a wider copy still returns 4 (an explicit value
+    equal to the default, all beams, once read as not given); left out, it follows the width."""
+    import pickle
+
+    given = BeamSearchParams(beam_width=4, num_return_sequences=4)
+    assert given.replace(beam_width=8).num_return_sequences == 4
+    assert BeamSearchParams(beam_width=4).replace(beam_width=8).num_return_sequences == 8
+    scheduled = BeamSearchParams(beam_width_schedule=[2, 8])
+    assert scheduled.replace(beam_width_schedule=None).beam_width == 4  # not given: the default again
+    assert BeamSearchParams(beam_width=8, beam_width_schedule=[2, 8]).replace(
+        beam_width_schedule=None).beam_width == 8
+    assert pickle.loads(pickle.dumps(given)).replace(beam_width=8).num_return_sequences == 4
+
+
 @pytest.mark.parametrize("extra, param", [({"beam_width": 4}, "beam_width"), ({"best_of": 4}, "best_of")])
 def test_http_width_beside_a_schedule_must_be_its_widest(extra, param):
     from widebeam.server.protocol import plan_request
