@@ -13,7 +13,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]  # generated tokens only
     cumulative_logprob: float
-    finish_reason: str | None  # "stop", "length", or None while running
+    finish_reason: str | None  # "stop", "length", "banned" (no token was left), or None while running
     score: float | None = None  # beam search: the length-penalised score transformers reports
     # With `logprobs=k`: one dict per generated token (see widebeam/logprobs.py for what they are).
     logprobs: list[TokenLogprobs] | None = None
