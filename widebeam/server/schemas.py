@@ -120,7 +120,8 @@ class _GenerationFields(BaseModel):
     response_format: dict | None = None
     # Encoder-decoder models (translation): the decoder starts from these tokens after its start token
     # (NLLB's target language code, a forced partial translation); text is tokenized without special
-    # tokens. `forced_bos_token_id`: the first generated token (HF's; only without a decoder_prefix).
+    # tokens; a decoder-only model refuses it but as a soft prefix (prefix_bias_beta).
+    # `forced_bos_token_id`: the first generated token (HF's; only without a decoder_prefix).
     decoder_prefix: str | list[int] | None = None
     forced_bos_token_id: int | None = Field(None, ge=0)
     # widebeam's extension: the beam search tree (widebeam/beam/tree.py, docs/ui.md) in the response's
@@ -160,7 +161,8 @@ class CompletionRequest(_GenerationFields):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
         ..., description="text, token ids, or a batch of either")
     max_tokens: int | None = Field(16, ge=1, description="null: up to the engine's max_seq_len")
-    echo: bool = Field(False, description="the prompt before each choice's text (and its tokens' log-probs)")
+    echo: bool = Field(False, description="decoder-only models: the prompt used (its kept tokens with "
+                                          "max_input_length) before each choice's text, and its log-probs")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
                                  description="each token's log-prob and its `logprobs` most likely "
                                              "alternatives")
