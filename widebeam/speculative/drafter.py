@@ -32,6 +32,17 @@ class ModelDrafter:
     def __init__(self, worker, vocab_size: int):
         self.worker = worker
         self.vocab_size = vocab_size  # the target's: the draft never proposes a token it lacks
+        # What the draft model was fed, in tokens (one per sequence position): prompt chunks; the
+        # rounds' first passes (tokens a lagging draft missed, then the pending ones); drafted nodes
+        # fed to draft their children. And its forward passes. (`stats`: what a lazy draft saves.)
+        self.counts = {"prompt_tokens": 0, "round_tokens": 0, "node_tokens": 0, "passes": 0}
+
+    def stats(self) -> dict[str, int]:
+        return dict(self.counts)
+
+    def _execute(self, inputs: Sequence[SequenceInput], **kwargs) -> torch.Tensor:
+        self.counts["passes"] += 1
+        return self.worker.execute(inputs, **kwargs)
 
     def draft(self, rounds: Sequence[SequenceRound], prefill_inputs: Sequence[SequenceInput] = ()) -> None:
         """Fill the rounds' trees; the step's prompt chunks ride along the first pass (the draft
@@ -46,7 +57,9 @@ class ModelDrafter:
         inputs = list(prefill_inputs) + [rnd.draft_feed for rnd in fed]
         if not inputs:
             return
-        logits = self.worker.execute(inputs)  # [num_seqs, vocab]: each sequence's last token
+        self.counts["prompt_tokens"] += sum(len(seq.token_ids) for seq in prefill_inputs)
+        self.counts["round_tokens"] += sum(len(rnd.draft_feed.token_ids) for rnd in fed)
+        logits = self._execute(inputs)  # [num_seqs, vocab]: each sequence's last token
         rows = {id(rnd): len(prefill_inputs) + i for i, rnd in enumerate(fed)}
         if not active:
             return
@@ -58,7 +71,8 @@ class ModelDrafter:
             if not growing:
                 return
             inputs = [rnd.level_input(depth) for rnd in growing]
-            logits = self.worker.execute(inputs, all_logits=True)  # [num_nodes, vocab]
+            self.counts["node_tokens"] += sum(len(seq.token_ids) for seq in inputs)
+            logits = self._execute(inputs, all_logits=True)  # [num_nodes, vocab]
             self._expand(growing, [rnd.tree.level(depth) for rnd in growing], logits)
             depth += 1
 
