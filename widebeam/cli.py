@@ -57,7 +57,7 @@ def _add_plan(sub, help_text: str) -> None:
     p.add_argument("--memory", type=_byte_size, default=_byte_size("16GiB"),
                    help="device memory for weights + activations + KV, e.g. 141GiB (default 16GiB)")
     add_engine_arguments(p, ["kv_cache_fraction"])
-    p.add_argument("--beam-width", type=_int_at_least(1), default=1)
+    p.add_argument("--beam-width", type=_int_at_least(1), default=None, help="(default 1)")
     p.add_argument("--beam-width-schedule", type=_width_schedule, default=None, metavar="W1,W2,...",
                    help="per-step widths (e.g. 64,256,1024; the last repeats): the schedule's own bound "
                         "is counted, --beam-width becomes its widest step")
@@ -150,7 +150,7 @@ def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if max_new_tokens is None:  # the engine's default with a catalogue: its longest item and EOS
         max_new_tokens = PLAN_MAX_NEW_TOKENS if catalogue is None else catalogue.max_item_tokens + 1
     schedule = args.beam_width_schedule or ()
-    if schedule and args.beam_width not in (1, max(schedule)):
+    if schedule and args.beam_width not in (None, max(schedule)):
         parser.error(f"argument --beam-width: with --beam-width-schedule it is the widest step "
                      f"({max(schedule)}); drop it")
     if len(schedule) > max_new_tokens:
@@ -158,7 +158,7 @@ def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                      "tokens: one per generated token at most")
     inputs = PlanInputs(
         memory_bytes=args.memory,
-        beam_width=max(schedule) if schedule else args.beam_width,
+        beam_width=max(schedule) if schedule else (args.beam_width or 1),
         beam_width_schedule=schedule,
         prompt_len=args.prompt_len,
         max_new_tokens=max_new_tokens,

@@ -41,6 +41,7 @@ def test_plan_counts_the_schedules_bound():
     ("plan", ["--beam-width-schedule", "64,0"], "--beam-width-schedule"),
     ("plan", ["--beam-width-schedule", "64,x"], "--beam-width-schedule"),
     ("plan", ["--beam-width-schedule", "8,16", "--beam-width", "4"], "--beam-width"),
+    ("plan", ["--beam-width-schedule", "8,16", "--beam-width", "1"], "--beam-width"),  # 1 is the default
     ("plan", ["--beam-width-schedule", "8,16,4", "--max-new-tokens", "2"], "--beam-width-schedule"),
     ("generate", ["hi", "--beam-width-schedule", "4,,8"], "--beam-width-schedule"),
     ("generate", ["hi", "--beam-width-schedule", "4,8", "--temperature", "0.5"], "--temperature"),
