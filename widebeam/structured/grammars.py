@@ -9,7 +9,8 @@ compile is an `InvalidParameterError` naming `response_format` and xgrammar's re
 
 Two ways to compile: in this process (`compile(fmt)`: the offline `LLM` and the engine's own
 `add_request`), or with a time bound (`compile(fmt, timeout_s)`: the server, before admission), where a
-schema not yet compiled goes to a worker process that is killed past the bound (compile_worker.py).
+schema not yet compiled goes first to a worker process that is killed past the bound, and is compiled
+here only once it compiled there in time (compile_worker.py).
 `json_object` is one small fixed grammar and always compiles here. Compiled grammars are kept (the last
 64 schemas), so a schema repeated across requests compiles once and never waits for a worker.
 
@@ -66,8 +67,9 @@ class Grammars:
             self._info = xgrammar.TokenizerInfo.from_huggingface(
                 self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids or None)
             # one thread: a compile runs beside the engine's steps, and xgrammar's default of 8 threads
-            # would take the cores the steps need
-            self._compiler = xgrammar.GrammarCompiler(self._info, max_threads=1)
+            # would take the cores the steps need. No cache of xgrammar's (unbounded by default): the
+            # last 64 grammars are kept here.
+            self._compiler = xgrammar.GrammarCompiler(self._info, max_threads=1, cache_enabled=False)
         return self._compiler
 
     def _get_workers(self) -> CompileWorkers:
@@ -92,9 +94,9 @@ class Grammars:
     def compile(self, response_format, timeout_s: float | None = None):
         """The compiled grammar of a `response_format` (cached), or None for plain text. Thread-safe.
         With `timeout_s` (the server: formats.GRAMMAR_COMPILE_TIMEOUT_S), a schema other than
-        `json_object` compiles in a worker process, which is killed past `timeout_s` of its own compile
-        time (waiting for a free worker is not counted): an InvalidParameterError naming
-        `response_format`."""
+        `json_object` compiles first in a worker process, which is killed past `timeout_s` of its own
+        compile time (waiting for a free worker is not counted): an InvalidParameterError naming
+        `response_format`. One that compiled there in time is compiled again here."""
         schema = schema_of(response_format)
         if schema is None:
             return None
@@ -106,7 +108,7 @@ class Grammars:
         if timeout_s is None or schema == _JSON_OBJECT_SCHEMA:
             compiled = self._compile_here(compiler, schema)
         else:
-            compiled = self._compile_in_worker(schema, timeout_s)
+            compiled = self._compile_in_worker(compiler, schema, timeout_s)
         with self._lock:
             self._compiled[schema] = compiled
             while len(self._compiled) > _MAX_CACHED_GRAMMARS:
@@ -120,20 +122,21 @@ class Grammars:
         except (RuntimeError, ValueError, TypeError) as exc:
             raise refused(one_line_reason(exc)) from None
 
-    def _compile_in_worker(self, schema: str, timeout_s: float):
-        import xgrammar
-
+    def _compile_in_worker(self, compiler, schema: str, timeout_s: float):
         with self._lock:
             workers = self._get_workers()
         try:
-            serialized = workers.compile(schema, timeout_s)
+            grammar = workers.compile(schema, timeout_s)
         except CompileRefused as exc:
             raise refused(str(exc)) from None
         except CompileTimeout:
             raise InvalidParameterError(
                 "response_format", "{response_format} took longer than {limit_s} s to compile: simplify the "
                 "schema", limit_s=timeout_s) from None
-        return xgrammar.CompiledGrammar.deserialize_json(serialized.decode(), self._info)
+        try:  # the work the worker just did in time (its schema-to-grammar part not repeated)
+            return compiler.compile_grammar(grammar)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise refused(one_line_reason(exc)) from None
 
     def close(self) -> None:
         """Stop the worker processes (the server's shutdown); a later bounded compile fails."""
