@@ -185,3 +185,27 @@ def test_speculative_rounds_reach_the_bound_in_the_target_and_draft_pools(
     assert set(output.required_blocks) == {"self", "draft"}
     assert output.required_blocks == dict.fromkeys(["self", "draft"], full_attention_blocks(p, n, w, t, d))
     assert output.peak_blocks == output.required_blocks
+
+
+@pytest.mark.parametrize("policy", ["guaranteed_no_evict", "max_utilization"])
+def test_a_preempted_worst_case_still_peaks_at_the_bound(tiny_llama_dir, policy):
+    """Preempted mid-decode, the diverging request resumes (prompt shared again, each beam re-feeding its
+    own tokens into blocks of its own, as it held them) and runs to its worst case: the peak it reports
+    is the bound, neither more (lives are not added) nor less."""
+    p, n, w, t = 13, 12, 5, 4
+    llm = LLM(str(tiny_llama_dir), device="cpu", tokens_per_block=t, kv_cache_memory="4MiB",
+              max_beam_width=16, enable_prefix_caching=False, scheduling_policy=policy)
+    engine = llm.engine
+    engine.add_request("tight", {"prompt_token_ids": list(range(3, 3 + p))},
+                       BeamSearchParams(beam_width=w, max_new_tokens=n, ignore_eos=True),
+                       logits_processors=[diverge(w)])
+    request, output, preempted = engine._requests["tight"], None, False
+    while engine.has_unfinished():
+        if not preempted and request.decoder.num_generated_tokens == 6:
+            preempted = engine.scheduler.preempt("tight")
+        for delta in engine.step():
+            if delta.finished:
+                output = delta.output
+    assert preempted and request.num_preemptions == 1
+    assert all(len(beam.token_ids) == n for beam in output.outputs)
+    assert output.peak_blocks == output.required_blocks == {"self": written_blocks(p, n, w, t)}
