@@ -151,3 +151,26 @@ def test_a_prompt_with_nothing_allowed_returns_one_empty_banned_hypothesis():
     assert result.empty and state.done
     (hypothesis,) = state.finalize()
     assert (hypothesis.token_ids, hypothesis.finish_reason, hypothesis.score) == ([], BANNED, 0.0)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_new_tokens=4),
+                                    SamplingParams(temperature=1.0, seed=2, max_new_tokens=4),
+                                    BeamSearchParams(beam_width=1, max_new_tokens=4),
+                                    BeamSearchParams(beam_width=4, max_new_tokens=4, num_return_sequences=2)],
+                         ids=["greedy", "sampling", "beam-W1", "beam-W4"])
+def test_nothing_allowed_from_the_first_step_gives_one_empty_banned_choice(llm, params):
+    """A caller's processor that bans every token (what admission cannot see): one choice with no
+    tokens and finish reason "banned", the blocks freed."""
+    def ban_everything(scores, num_generated_tokens):
+        scores.fill_(float("-inf"))
+
+    engine = llm.engine
+    engine.add_request("ban-everything", {"prompt_token_ids": PROMPT}, params,
+                       logits_processors=[ban_everything])
+    deltas = []
+    while engine.has_unfinished():
+        deltas += engine.step()
+    (done,) = [d for d in deltas if d.finished]
+    assert done.error is None
+    assert [(o.token_ids, o.finish_reason) for o in done.output.outputs] == [([], BANNED)]
+    assert_pools_whole(llm)

@@ -316,7 +316,7 @@ class BeamSearchState:
             for entry in ended:
                 if entry.node != _NO_NODE:  # the prompt itself has no node
                     self.tree.finish_node(entry)
-        if self.params.constrained:
+        if self.params.constrained and ended:
             # under a catalogue a beam cut inside an item is no item: returned only if nothing else is
             self._ended = sorted(self._ended + ended, key=lambda f: f.score, reverse=True)[:self._num_kept]
             ended = []
