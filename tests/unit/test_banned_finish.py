@@ -112,19 +112,20 @@ def test_one_allowed_token_is_enough(llm):
     assert out.outputs[0].token_ids == [50] and out.outputs[0].finish_reason == BANNED
 
 
-def test_a_catalogue_whose_every_item_a_word_bans_returns_the_cut_beams(llm):
+@pytest.mark.parametrize("search", [{}, {"num_beam_groups": 2, "diversity_penalty": 0.5}],
+                         ids=["beams", "groups"])
+def test_a_catalogue_whose_every_item_a_word_bans_returns_the_cut_beams(llm, search):
     """Multi-token bans that kill every item (known only while decoding: the words follow the path):
     the beams that cannot go on come back "banned", not an empty answer; with one item left open only
     items come back (a cut beam is no item)."""
     items = [[10, 11], [10, 12], [13, 14, 15]]
-    killed = generate(llm, BeamSearchParams(beam_width=4, allowed_sequences=items,
-                                            bad_words_ids=[[10, 11], [10, 12], [13, 14]]))
+    params = BeamSearchParams(beam_width=4, allowed_sequences=items, **search)
+    killed = generate(llm, params.replace(bad_words_ids=[[10, 11], [10, 12], [13, 14]]))
     assert killed.outputs and all(b.finish_reason == BANNED for b in killed.outputs)
     assert {tuple(b.token_ids) for b in killed.outputs} <= {(10,), (13,)}
-    open_one = generate(llm, BeamSearchParams(beam_width=4, allowed_sequences=items,
-                                              bad_words_ids=[[10, 11], [10, 12]]))
-    assert [b.token_ids for b in open_one.outputs] == [[13, 14, 15, EOS]]
-    assert open_one.outputs[0].finish_reason == "stop"
+    open_one = generate(llm, params.replace(bad_words_ids=[[10, 11], [10, 12]]))
+    assert open_one.outputs
+    assert {(tuple(b.token_ids), b.finish_reason) for b in open_one.outputs} == {((13, 14, 15, EOS), "stop")}
     assert_pools_whole(llm)
 
 
