@@ -28,6 +28,9 @@ What that algorithm does, and what this module therefore does:
 * `beam_width=1` is what HF `generate(num_beams=1)` runs: greedy search. It is the W=1 case of the above
   except that the first EOS always ends the search (the "never" rule with `length_penalty > 0` could keep
   a width-1 beam search going); the hypothesis is still scored as above (HF greedy reports no score).
+* Where HF would carry a beam whose every continuation is -inf (its processors banned all) on with -inf
+  scores and banned tokens, here it ends where it stands: a hypothesis with finish reason "banned",
+  scored at its length (under a catalogue it is no item: kept aside, returned only if nothing finished).
 * `patience` p >= 1 (CTranslate2's, arXiv 2204.05424): every "W finished hypotheses" above becomes
   round(W * p): that many are kept, and the search can stop only once that many finished. Which
   candidates may finish (the top W of the K) is unchanged; p = 1 is HF's search exactly.
@@ -386,7 +389,8 @@ class BeamSearchState:
         Called before the search is done (an aborted request), live beams fill any missing places, scored at
         their current length with finish reason "length". Fewer come back only when stop strings ended every
         beam before `num_return_sequences` hypotheses were finished, or a constraint left fewer
-        reachable.
+        reachable; never none once a step ran (a constrained search with no item finished returns the
+        beams its constraint cut, "banned").
         """
         wanted = self.params.num_return_sequences
         entries = list(self._finished[:wanted] or self._ended[:wanted])
