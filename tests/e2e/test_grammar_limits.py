@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import threading
 import time
 import uuid
 
 import openai
 import pytest
+from conftest import SMALL_POOL_ARGS
 from e2e_helpers import QA_PROMPT as PROMPT
 from e2e_helpers import assert_pools_whole, client_of, streamed_text
 
 from widebeam.structured.formats import MAX_ENUM_VALUES, MAX_NESTING_DEPTH, MAX_PROPERTIES
+from widebeam.structured.grammars import NUM_COMPILE_WORKERS
 
 
 def json_schema(schema: dict) -> dict:
@@ -207,3 +210,64 @@ def test_compiles_do_not_stall_a_concurrent_stream(server, client):
     during = [t for t in chunk_times if sent_at < t < refusals[0][0]]
     assert len(during) >= 20, (len(during), len(chunk_times))
     assert_pools_whole(server)
+
+
+def compile_workers_of(pid: int) -> set[int]:
+    """The grammar worker processes whose parent is `pid` (from /proc)."""
+    workers = set()
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as stat, open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+                command = cmdline.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == pid and b"widebeam.structured.compile_worker" in command:
+            workers.add(int(entry))
+    return workers
+
+
+def has_ended(pid: int) -> bool:
+    """Gone, or a zombie (exited; whoever adopted it has not reaped it yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in "ZX"
+    except FileNotFoundError:
+        return True
+
+
+def cut_short(client, response_format) -> None:
+    """A grammar request the server's end cuts short, whatever it then gets (an error, a dropped
+    connection)."""
+    try:
+        chat_s(client, response_format)
+    except openai.APIError:
+        pass
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_grammar_workers_start_on_the_first_schema_and_end_with_the_server(tiny_chat_model_dir,
+                                                                         server_factory, stop_signal):
+    """No worker process before the first schema (start-up does not pay for them); the first schema
+    starts them; they end with the server, one busy with a heavy schema too: the shutdown kills them
+    (SIGTERM), and one whose server was killed (SIGKILL) notices it is orphaned and exits within a
+    second or so, not when its compile would have ended."""
+    server = server_factory(["--model", str(tiny_chat_model_dir), "--served-model-name", "tiny-chat",
+                             *SMALL_POOL_ARGS]).wait_ready()
+    client = client_of(server)
+    chat_s(client, JSON_OBJECT)
+    assert not compile_workers_of(server.proc.pid)  # json_object compiles in the server's own process
+    chat_s(client, small_schema())
+    workers = compile_workers_of(server.proc.pid)
+    assert len(workers) == NUM_COMPILE_WORKERS
+    heavy = threading.Thread(target=cut_short, args=(client, heavy_regex()), daemon=True)
+    heavy.start()
+    time.sleep(1.0)  # its compile is under way (tens of seconds, were it not stopped)
+    server.proc.send_signal(stop_signal)
+    server.proc.wait(timeout=60)
+    deadline = time.monotonic() + 5
+    while not all(has_ended(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(has_ended(pid) for pid in workers), workers
+    if stop_signal == signal.SIGTERM:
+        assert "Traceback" not in server.log_tail(20000), server.log_tail()

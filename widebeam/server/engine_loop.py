@@ -176,6 +176,8 @@ class EngineLoop:
             response_format = getattr(params, "response_format", None)
             if response_format is not None:
                 formats[repr(response_format)] = response_format
+        if not formats:
+            return
         loop = asyncio.get_running_loop()
         grammars = self.engine.grammars
         for response_format in formats.values():
