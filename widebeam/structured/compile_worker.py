@@ -80,7 +80,9 @@ def one_line_reason(exc: BaseException) -> str:
 
 
 def _write_frame(stream, payload: bytes) -> None:
-    stream.write(_HEADER.pack(len(payload)) + payload)
+    data = memoryview(_HEADER.pack(len(payload)) + payload)
+    while data:  # an unbuffered pipe may take part of it (a signal mid-write)
+        data = data[stream.write(data) or 0:]
     stream.flush()
 
 
