@@ -212,19 +212,21 @@ EDGE_PARAMS = [BeamSearchParams(beam_width=width, max_new_tokens=6) for width in
 EDGE_PARAMS.append(SamplingParams(temperature=0, max_new_tokens=6))
 
 
+# an encoder-decoder's history is its start token: [pad] * n is no history it has, so decoder-only only
+@pytest.mark.parametrize("family", ["llama"], indirect=True)
 @pytest.mark.parametrize("params", EDGE_PARAMS, ids=["W1", "W4", "greedy"])
 @pytest.mark.parametrize("ngram", [1, 2, 3])
 def test_no_repeat_ngram_bans_when_the_history_is_exactly_n_tokens(family, params, ngram):
     """The decoder's history is [x] * n (the prompt: a decoder-only model's): its one n-gram's first n-1
     tokens are its last n-1, so x is banned at once."""
-    if family.start is not None:
-        pytest.skip("an encoder-decoder's history is its start token: [pad] * n is no history it has")
     x = 40
     run_edge(family, [x] * ngram, params, {"no_repeat_ngram_size": ngram}, x, f"n={ngram}")
 
 
+# an encoder-decoder's history on the first step is its one start token: a two-token word only
+@pytest.mark.parametrize(("family", "word_len"), [("llama", 2), ("llama", 3), ("marian", 2)],
+                         indirect=["family"])
 @pytest.mark.parametrize("params", EDGE_PARAMS, ids=["W1", "W4", "greedy"])
-@pytest.mark.parametrize("word_len", [2, 3])
 def test_a_word_is_banned_when_the_history_is_exactly_its_prefix(family, params, word_len):
     """The history is exactly the word's prefix (the decoder-only prompt; the encoder-decoder's start
     token for a two-token word), so its last token is banned on the first step."""
@@ -233,8 +235,6 @@ def test_a_word_is_banned_when_the_history_is_exactly_its_prefix(family, params,
         prompt = [40, 41][:word_len - 1]
         word = prompt + [y]
     else:
-        if word_len != 2:
-            pytest.skip("an encoder-decoder's history on the first step is its one start token")
         prompt, word = family.prompts[0], [family.pad, y]
     run_edge(family, prompt, params, {"bad_words_ids": [word]}, y, f"word {word}")
 
