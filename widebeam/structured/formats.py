@@ -9,14 +9,14 @@ from widebeam.errors import InvalidParameterError
 
 FORMAT_TYPES = ("text", "json_object", "json_schema")
 
-# Caps that keep a grammar's compile short (the server compiles before admission, in a worker process
-# killed past GRAMMAR_COMPILE_TIMEOUT_S: structured/compile_worker.py). xgrammar compile times measured
-# on this project's 2-core CPU machine with SmolLM2's tokenizer: an enum of 1k fresh strings 0.03 s, 5k 0.16 s, 10k 1.5 s
-# (the QA pass: 100k froze the engine 151 s); arrays nested 64 deep 0.02 s, 128 0.10 s, 256 0.65 s (900:
-# 47 s); an object of 256 properties 0.08 s, 512 0.36 s, 1,000 2.8 s; 256 properties of 16 enum values
+# Caps that keep a grammar's compile short (the server compiles before admission, in a worker process killed
+# past GRAMMAR_COMPILE_TIMEOUT_S: structured/compile_worker.py). xgrammar compile times measured on this
+# project's 2-core CPU machine with SmolLM2's tokenizer: an enum of 1k fresh strings 0.03 s, 5k 0.16 s, 10k
+# 1.5 s (the QA pass: 100k froze the engine 151 s); arrays nested 64 deep 0.02 s, 128 0.10 s, 256 0.65 s
+# (900: 47 s); an object of 256 properties 0.08 s, 512 0.36 s, 1,000 2.8 s; 256 properties of 16 enum values
 # each (52 KB, near every cap at once) 0.3 s. Each cap sits where one dimension alone compiles in ~0.1 s.
-# Re-measured through Grammars.compile (tiny-chat tokenizer, caps lifted): enum 1k 0.01 s, 5k 0.06 s,
-# 20k 19.6 s; arrays nested 50 deep 0.02 s, 64 0.02 s, 100 0.10 s, 300 1.7 s.
+# Re-measured through Grammars.compile (tiny-chat tokenizer, caps lifted): enum 1k 0.01 s, 5k 0.06 s, 20k
+# 19.6 s; arrays nested 50 deep 0.02 s, 64 0.02 s, 100 0.10 s, 300 1.7 s.
 MAX_SCHEMA_BYTES = 64 * 1024
 MAX_ENUM_VALUES = 4096  # enum and const values, summed over the schema
 MAX_NESTING_DEPTH = 64  # levels of nested objects, arrays and combinators
