@@ -1,7 +1,7 @@
 """The catalogue's fast path in the beam search (`step(..., allowed=(rows, tokens))`, which ranks only
 the allowed (beam, token) pairs) against its reference: the same step on scores masked to -inf outside
 those pairs. Same next beams, same finished hypotheses, same final answer, over random steps (the
-`_top_allowed` mutants had no unit test reaching them in #22's mutation check)."""
+`top_allowed` (beam/ranking.py) mutants had no unit test reaching them in #22's mutation check)."""
 
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ import torch
 from helpers import live_cumulative_logprobs
 
 from widebeam.beam import BeamSearchState, Hypothesis, StepResult, hypothesis_score, length_normalizer
+from widebeam.beam.ranking import top_candidates
 from widebeam.errors import InvalidParameterError
 from widebeam.params import BeamSearchParams
 
@@ -290,7 +291,8 @@ def test_top_candidates_equal_a_full_top_k(rows, width, vocab, scale, eos, mask)
             running[rows // 2] = -1.0
         else:
             running = torch.randn(rows, generator=gen) * (0.1 if trial == 2 else 3.0)
-        values, parents, tokens = state._top_candidates(lp, running, mask)
+        values, parents, tokens, _ = top_candidates(lp, running, state._num_candidates,
+                                                     state._eos_on(lp.device) if mask else None)
         full = lp + running[:, None]
         if mask:
             full[:, list(eos)] = float("-inf")

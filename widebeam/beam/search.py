@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from widebeam.beam.ranking import top_allowed, top_candidates
 from widebeam.beam.scores import divided_scores, hypothesis_score, length_normalizer
 from widebeam.beam.tree import SearchTree
 from widebeam.params import BeamSearchParams
@@ -170,9 +171,6 @@ class BeamSearchState:
         self._live_tokens_cache: list[list[int]] | None = None
         self._generated = 0
         self._finished: list[_Finished] = []  # best first, at most _num_kept
-        # [rows of the latest step's log-probs] each row's best allowed score, set by the ranking
-        # (`_top_candidates` / `_top_allowed`): -inf where no token is left
-        self._row_best = torch.empty(0)
         # constrained search: beams that no allowed token could continue (finish reason "banned"), best
         # first; returned only when no hypothesis finished (unconstrained, they are hypotheses at once)
         self._ended: list[_Finished] = []
@@ -248,11 +246,13 @@ class BeamSearchState:
             running[0] = 0.0
         else:
             running = torch.tensor(self._live_scores, dtype=torch.float32)
+        eos = self._eos_on(device) if mask_eos else None
         if allowed is None:
-            values, parent_rows, tokens = self._top_candidates(lp, running.to(device), mask_eos)
+            values, parent_rows, tokens, row_best = top_candidates(lp, running.to(device),
+                                                                   self._num_candidates, eos)
         else:
-            values, parent_rows, tokens = self._top_allowed(lp, running.to(device), mask_eos, *allowed)
-        row_best = self._row_best  # what the ranking saw of each row: its best allowed score
+            values, parent_rows, tokens, row_best = top_allowed(lp, running.to(device),
+                                                                self._num_candidates, eos, *allowed)
         num_candidates = values.shape[0]
         generated = self._generated + 1
         last = generated >= self.max_new_tokens
@@ -409,72 +409,6 @@ class BeamSearchState:
         return [self._hypothesis(entry) for entry in entries]
 
     # -- internals ---------------------------------------------------------------------------------------
-
-    def _top_candidates(self, lp: torch.Tensor, running: torch.Tensor, mask_eos: bool):
-        """The K best `running[row] + lp[row, token]` over all rows, best first: (values, rows, tokens).
-
-        Exact, without touching the full [rows, vocab] sum: adding a row's running score keeps the row's
-        order, so each row only offers its best tokens. A shallow top-k of every row gives a threshold (the
-        K-th best of what it offers); only rows whose shallow list reaches the threshold can hold more of
-        the K best, and only those are searched deeper. Masked EOS ids (min_new_tokens) become -inf.
-        `running` has one entry per row of `lp`, or `beam_width` entries when `lp` is the prompt's single row
-        (HF's prompt copies).
-        """
-        device = lp.device
-        vocab = lp.shape[1]
-        rows = running.shape[0]
-        n_mask = len(self._eos_sorted) if mask_eos else 0
-        wanted = self._num_candidates
-        k_full = min(vocab, wanted + n_mask)  # enough for any row
-        if lp.shape[0] != rows:  # the prompt's row stands for all `rows` copies
-            k_shallow = k_full
-        else:
-            k_shallow = min(k_full, -(-wanted // rows) + 8 + n_mask)
-        top_values, top_tokens = torch.topk(lp, k_shallow, dim=1)
-        raw_last = top_values[:, -1]
-        if mask_eos:
-            top_values = top_values.masked_fill(torch.isin(top_tokens, self._eos_on(device)), float("-inf"))
-        # each row's best allowed score: its shallow list holds more than the masked EOS ids (or the
-        # whole vocabulary), so a row whose list is all -inf allows nothing
-        self._row_best = top_values.max(dim=1).values
-        if lp.shape[0] != rows:
-            top_values = top_values.expand(rows, k_shallow)
-            top_tokens = top_tokens.expand(rows, k_shallow)
-        sums = top_values + running[:, None]
-        num = min(wanted, sums.numel())
-        values, flat = torch.topk(sums.reshape(-1), num)
-        if k_shallow < k_full:
-            # Rows whose last offered token still reaches the threshold may hold more of the best K.
-            deep = torch.nonzero((raw_last + running) >= values[-1]).squeeze(1)
-            if deep.numel():
-                deep_values, deep_tokens = torch.topk(lp.index_select(0, deep), k_full, dim=1)
-                if mask_eos:
-                    deep_values = deep_values.masked_fill(torch.isin(deep_tokens, self._eos_on(device)),
-                                                          float("-inf"))
-                deep_sums = deep_values + running.index_select(0, deep)[:, None]
-                sums = sums.index_fill(0, deep, float("-inf"))  # offered again, deeper, below
-                all_sums = torch.cat((sums.reshape(-1), deep_sums.reshape(-1)))
-                all_rows = torch.cat((torch.arange(rows, device=device).repeat_interleave(k_shallow),
-                                      deep.repeat_interleave(k_full)))
-                all_tokens = torch.cat((top_tokens.reshape(-1), deep_tokens.reshape(-1)))
-                values, flat = torch.topk(all_sums, num)
-                return values, all_rows[flat], all_tokens[flat]
-        return values, torch.div(flat, k_shallow, rounding_mode="floor"), top_tokens.reshape(-1)[flat]
-
-    def _top_allowed(self, lp: torch.Tensor, running: torch.Tensor, mask_eos: bool, rows: torch.Tensor,
-                     tokens: torch.Tensor):
-        """The K best `running[row] + lp[row, token]` over the allowed (row, token) pairs only, best
-        first. On the first step only the real prompt copy (row 0) offers candidates: a dummy copy's
-        could neither finish nor live on, and rank below every real one."""
-        rows, tokens = rows.to(lp.device), tokens.to(lp.device)
-        sums = lp[rows, tokens] + running[rows]
-        if mask_eos:
-            sums = sums.masked_fill(torch.isin(tokens, self._eos_on(lp.device)), float("-inf"))
-        values, order = torch.topk(sums, min(self._num_candidates, sums.shape[0]))
-        # each row's best allowed score (-inf: no pair, or only banned ones)
-        self._row_best = torch.full((lp.shape[0],), float("-inf"), device=lp.device).scatter_reduce(
-            0, rows, sums, "amax")
-        return values, rows[order], tokens[order]
 
     def _ended_beams(self, row_best: list[float], first: bool) -> list[_Finished]:
         """The live beams (on the first step: the prompt) whose every continuation is banned (their
