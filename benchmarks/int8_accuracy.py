@@ -25,7 +25,7 @@ import torch
 from tables import machine_info, markdown_table, print_table
 
 from widebeam.llm import LLM
-from widebeam.model.int8_linear import quantize_int8
+from widebeam.model.linears.int8 import quantize_int8
 from widebeam.params import BeamSearchParams
 
 MODEL = "smollm2-135m-instruct"

@@ -32,9 +32,10 @@ REFERENCES = ("int_mm", "unfused")
 
 def load(model: str, arm: str, max_beam_width: int) -> LLM:
     """The engine as it loads ("engine"), or a reference arm (see the module docstring)."""
-    patches = [mock.patch("widebeam.model.int8_linear.fbgemm_exact", return_value=arm != "int_mm")]
+    patches = [mock.patch("widebeam.model.linears.int8.fbgemm_exact", return_value=arm != "int_mm")]
     if arm != "engine":
-        patches.append(mock.patch("widebeam.model.registry.fuse_int8_projections", side_effect=lambda m: m))
+        patches.append(mock.patch("widebeam.model.loading.build.fuse_int8_projections",
+                                  side_effect=lambda m: m))
     with contextlib.ExitStack() as stack:
         for patch in patches:
             stack.enter_context(patch)

@@ -25,7 +25,7 @@ import torch
 
 from widebeam.bench import peak_rss_bytes, reset_peak_rss
 from widebeam.llm import LLM
-from widebeam.model.arch import BUILTIN_CONFIGS
+from widebeam.model.families.arch import BUILTIN_CONFIGS
 from widebeam.params import BeamSearchParams
 
 PAD = BUILTIN_CONFIGS["opus-mt-en-de"]["pad_token_id"]

@@ -56,7 +56,7 @@ from contention import (  # benchmarks/ is on sys.path when run as a script
 from rich.console import Console
 from throughput_report import cpu_flags, cpu_model, print_report, source_fingerprint, speedups
 
-from widebeam.kv.managers import Holding
+from widebeam.kv.tables import Holding
 from widebeam.llm import LLM
 from widebeam.model.runner import SequenceInput
 

@@ -249,7 +249,7 @@ class Sides:
         if "transformers" in self.sides:
             self.hf = AutoModelForSeq2SeqLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
             if dtype == "int8":  # the same int8 linears as widebeam's: the same kernels, a fair peer
-                from widebeam.model.int8_linear import quantize_int8
+                from widebeam.model.linears.int8 import quantize_int8
 
                 self.hf = quantize_int8(self.hf, torch.device("cpu"))
                 for name, module in self.hf.named_modules():
@@ -260,7 +260,7 @@ class Sides:
         self.ct2 = None
         if "ctranslate2" in self.sides:
             from widebeam.bench_ct2 import CT2TranslatorPeer
-            from widebeam.model.loader import default_cache_dir
+            from widebeam.model.loading.sources import default_cache_dir
 
             tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
             self.ct2 = CT2TranslatorPeer(model_dir, dtype, threads, ct2_cache or default_cache_dir(),
@@ -425,7 +425,7 @@ def main(argv=None) -> None:
     import shlex
     import sys
 
-    from widebeam.model.loader import default_cache_dir
+    from widebeam.model.loading.sources import default_cache_dir
 
     args = parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -49,9 +49,11 @@ from tables import machine_info, markdown_table, print_table
 import widebeam.engine as engine_module
 import widebeam.request as request_module
 from widebeam.llm import LLM
-from widebeam.model import attention_backends, decoder, paged_attention
-from widebeam.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
-from widebeam.model.paged_attention import PagedAttention
+from widebeam.model.attention import backends as attention_backends
+from widebeam.model.attention import paged as paged_attention
+from widebeam.model.attention.paged import PagedAttention
+from widebeam.model.families import decoder
+from widebeam.model.families.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from widebeam.params import BeamSearchParams
 from widebeam.request import Request
 from widebeam.speculative.round import SequenceRound

@@ -69,7 +69,7 @@ def tiny_qwen2_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory):
     """The default model's GGUF converted once per test session: (cache_dir, ModelSource)."""
-    from widebeam.model import loader
+    from widebeam.model.loading import sources as loader
 
     cache = tmp_path_factory.mktemp("widebeam-cache")
     with pytest.MonkeyPatch.context() as mp:

@@ -3,7 +3,7 @@ tests that look at the processors of a decoder without running a request."""
 
 from __future__ import annotations
 
-from widebeam.decoding.factory import build_request_decoder
+from widebeam.decoder_factory import build_request_decoder
 
 
 def engine_decoder(engine, params, max_new_tokens: int, prompt_token_ids=()):

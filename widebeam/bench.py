@@ -227,8 +227,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         points += [(w, p) for p in args.wide_prompt_lens for w in args.wide_widths if (w, p) not in points]
     # the warm-up below runs W=2
     llm = LLM(model=args.model, max_beam_width=max(2, *(w for w, _ in points)), **engine_kwargs(args))
-    from widebeam.model.int8_linear import quantize_int8
-    from widebeam.model.registry import model_dtype
+    from widebeam.model.linears.int8 import quantize_int8
+    from widebeam.model.loading.build import model_dtype
 
     dtype = model_dtype(llm.engine.model)
     device = llm.engine.device  # transformers runs where widebeam does (a GPU when there is one)
@@ -242,7 +242,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     ct2 = {}
     if "ctranslate2" in args.peers:
         from widebeam.bench_ct2 import COMPUTE_TYPES, CT2Peer
-        from widebeam.model.loader import default_cache_dir
+        from widebeam.model.loading.sources import default_cache_dir
 
         ct2 = {f"ctranslate2 {t}": CT2Peer(llm.engine.source.path, t, args.threads, default_cache_dir(),
                                            llm.tokenizer) for t in COMPUTE_TYPES}

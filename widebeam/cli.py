@@ -133,8 +133,9 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 
 
 def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from widebeam.model.arch import BUILTIN_CONFIGS, ConfigError
-    from widebeam.model.families import load_arch
+    from widebeam.errors import ConfigError
+    from widebeam.model.families.arch import BUILTIN_CONFIGS
+    from widebeam.model.families.table import load_arch
     from widebeam.plan import PlanError, PlanInputs, plan
 
     if args.list_models:
@@ -206,9 +207,9 @@ def _plan_tokenizer(model: str, parser: argparse.ArgumentParser):
     beside a config.json: plan needs no weights), else an alias's (resolved as the engine does)."""
     from pathlib import Path
 
-    from widebeam.model.arch import BUILTIN_CONFIGS
-    from widebeam.model.loader import ModelSource, _has_tokenizer, resolve_model
-    from widebeam.model.registry import load_tokenizer
+    from widebeam.model.families.arch import BUILTIN_CONFIGS
+    from widebeam.model.loading.build import load_tokenizer
+    from widebeam.model.loading.sources import ModelSource, _has_tokenizer, resolve_model
 
     path = Path(model).expanduser()
     directory = path.parent if path.is_file() and path.suffix == ".json" else path if path.is_dir() else None
@@ -283,9 +284,8 @@ def _plan_catalogue_files(paths: list[str], parser: argparse.ArgumentParser):
 def _plan_speculative(args: argparse.Namespace, parser: argparse.ArgumentParser):
     """The plan's `SpeculativeConfig` (None without speculation), checked by the engine's own rules,
     and the draft model's arch (None without a draft model)."""
-    from widebeam.errors import InvalidParameterError
-    from widebeam.model.arch import ConfigError
-    from widebeam.model.families import load_arch
+    from widebeam.errors import ConfigError, InvalidParameterError
+    from widebeam.model.families.table import load_arch
 
     try:
         speculative = engine_config(args, SPECULATIVE).speculative

@@ -27,10 +27,10 @@ class ModelConfig:
     model: str = DEFAULT_MODEL  # alias, Hugging Face directory or .gguf file
     dtype: str = DEFAULT_DTYPE
     device: str | None = None  # None: cuda when available, else cpu
-    # None: $WIDEBEAM_ATTENTION_BACKEND, else "sdpa" (model/attention_backends.py); chosen once
+    # None: $WIDEBEAM_ATTENTION_BACKEND, else "sdpa" (model/attention/backends.py); chosen once
     attention_backend: str | None = None
     # "torch" | "auto" | "onednn": float32 CPU linears with the weight packed once for oneDNN
-    # (model/packed_linear.py)
+    # (model/linears/packed.py)
     linear_backend: str = DEFAULT_LINEAR_BACKEND
 
     def __post_init__(self) -> None:

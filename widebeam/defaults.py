@@ -6,9 +6,9 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_MAX_BEAM_WIDTH = 256
 DEFAULT_KV_CACHE_FRACTION = 0.9
 # float32 CPU linears: "split" (the default: at 1-4 rows the weight's output rows run as batched blocks on
-# every thread, F.linear otherwise; no copy; 1.4x at W=1 and 4, model/split_linear.py), "torch" (F.linear,
+# every thread, F.linear otherwise; no copy; 1.4x at W=1 and 4, model/linears/split.py), "torch" (F.linear,
 # the reference), "auto" (the weight also packed once for oneDNN, run at 4-128 rows: every linear weight
-# held twice) or "onednn" (packed at every row count; model/packed_linear.py).
+# held twice) or "onednn" (packed at every row count; model/linears/packed.py).
 LINEAR_BACKENDS = ("torch", "split", "auto", "onednn")
 DEFAULT_LINEAR_BACKEND = "split"
 # On a CPU host the KV cache shares memory with everything else the user runs, and tests and

@@ -18,9 +18,8 @@ import torch
 from widebeam.catalogue.registry import CatalogueRegistry
 from widebeam.catalogue.trie import Catalogue
 from widebeam.config import EngineConfig
+from widebeam.decoder_factory import build_request_decoder
 from widebeam.decoding.decoders import StepScores
-from widebeam.decoding.factory import build_request_decoder
-from widebeam.decoding.logprobs import execute_step
 from widebeam.decoding.processors import LogitsProcessor
 from widebeam.decoding.scoring import ScoringDecoder
 from widebeam.decoding.stream import output_stream
@@ -50,6 +49,7 @@ from widebeam.speculative.policy import DraftShapes, StepShare
 from widebeam.speculative.round import SequenceRound
 from widebeam.startup import allocate_pools, lay_out_pools, load_workers
 from widebeam.structured.grammars import Grammars
+from widebeam.worker import execute_step
 
 log = logging.getLogger("widebeam")
 RECENT_REQUESTS = 32  # finished requests kept in stats()["recent_requests"]

@@ -171,3 +171,11 @@ class ModelNotFoundError(WidebeamError, FileNotFoundError):
 
 class ModelFormatError(WidebeamError, ValueError):
     """The model's files exist but cannot be used as they are (pickle-only, bad checksum, bad GGUF)."""
+
+
+class ConfigError(WidebeamError, ValueError):
+    """A model config that is missing or cannot be read."""
+
+
+class UnsupportedModelError(WidebeamError, ValueError):
+    """A model or config feature widebeam does not implement; the message names what is supported."""

@@ -18,7 +18,7 @@ from widebeam.kv.cache import KVCache
 from widebeam.kv.sizing import size_pools
 from widebeam.kv.spec import PoolSpec, kv_dtype
 from widebeam.model.activation import estimate_activation_peak_bytes
-from widebeam.model.arch import ModelArch
+from widebeam.model.families.arch import ModelArch
 from widebeam.units import format_bytes, parse_bytes
 
 TARGET_PREFIX = ""  # the target keeps its model's pool names ("self", "sliding_512", "cross")

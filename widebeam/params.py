@@ -34,7 +34,7 @@ from widebeam.param_checks import (  # noqa: F401  (constants re-exported: calle
     is_number,
     require,
 )
-from widebeam.structured.formats import schema_of
+from widebeam.response_format import schema_of
 
 
 @dataclass(frozen=True)

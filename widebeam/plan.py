@@ -31,7 +31,7 @@ from widebeam.kv.budget import (
 )
 from widebeam.kv.cache import KVCache
 from widebeam.layout import StartupLayout, compute_layout, draft_dtype, estimate_activation_bytes
-from widebeam.model.arch import CROSS_POOL, ModelArch
+from widebeam.model.families.arch import CROSS_POOL, ModelArch
 
 # The most memory a plan is made for: 256 TiB, past the largest single-system memory sold today (tens of
 # TiB). Larger is a typo or an attack, refused naming --memory; the plan's cost does not grow with it

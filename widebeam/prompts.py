@@ -8,8 +8,8 @@ import json
 from dataclasses import dataclass, replace
 
 from widebeam.errors import InvalidParameterError
-from widebeam.model.families import GenerationSettings, generation_settings
-from widebeam.model.loader import ModelSource, load_config
+from widebeam.model.families.table import GenerationSettings, generation_settings
+from widebeam.model.loading.sources import ModelSource, load_config
 from widebeam.score_params import ScoreParams
 
 

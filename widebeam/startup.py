@@ -20,8 +20,8 @@ from widebeam.device import available_memory_bytes
 from widebeam.errors import CacheTooSmallError
 from widebeam.kv.cache import KVCache
 from widebeam.layout import StartupLayout, activation_rows, compute_layout
-from widebeam.model.loader import ModelSource, resolve_model
-from widebeam.model.registry import load_model, load_tokenizer, model_dtype
+from widebeam.model.loading.build import load_model, load_tokenizer, model_dtype
+from widebeam.model.loading.sources import ModelSource, resolve_model
 from widebeam.model.warmup import measure_activation_peak_bytes
 from widebeam.speculative.drafter import ModelDrafter, NgramDrafter
 from widebeam.speculative.setup import start_drafter

@@ -20,7 +20,7 @@ from conftest import SMALL_POOL_ARGS
 from e2e_helpers import QA_PROMPT as PROMPT
 from e2e_helpers import assert_pools_whole, client_of, streamed_text
 
-from widebeam.structured.formats import MAX_ENUM_VALUES, MAX_NESTING_DEPTH, MAX_PROPERTIES
+from widebeam.response_format import MAX_ENUM_VALUES, MAX_NESTING_DEPTH, MAX_PROPERTIES
 from widebeam.structured.grammars import NUM_COMPILE_WORKERS
 
 

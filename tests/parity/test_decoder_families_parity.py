@@ -15,7 +15,7 @@ import torch
 from beam_checks import assert_beams_match, assert_greedy_matches_transformers, hf_beam_search
 from transformers import AutoModelForCausalLM
 
-from widebeam.kv.managers import Holding
+from widebeam.kv.tables import Holding
 from widebeam.llm import LLM
 from widebeam.model.runner import SequenceInput
 from widebeam.params import BeamSearchParams

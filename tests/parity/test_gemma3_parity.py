@@ -15,7 +15,7 @@ import torch
 from beam_checks import assert_beams_match, assert_greedy_matches_transformers, hf_beam_search
 from transformers import AutoModelForCausalLM
 
-from widebeam.kv.managers import Holding
+from widebeam.kv.tables import Holding
 from widebeam.llm import LLM
 from widebeam.model.runner import SequenceInput
 from widebeam.params import BeamSearchParams
@@ -181,8 +181,8 @@ def test_sparse_configs_get_transformers_defaults():
     may hold four fields): layer pattern, window, RoPE bases, heads and scale must match transformers'."""
     from transformers import Gemma3Config as HFGemma3Config
 
-    from widebeam.model.families import parse_config
-    from widebeam.model.family_configs import gemma3_text_config
+    from widebeam.model.families.decoder_config import gemma3_text_config
+    from widebeam.model.families.table import parse_config
 
     sparse = {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
               "num_hidden_layers": 34,

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from widebeam.llm import LLM
-from widebeam.model import loader
+from widebeam.model.loading import sources as loader
 from widebeam.params import SamplingParams
 
 PARAGRAPH = ("The history of the city begins with a small settlement on the river, where traders met to "

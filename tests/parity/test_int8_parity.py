@@ -15,7 +15,7 @@ import torch
 from beam_checks import assert_beams_match, hf_beam_search
 
 from widebeam.llm import LLM
-from widebeam.model.int8_linear import quantize_int8
+from widebeam.model.linears.int8 import quantize_int8
 from widebeam.params import BeamSearchParams, SamplingParams
 
 PROMPTS = [[(i * 31 + k) % 120 + 3 for i in range(n)] for k, n in ((1, 9), (5, 23), (11, 40))]
@@ -69,7 +69,7 @@ def models(tiny_llama_dir):
 def test_int8_linear_equals_the_definition_bit_for_bit(kernel):
     """Random rows with outliers, a zero row, and a row whose scale is exactly 1 holding halves
     (2.5, -3.5, 0.5: round half to even gives 2, -4, 0), through both kernels and a bias."""
-    from widebeam.model.int8_linear import Int8Linear
+    from widebeam.model.linears.int8 import Int8Linear
 
     torch.manual_seed(1)
     linear = torch.nn.Linear(96, 40)
@@ -87,7 +87,7 @@ def test_int8_linear_equals_the_definition_bit_for_bit(kernel):
 
 
 def test_the_linear_layers_hold_int8_weights_and_kv_stays_float32(models):
-    from widebeam.model.int8_linear import Int8Linear, fbgemm_exact
+    from widebeam.model.linears.int8 import Int8Linear, fbgemm_exact
 
     llm, _ = models
     model = llm.engine.model
@@ -101,7 +101,7 @@ def test_the_linear_layers_hold_int8_weights_and_kv_stays_float32(models):
 
 def test_int8_linear_is_close_to_float32_with_outliers():
     """Per-row and per-channel scales: an outlier row or channel does not flatten the others."""
-    from widebeam.model.int8_linear import Int8Linear
+    from widebeam.model.linears.int8 import Int8Linear
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 48)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from widebeam.kv.managers import Holding
+from widebeam.kv.tables import Holding
 from widebeam.llm import LLM
 from widebeam.model.runner import SequenceInput
 from widebeam.params import SamplingParams

@@ -12,7 +12,7 @@ import torch
 from tiny_models import save_tiny_model
 
 from widebeam.beam.search import BeamSearchState
-from widebeam.kv.budget import scheduled_blocks
+from widebeam.kv.schedule_budget import scheduled_blocks
 from widebeam.llm import LLM
 from widebeam.params import BeamSearchParams
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import transformers
 
-from widebeam.model.families import SUPPORTED_MODEL_TYPES
+from widebeam.model.families.table import SUPPORTED_MODEL_TYPES
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import seq2seq  # benchmarks/ is a scripts folder, not a package

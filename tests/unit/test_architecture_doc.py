@@ -119,7 +119,7 @@ def test_the_checker_catches_a_wrong_name():
     """The check itself can fail: names that do not exist are caught, real ones pass."""
     assert problem("kv/managers.py") is None and problem("kv/no_such_file.py")
     assert problem("kv/budget.py: full_attention_blocks") is None
-    assert problem("model/arch.py: load_arch")  # the stale claim the renovation issue found
+    assert problem("model/families/arch.py: load_arch")  # the stale claim the renovation issue found
     assert problem("RequestKV.decode_slots") is None and problem("RequestKV.no_such_method")
     assert problem("replay_round(decoder, ...)") is None and problem("no_such_function(x)")
     assert problem("NoSuchClass")

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from widebeam.model.attention_backends import (
+from widebeam.model.attention.backends import (
     ATTENTION_BACKEND_ENV,
     attention_backend_names,
     get_attention_backend,
 )
-from widebeam.model.paged_attention import PagedAttention, write_kv
+from widebeam.model.attention.paged import PagedAttention, write_kv
 
 CPU = torch.device("cpu")
 
@@ -141,8 +141,8 @@ def test_backend_registry_default_env_and_unknown(monkeypatch):
 
 
 def test_runner_chooses_the_backend_once_and_every_pool_uses_it(monkeypatch, tiny_llama_dir):
-    from widebeam.model.loader import resolve_model
-    from widebeam.model.registry import load_model
+    from widebeam.model.loading.build import load_model
+    from widebeam.model.loading.sources import resolve_model
     from widebeam.model.runner import ModelRunner, SequenceInput
 
     model = load_model(resolve_model(str(tiny_llama_dir)), "float32", CPU)

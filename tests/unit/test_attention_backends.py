@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 
-from widebeam.model.attention_backends import attention_backend_names, get_attention_backend
+from widebeam.model.attention.backends import attention_backend_names, get_attention_backend
 
 
 class Layout:
@@ -224,7 +224,7 @@ def test_scattered_or_many_rows_are_gathered():
 def test_wide_groups_read_the_prefix_through_the_fused_kernel(num_beams, t, dtype):
     """A request wide enough (beams x grouped heads >= FUSED_PREFIX_MIN_ROWS) reads its shared prompt
     through PyTorch's fused CPU kernel and merges the beams' own keys by log-sum-exp: equal to dense."""
-    from widebeam.model.attention_backends import FUSED_PREFIX_MIN_ROWS
+    from widebeam.model.attention.backends import FUSED_PREFIX_MIN_ROWS
 
     lay = Layout(t, 2, 8, dtype, num_blocks=2000 // t + 200, seed=num_beams)
     root = lay.new()

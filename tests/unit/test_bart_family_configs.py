@@ -14,9 +14,9 @@ import pytest
 import torch
 from tiny_bart_family import BART_BASE_SHAPE, NLLB_600M_SHAPE, TINY_CONFIGS
 
-from widebeam.model.arch import UnsupportedModelError
-from widebeam.model.families import generation_settings, load_arch, parse_config
-from widebeam.model.registry import build_model
+from widebeam.errors import UnsupportedModelError
+from widebeam.model.families.table import generation_settings, load_arch, parse_config
+from widebeam.model.loading.build import build_model
 
 SHAPES = {**TINY_CONFIGS, "nllb-600m-1-layer": NLLB_600M_SHAPE, "bart-base-1-layer": BART_BASE_SHAPE}
 
@@ -101,6 +101,7 @@ def test_an_unsupported_activation_is_named(tmp_path):
 
 
 def test_activation_names_match_the_implementation():
-    from widebeam.model import bart_family, configs_bart
+    from widebeam.model.families import seq2seq as bart_family
+    from widebeam.model.families import seq2seq_config as configs_bart
 
     assert set(configs_bart.SEQ2SEQ_ACTIVATIONS) == set(bart_family.ACTIVATIONS)

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import torch
 
 from widebeam.kv.block_pool import BlockPool
-from widebeam.kv.managers import BlockCopy, FullAttentionManager, Holding
+from widebeam.kv.full_attention import FullAttentionManager
 from widebeam.kv.spec import FullAttentionSpec
 from widebeam.model.runner import ModelRunner
 

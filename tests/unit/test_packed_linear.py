@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from widebeam.model.packed_linear import PACKED_ROWS, PackedLinear, onednn_available, pack_linears
+from widebeam.model.linears.packed import PACKED_ROWS, PackedLinear, onednn_available, pack_linears
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 from test_attention_backends import random_layout
 
-from widebeam.model.attention_backends import get_attention_backend
-from widebeam.model.attention_metadata import PositionBias, tree_ancestry, tree_depths
+from widebeam.model.attention.backends import get_attention_backend
+from widebeam.model.attention.metadata import PositionBias, tree_ancestry, tree_depths
 
 RELATIVE_RANGE = 12
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from test_schedule_tightness_engine import spread
 
-from widebeam.kv.budget import scheduled_blocks
+from widebeam.kv.schedule_budget import scheduled_blocks
 from widebeam.llm import LLM
 from widebeam.params import BeamSearchParams
 

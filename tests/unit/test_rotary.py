@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from widebeam.model.layers import apply_rotary
+from widebeam.model.families.layers import apply_rotary
 
 
 def formula(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

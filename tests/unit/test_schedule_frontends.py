@@ -12,7 +12,8 @@ import sys
 import pytest
 
 from widebeam.batch.rows import make_params
-from widebeam.kv.budget import full_attention_blocks, scheduled_blocks
+from widebeam.kv.budget import full_attention_blocks
+from widebeam.kv.schedule_budget import scheduled_blocks
 from widebeam.server.protocol import plan_request
 from widebeam.server.schemas import ApiError, CompletionRequest
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from widebeam.kv.budget import scheduled_blocks
+from widebeam.kv.schedule_budget import scheduled_blocks
 from widebeam.llm import LLM
 from widebeam.params import BeamSearchParams
 

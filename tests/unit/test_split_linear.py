@@ -10,9 +10,15 @@ import torch
 import torch.nn.functional as F
 
 from widebeam.defaults import DEFAULT_LINEAR_BACKEND
-from widebeam.model import split_linear
-from widebeam.model.packed_linear import pack_linears
-from widebeam.model.split_linear import SPLIT_BLOCKS, SPLIT_ROWS, SplitLinear, probe_split_rows, split_linears
+from widebeam.model.linears import split as split_linear
+from widebeam.model.linears.packed import pack_linears
+from widebeam.model.linears.split import (
+    SPLIT_BLOCKS,
+    SPLIT_ROWS,
+    SplitLinear,
+    probe_split_rows,
+    split_linears,
+)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 64])
@@ -133,8 +139,8 @@ def test_concatenated_split_linears_equal_their_parts(rows, biases):
 def test_float32_decoders_fuse_their_projections_and_bfloat16_ones_do_not(tiny_llama_dir):
     """`split_linears` stacks q/k/v and gate/up of every layer (float32); a bfloat16 model keeps its
     separate `nn.Linear`s (the split backend is float32 only)."""
-    from widebeam.model.loader import resolve_model
-    from widebeam.model.registry import load_model
+    from widebeam.model.loading.build import load_model
+    from widebeam.model.loading.sources import resolve_model
 
     source = resolve_model(str(tiny_llama_dir))
     model = load_model(source, "float32", torch.device("cpu"))

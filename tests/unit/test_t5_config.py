@@ -13,11 +13,11 @@ import sys
 import pytest
 import torch
 
-from widebeam.model.arch import ConfigError, UnsupportedModelError
-from widebeam.model.configs_t5 import T5_ACTIVATIONS, parse_feed_forward_proj
+from widebeam.errors import ConfigError, UnsupportedModelError
 from widebeam.model.contract import EncoderDecoderModel
-from widebeam.model.families import generation_settings, parse_config
-from widebeam.model.registry import build_model
+from widebeam.model.families.t5_config import T5_ACTIVATIONS, parse_feed_forward_proj
+from widebeam.model.families.table import generation_settings, parse_config
+from widebeam.model.loading.build import build_model
 
 # t5-small's config.json (as published), and mt5-small's (6 heads of 64 beside d_model 512).
 T5_SMALL = {"model_type": "t5", "d_model": 512, "d_kv": 64, "d_ff": 2048, "num_layers": 6, "num_heads": 8,
@@ -78,7 +78,7 @@ def test_bad_feed_forward_proj_is_named():
 
 
 def test_activation_names_match_the_implementation():
-    from widebeam.model import t5
+    from widebeam.model.families import t5
 
     assert set(T5_ACTIVATIONS) == set(t5.T5_ACTIVATIONS)
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 from tiny_models import save_tiny_model
 
-from widebeam.model.attention_backends import get_attention_backend
-from widebeam.model.loader import resolve_model
-from widebeam.model.registry import load_model
+from widebeam.model.attention.backends import get_attention_backend
+from widebeam.model.loading.build import load_model
+from widebeam.model.loading.sources import resolve_model
 from widebeam.model.runner import ModelRunner, SequenceInput
 
 CPU = torch.device("cpu")

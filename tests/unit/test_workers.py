@@ -8,8 +8,8 @@ import torch
 
 from widebeam.kv.budget import KVRequest
 from widebeam.kv.cache import KVCache
-from widebeam.model.loader import resolve_model
-from widebeam.model.registry import load_model
+from widebeam.model.loading.build import load_model
+from widebeam.model.loading.sources import resolve_model
 from widebeam.model.runner import SequenceInput
 from widebeam.worker import Worker
 

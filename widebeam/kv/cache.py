@@ -8,10 +8,12 @@ from dataclasses import dataclass
 from widebeam.errors import RequestTooLargeError
 from widebeam.kv.block_pool import BlockPool
 from widebeam.kv.budget import KVRequest
-from widebeam.kv.managers import DROPPED, BlockCopy, PoolManager, make_manager
+from widebeam.kv.managers import make_manager
+from widebeam.kv.pool_manager import PoolManager
 from widebeam.kv.prefix import PrefixHit, PrefixKey, prefix_key
 from widebeam.kv.request_kv import RequestKV
 from widebeam.kv.spec import PoolSpec
+from widebeam.kv.tables import DROPPED, BlockCopy
 
 
 @dataclass(frozen=True)

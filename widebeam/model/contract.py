@@ -1,6 +1,6 @@
 """The runtime model contract: what the engine, the runner and the warm-up call on a model.
 
-Every builder in the family table (families.py) returns an object satisfying `CausalModel`;
+Every builder in the family table (families/table.py) returns an object satisfying `CausalModel`;
 encoder-decoder families satisfy `EncoderDecoderModel` too. The models are `torch.nn.Module`s, so
 `model(...)` runs `forward`.
 """
@@ -11,9 +11,9 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from widebeam.model.arch import ModelArch
-from widebeam.model.attention_metadata import AttentionMetadata
-from widebeam.model.cross_attention import CrossAttentionMetadata
+from widebeam.model.attention.cross import CrossAttentionMetadata
+from widebeam.model.attention.metadata import AttentionMetadata
+from widebeam.model.families.arch import ModelArch
 
 KVCacheView = tuple[torch.Tensor, torch.Tensor]  # one layer's (K, V): [num_slots, kv_heads, head_dim] each
 

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from widebeam.model.arch import CROSS_POOL
-from widebeam.model.attention_backends import get_attention_backend
-from widebeam.model.attention_metadata import AttentionMetadata, tree_depths
-from widebeam.model.cross_attention import CrossAttentionMetadata
+from widebeam.model.attention.backends import get_attention_backend
+from widebeam.model.attention.cross import CrossAttentionMetadata
+from widebeam.model.attention.metadata import AttentionMetadata, tree_depths
+from widebeam.model.families.arch import CROSS_POOL
 
 
 @dataclass

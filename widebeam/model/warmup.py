@@ -10,7 +10,7 @@ import torch
 
 from widebeam.memstats import reset_peak_rss, rss_bytes
 from widebeam.model.activation import estimate_activation_peak_bytes
-from widebeam.model.arch import CROSS_POOL
+from widebeam.model.families.arch import CROSS_POOL
 from widebeam.model.runner import ModelRunner, SequenceInput
 
 

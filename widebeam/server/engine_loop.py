@@ -26,9 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from widebeam.outputs import RequestDelta
+from widebeam.response_format import GRAMMAR_COMPILE_TIMEOUT_S
 from widebeam.server import schemas as s
 from widebeam.server.metrics import ServerMetrics
-from widebeam.structured.formats import GRAMMAR_COMPILE_TIMEOUT_S
 from widebeam.structured.grammars import NUM_COMPILE_WORKERS
 
 log = logging.getLogger("widebeam.server")

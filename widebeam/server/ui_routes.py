@@ -78,7 +78,7 @@ def add_ui_routes(app: FastAPI, loop, *, model_name: str, plan_model: str | None
     async def stats():
         return {**loop.snapshot, "time": time.time()}
 
-    from widebeam.model.arch import BUILTIN_CONFIGS
+    from widebeam.model.families.arch import BUILTIN_CONFIGS
 
     # what the plan endpoint reads: a client cannot make the server open any other path
     plan_models = ([plan_model] if plan_model else []) + [m for m in BUILTIN_CONFIGS if m != plan_model]
@@ -94,9 +94,8 @@ def add_ui_routes(app: FastAPI, loop, *, model_name: str, plan_model: str | None
     @app.post("/v1/plan")
     async def plan_endpoint(body: PlanRequest):
         from widebeam.defaults import DEFAULT_TOKENS_PER_BLOCK
-        from widebeam.errors import InvalidParameterError
-        from widebeam.model.arch import ConfigError, UnsupportedModelError
-        from widebeam.model.families import load_arch
+        from widebeam.errors import ConfigError, InvalidParameterError, UnsupportedModelError
+        from widebeam.model.families.table import load_arch
         from widebeam.plan import PlanError, PlanInputs, plan
 
         if body.model not in plan_models:

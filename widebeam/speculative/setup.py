@@ -8,8 +8,8 @@ import torch
 from widebeam.config import SpeculativeConfig
 from widebeam.errors import InvalidParameterError
 from widebeam.layout import DRAFT_PREFIX
-from widebeam.model.loader import resolve_model
-from widebeam.model.registry import load_model, load_tokenizer
+from widebeam.model.loading.build import load_model, load_tokenizer
+from widebeam.model.loading.sources import resolve_model
 from widebeam.speculative.drafter import ModelDrafter, NgramDrafter
 from widebeam.worker import Worker
 

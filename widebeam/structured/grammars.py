@@ -23,6 +23,7 @@ import threading
 from collections import OrderedDict
 
 from widebeam.errors import InvalidParameterError
+from widebeam.response_format import bad_format, schema_of
 from widebeam.structured.compile_worker import (
     CompileRefused,
     CompileTimeout,
@@ -31,7 +32,6 @@ from widebeam.structured.compile_worker import (
     one_line_reason,
 )
 from widebeam.structured.constraint import GrammarConstraint
-from widebeam.structured.formats import bad_format, schema_of
 
 _MAX_CACHED_GRAMMARS = 64
 _JSON_OBJECT_SCHEMA = schema_of({"type": "json_object"})

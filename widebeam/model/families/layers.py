@@ -9,8 +9,8 @@ from torch import nn
 from torch.nn import functional as F
 
 # Re-exported: both moved to torch-free modules so the family table can raise and parse them.
-from widebeam.model.arch import UnsupportedModelError
-from widebeam.model.family_configs import SUPPORTED_ROPE_TYPES
+from widebeam.errors import UnsupportedModelError
+from widebeam.model.families.decoder_config import SUPPORTED_ROPE_TYPES
 
 
 class RMSNorm(nn.Module):

@@ -3,11 +3,12 @@
 An entry names the config `model_type`s it serves, the one function that parses such a config into
 the architecture the KV layer needs (`ModelArch`) plus the family's own settings, how its checkpoint
 names differ from the model's parameters, and the builder of the runtime model (imported on first
-use, so `widebeam plan` never imports torch). `widebeam.model.arch.load_arch` (the plan) and
-`widebeam.model.registry.build_model` (the engine) both go through `parse_config`.
+use, so `widebeam plan` never imports torch). `load_arch` (the plan) and
+`widebeam.model.loading.build.build_model` (the engine) both go through `parse_config`.
 
-Adding a family: write its parse function (family_configs.py), point it at a builder (the unified
-decoder in decoder.py covers pre-norm RoPE decoders), and add a row here.
+Adding a family: write its parse function (decoder_config.py, seq2seq_config.py, t5_config.py),
+point it at a builder (the unified decoder in decoder.py covers pre-norm RoPE decoders), and add a
+row here.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from widebeam.model import configs_bart
-from widebeam.model import family_configs as fc
-from widebeam.model.arch import BUILTIN_CONFIGS, ConfigError, ModelArch, UnsupportedModelError
-from widebeam.model.configs_t5 import parse_t5
-from widebeam.model.hub import cached_repo_file, hub_cache_dir, looks_like_repo_id
+from widebeam.errors import ConfigError, UnsupportedModelError
+from widebeam.model.families import decoder_config as fc
+from widebeam.model.families import seq2seq_config
+from widebeam.model.families.arch import BUILTIN_CONFIGS, ModelArch
+from widebeam.model.families.t5_config import parse_t5
+from widebeam.model.loading.hub import cached_repo_file, hub_cache_dir, looks_like_repo_id
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,7 @@ PHI3_LAYOUT = CheckpointLayout(packed_weights=(
     PackedWeight("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"), _gate_up_rows),
 ))
 
-_DECODER = "widebeam.model.decoder:build_decoder"
+_DECODER = "widebeam.model.families.decoder:build_decoder"
 
 
 @dataclass(frozen=True)
@@ -108,13 +110,13 @@ FAMILIES: tuple[Family, ...] = (
     Family("mistral", ("mistral",), fc.parse_mistral, _DECODER),
     Family("gemma3", ("gemma3_text", "gemma3"), fc.parse_gemma3, _DECODER,
            layouts={"gemma3": GEMMA3_MULTIMODAL_LAYOUT}),
-    Family("marian", ("marian",), fc.parse_marian, "widebeam.model.registry:build_marian"),
+    Family("marian", ("marian",), seq2seq_config.parse_marian, "widebeam.model.loading.build:build_seq2seq"),
     Family("qwen3", ("qwen3",), fc.parse_qwen3, _DECODER),
     Family("phi3", ("phi3",), fc.parse_phi3, _DECODER, layouts={"phi3": PHI3_LAYOUT}),
-    Family("t5", ("t5", "mt5"), parse_t5, "widebeam.model.t5:build_t5"),
-    Family("m2m100", ("m2m_100",), configs_bart.parse_m2m100, "widebeam.model.registry:build_seq2seq"),
-    Family("bart", ("bart",), configs_bart.parse_bart, "widebeam.model.registry:build_seq2seq"),
-    Family("mbart", ("mbart",), configs_bart.parse_mbart, "widebeam.model.registry:build_seq2seq"),
+    Family("t5", ("t5", "mt5"), parse_t5, "widebeam.model.families.t5:build_t5"),
+    Family("m2m100", ("m2m_100",), seq2seq_config.parse_m2m100, "widebeam.model.loading.build:build_seq2seq"),
+    Family("bart", ("bart",), seq2seq_config.parse_bart, "widebeam.model.loading.build:build_seq2seq"),
+    Family("mbart", ("mbart",), seq2seq_config.parse_mbart, "widebeam.model.loading.build:build_seq2seq"),
 )
 SUPPORTED_MODEL_TYPES = tuple(t for family in FAMILIES for t in family.model_types)
 _BY_MODEL_TYPE = {t: family for family in FAMILIES for t in family.model_types}

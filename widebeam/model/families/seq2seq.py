@@ -28,12 +28,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from widebeam.model.arch import CROSS_POOL, ModelArch
-from widebeam.model.attention_metadata import AttentionMetadata
-from widebeam.model.configs_bart import LEARNED, M2M100_SINUSOIDAL, MARIAN_SINUSOIDAL
-from widebeam.model.cross_attention import CrossAttentionMetadata, cross_attention
-from widebeam.model.paged_attention import PagedAttention, write_kv
-from widebeam.model.weights import copy_checkpoint
+from widebeam.model.attention.cross import CrossAttentionMetadata, cross_attention
+from widebeam.model.attention.metadata import AttentionMetadata
+from widebeam.model.attention.paged import PagedAttention, write_kv
+from widebeam.model.families.arch import CROSS_POOL, ModelArch
+from widebeam.model.families.seq2seq_config import LEARNED, M2M100_SINUSOIDAL, MARIAN_SINUSOIDAL
+from widebeam.model.loading.weights import copy_checkpoint
 
 ACTIVATIONS = {"swish": F.silu, "silu": F.silu, "gelu": F.gelu, "relu": F.relu,
                "gelu_new": lambda x: F.gelu(x, approximate="tanh")}

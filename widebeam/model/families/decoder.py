@@ -1,5 +1,5 @@
 """One decoder for every pre-norm RoPE family (Llama, SmolLM2, Qwen2, Mistral, Qwen3, Phi-3, Gemma 3),
-configured by the family's `DecoderSettings` (family_configs.py).
+configured by the family's `DecoderSettings` (decoder_config.py).
 
 What the settings switch:
 - q/k/v and output biases, MLP biases (Qwen2: q/k/v only; Llama with attention_bias: all four);
@@ -24,11 +24,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from widebeam.model.arch import ModelArch
-from widebeam.model.attention_metadata import AttentionMetadata
-from widebeam.model.families import ParsedConfig
-from widebeam.model.family_configs import DecoderSettings
-from widebeam.model.layers import (
+from widebeam.model.attention.metadata import AttentionMetadata
+from widebeam.model.attention.paged import PagedAttention
+from widebeam.model.families.arch import ModelArch
+from widebeam.model.families.decoder_config import DecoderSettings
+from widebeam.model.families.layers import (
     FusedProjections,
     GatedMLP,
     RMSNorm,
@@ -36,8 +36,8 @@ from widebeam.model.layers import (
     apply_rotary,
     fuse_linears,
 )
-from widebeam.model.paged_attention import PagedAttention
-from widebeam.model.weights import copy_checkpoint
+from widebeam.model.families.table import ParsedConfig
+from widebeam.model.loading.weights import copy_checkpoint
 
 
 def _layer_type(window: int | None) -> str:

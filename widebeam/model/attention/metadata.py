@@ -24,14 +24,19 @@ indices, so the first key any query can see follows from the smallest query *pos
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from widebeam.kv.tables import common_prefix_length
 
-if TYPE_CHECKING:
-    from widebeam.model.attention_backends import AttentionBackend
+
+class Attends(Protocol):
+    """What a layer calls on the metadata's backend (backends.py: `AttentionBackend.forward`); named
+    here so the metadata need not import the backends that build it."""
+
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float, position_bias: PositionBias | None = None) -> torch.Tensor: ...
 
 
 @dataclass
@@ -84,7 +89,7 @@ class AttentionMetadata:
     block_tables: list[list[int]]
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V go
     tokens_per_block: int
-    backend: AttentionBackend  # the backend that built this metadata; the pool's layers attend through it
+    backend: Attends  # the backend that built this metadata; the pool's layers attend through it
     sliding_window: int | None = None  # the pool's window (None: full attention)
     groups: list[str | None] | None = None  # per sequence: decoding sequences of one group may share blocks
     # per sequence: the parents of its trailing token tree (see the module docstring), or None

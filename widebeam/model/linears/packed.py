@@ -7,7 +7,7 @@ inner product with the weight reordered once into its own blocked layout
 `PackedLinear`; anything else (CUDA, other dtypes, a build without oneDNN) keeps `F.linear`, the
 reference. The A/B is benchmarks/linear_backend.py.
 
-Backends: "split", the default (split_linear.py: F.linear's weight run as batched blocks at 1-4
+Backends: "split", the default (linears/split.py: F.linear's weight run as batched blocks at 1-4
 rows); "torch" (F.linear, the reference); "onednn" (the packed weight at every row count, no float
 copy kept); "auto" (the packed weight for `PACKED_ROWS` rows, F.linear on the float weight
 otherwise: both kept, the linears' weights held twice). Measured over SmolLM2-135M's 211 linears,
@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 
 from widebeam.defaults import DEFAULT_LINEAR_BACKEND, LINEAR_BACKENDS
-from widebeam.model.layers import float32_on_cpu, swap_linears
-from widebeam.model.split_linear import split_linears
+from widebeam.model.families.layers import float32_on_cpu, swap_linears
+from widebeam.model.linears.split import split_linears
 
 # "auto": the row counts the packed weight runs (a single row and long prefill chunks: F.linear)
 PACKED_ROWS = range(4, 129)
@@ -91,7 +91,7 @@ class PackedLinear(torch.nn.Module):
 def pack_linears(model: torch.nn.Module, device: torch.device,
                  backend: str = DEFAULT_LINEAR_BACKEND) -> torch.nn.Module:
     """The float32 linears of a CPU model under `backend`, in place: "split" (the default) as
-    `SplitLinear`s (split_linear.py); "onednn" or "auto" as `PackedLinear`s when this build has
+    `SplitLinear`s (linears/split.py); "onednn" or "auto" as `PackedLinear`s when this build has
     oneDNN; otherwise, and on other devices, the model unchanged (`F.linear`)."""
     if backend not in LINEAR_BACKENDS:
         raise ValueError(f"linear_backend must be one of {', '.join(LINEAR_BACKENDS)}, got {backend!r}")

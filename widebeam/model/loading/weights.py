@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from widebeam.model.arch import ModelArch, UnsupportedModelError
-from widebeam.model.families import CheckpointLayout
+from widebeam.errors import UnsupportedModelError
+from widebeam.model.families.arch import ModelArch
+from widebeam.model.families.table import CheckpointLayout
 
 
 def to_model_names(state_dict: dict[str, torch.Tensor], layout: CheckpointLayout,
@@ -42,7 +43,7 @@ def copy_checkpoint(model: torch.nn.Module, state_dict: dict[str, torch.Tensor])
     """Copy every checkpoint tensor into the parameter of the same name; refuse a checkpoint whose
     names do not match the model's layout (a missing tensor would leave uninitialised weights).
 
-    A model with a `checkpoint_layout` (its family's, see families.py) has its checkpoint's names
+    A model with a `checkpoint_layout` (its family's, see families/table.py) has its checkpoint's names
     mapped first. With tied embeddings the LM head is the embedding matrix, so a stored
     `lm_head.weight` is ignored.
     """

@@ -1,6 +1,6 @@
 """Cross-attention: decoder queries attend an encoder output whose K/V live in the 'cross' pool.
 
-The encoder runs once per request; `write_kv` (model/paged_attention.py) stores every decoder layer's
+The encoder runs once per request; `write_kv` (model/attention/paged.py) stores every decoder layer's
 K/V of its E output tokens in the request's cross block table, which never grows and which all its
 beams share. Decoder queries attend all E positions: no causal mask, no window.
 

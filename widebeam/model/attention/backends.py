@@ -26,7 +26,7 @@ import os
 import torch
 from torch.nn import functional as F
 
-from widebeam.model.attention_metadata import (
+from widebeam.model.attention.metadata import (
     AttentionMetadata,
     DecodeGroup,
     PositionBias,
@@ -54,7 +54,7 @@ class AttentionBackend:
                        groups: list[str | None] | None = None, sliding_window: int | None = None,
                        trees: list[list[int] | None] | None = None) -> AttentionMetadata:
         """One pool's metadata for one step, every tensor on `device`; run once per step, not per layer.
-        `trees`: per sequence, the parents of its trailing token tree, or None (see attention_metadata)."""
+        `trees`: per sequence, the parents of its trailing token tree, or None (see attention/metadata.py)."""
         meta = AttentionMetadata(
             query_start_loc=list(query_start_loc), seq_lens=list(seq_lens), block_tables=block_tables,
             slot_mapping=torch.as_tensor(slot_mapping, dtype=torch.long).to(device),

@@ -76,19 +76,11 @@ BUILTIN_CONFIGS: dict[str, dict] = {
     },
 }
 
-class ConfigError(ValueError):
-    """A model config that is missing or cannot be read."""
-
-
-class UnsupportedModelError(ValueError):
-    """A model or config feature widebeam does not implement; the message names what is supported."""
-
-
 @dataclass(frozen=True)
 class ModelArch:
     """The shape of a model as the KV layer and the capacity plan see it.
 
-    Built by the model's family entry (widebeam.model.families) from its config.json, the one parse
+    Built by the model's family entry (widebeam.model.families.table) from its config.json, the one parse
     both `widebeam plan` and the engine use.
     """
 

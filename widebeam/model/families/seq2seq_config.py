@@ -1,9 +1,9 @@
 """Config parses of the BART-shaped encoder-decoders beside Marian: M2M100 / NLLB-200, BART, mBART.
 
-Torch-free, like family_configs.py: `widebeam plan` reads these configs through the same functions as
+Torch-free, like decoder_config.py: `widebeam plan` reads these configs through the same functions as
 the engine. Optional fields take the defaults of the installed transformers' config classes (checked on
 transformers 5.24: M2M100Config, BartConfig, MBartConfig); shape fields stay required. The settings
-say which switches of widebeam.model.bart_family the family turns on.
+say which switches of widebeam.model.families.seq2seq the family turns on.
 """
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from widebeam.model.arch import ModelArch, UnsupportedModelError
+from widebeam.errors import UnsupportedModelError
+from widebeam.model.families.arch import ModelArch
 
-# widebeam.model.bart_family.ACTIVATIONS' names (tests/unit/test_bart_family_configs.py holds them equal).
+# families/seq2seq.py: ACTIVATIONS' names (tests/unit/test_bart_family_configs.py holds them equal).
 SEQ2SEQ_ACTIVATIONS = ("swish", "silu", "gelu", "relu", "gelu_new")
 # How a stack embeds position p: Marian's sinusoids (sin | cos halves, float64), fairseq's (M2M100:
 # frequencies over dim/2 - 1, float32, a zero row at padding_idx), or a learned table in the checkpoint.
@@ -25,7 +26,7 @@ LEARNED_POSITION_OFFSET = 2
 
 @dataclass(frozen=True)
 class Seq2SeqSettings:
-    """widebeam.model.bart_family.Seq2SeqConfig's fields beside the architecture."""
+    """widebeam.model.families.seq2seq.Seq2SeqConfig's fields beside the architecture."""
 
     encoder_heads: int
     activation: str
@@ -140,3 +141,54 @@ def _learned_settings(config: dict, normalize_before: bool, start_default: int |
         position_offset=LEARNED_POSITION_OFFSET,
         final_logits_bias=True,
     )
+
+
+@dataclass(frozen=True)
+class MarianSettings:
+    """Marian's fields of `Seq2SeqConfig` (families/seq2seq.py) beside the architecture."""
+
+    encoder_heads: int
+    activation: str
+    embed_scale: float
+    decoder_start_token_id: int
+
+
+def parse_marian(config: dict, name: str) -> tuple[ModelArch, MarianSettings]:
+    """Marian (opus-mt): the decoder's layers, heads and vocabulary hold the KV and make the logits;
+    every decoder layer also keeps the encoder output's K/V in the cross pool."""
+    if not config.get("share_encoder_decoder_embeddings", True):
+        raise UnsupportedModelError("Marian with separate encoder and decoder embeddings is not supported")
+    if not config.get("static_position_embeddings", True) or config.get("normalize_before", False):
+        raise UnsupportedModelError("only the opus-mt Marian layout (static positions, post-norm) is "
+                                    "supported")
+    activation = str(config.get("activation_function", "gelu"))
+    if activation not in SEQ2SEQ_ACTIVATIONS:
+        raise UnsupportedModelError(f"activation {activation!r} is not supported; supported: "
+                                    f"{sorted(SEQ2SEQ_ACTIVATIONS)}")
+    hidden_size = int(config["d_model"])
+    heads = int(config["decoder_attention_heads"])
+    num_layers = int(config["decoder_layers"])
+    arch = ModelArch(
+        name=name,
+        model_type="marian",
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        intermediate_size=int(config["decoder_ffn_dim"]),
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=hidden_size // heads,
+        vocab_size=int(config.get("decoder_vocab_size") or config["vocab_size"]),
+        max_position_embeddings=int(config.get("max_position_embeddings") or 1024),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
+        layer_windows=(None,) * num_layers,
+        num_encoder_layers=int(config["encoder_layers"]),
+        encoder_intermediate_size=int(config["encoder_ffn_dim"]),
+    )
+    start = config.get("decoder_start_token_id")
+    settings = MarianSettings(
+        encoder_heads=int(config.get("encoder_attention_heads") or heads),
+        activation=activation,
+        embed_scale=math.sqrt(hidden_size) if config.get("scale_embedding", False) else 1.0,
+        decoder_start_token_id=int(start if start is not None else config["pad_token_id"]),
+    )
+    return arch, settings

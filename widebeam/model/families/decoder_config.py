@@ -9,11 +9,11 @@ equal them; shape fields stay required (`{"model_type": "llama"}` alone is refus
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from widebeam.model.arch import ConfigError, ModelArch, UnsupportedModelError
+from widebeam.errors import ConfigError, UnsupportedModelError
+from widebeam.model.families.arch import ModelArch
 
 log = logging.getLogger(__name__)
 
@@ -24,13 +24,13 @@ _ROPE_REQUIRED_KEYS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
-# The names widebeam.model.layers.ACTIVATIONS implements (a unit test holds the two equal).
+# The names widebeam.model.families.layers.ACTIVATIONS implements (a unit test holds the two equal).
 SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new")
 
 
 @dataclass(frozen=True)
 class DecoderSettings:
-    """What a decoder-only family's layers need beyond the KV shape (widebeam.model.decoder)."""
+    """What a decoder-only family's layers need beyond the KV shape (widebeam.model.families.decoder)."""
 
     rms_norm_eps: float
     hidden_act: str
@@ -200,7 +200,7 @@ def parse_qwen3(config: dict, name: str) -> tuple[ModelArch, DecoderSettings]:
 
 
 def parse_phi3(config: dict, name: str) -> tuple[ModelArch, DecoderSettings]:
-    """Phi-3: Llama's layer with fused checkpoint tensors (split at load time, see families.py),
+    """Phi-3: Llama's layer with fused checkpoint tensors (split at load time, see table.py),
     an optional partial rotary, and `sliding_window` on every layer when set. transformers' Phi-3
     mask keeps key j for query i when j > i - sliding_window, which is widebeam's i - j < window,
     so the window passes through unchanged. Phi3Config accepts only default and LongRoPE
@@ -319,60 +319,5 @@ def parse_gemma3(config: dict, name: str) -> tuple[ModelArch, DecoderSettings]:
         sandwich_norms=True,
         scale_embeddings=True,
         final_logit_softcap=float(final_cap) if final_cap is not None else None,
-    )
-    return arch, settings
-
-
-# widebeam.model.marian.ACTIVATIONS' names (a unit test holds the two equal).
-MARIAN_ACTIVATIONS = ("swish", "silu", "gelu", "relu", "gelu_new")
-
-
-@dataclass(frozen=True)
-class MarianSettings:
-    """widebeam.model.marian.MarianConfig's fields beside the architecture."""
-
-    encoder_heads: int
-    activation: str
-    embed_scale: float
-    decoder_start_token_id: int
-
-
-def parse_marian(config: dict, name: str) -> tuple[ModelArch, MarianSettings]:
-    """Marian (opus-mt): the decoder's layers, heads and vocabulary hold the KV and make the logits;
-    every decoder layer also keeps the encoder output's K/V in the cross pool."""
-    if not config.get("share_encoder_decoder_embeddings", True):
-        raise UnsupportedModelError("Marian with separate encoder and decoder embeddings is not supported")
-    if not config.get("static_position_embeddings", True) or config.get("normalize_before", False):
-        raise UnsupportedModelError("only the opus-mt Marian layout (static positions, post-norm) is "
-                                    "supported")
-    activation = str(config.get("activation_function", "gelu"))
-    if activation not in MARIAN_ACTIVATIONS:
-        raise UnsupportedModelError(f"activation {activation!r} is not supported; supported: "
-                                    f"{sorted(MARIAN_ACTIVATIONS)}")
-    hidden_size = int(config["d_model"])
-    heads = int(config["decoder_attention_heads"])
-    num_layers = int(config["decoder_layers"])
-    arch = ModelArch(
-        name=name,
-        model_type="marian",
-        num_layers=num_layers,
-        hidden_size=hidden_size,
-        intermediate_size=int(config["decoder_ffn_dim"]),
-        num_heads=heads,
-        num_kv_heads=heads,
-        head_dim=hidden_size // heads,
-        vocab_size=int(config.get("decoder_vocab_size") or config["vocab_size"]),
-        max_position_embeddings=int(config.get("max_position_embeddings") or 1024),
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
-        layer_windows=(None,) * num_layers,
-        num_encoder_layers=int(config["encoder_layers"]),
-        encoder_intermediate_size=int(config["encoder_ffn_dim"]),
-    )
-    start = config.get("decoder_start_token_id")
-    settings = MarianSettings(
-        encoder_heads=int(config.get("encoder_attention_heads") or heads),
-        activation=activation,
-        embed_scale=math.sqrt(hidden_size) if config.get("scale_embedding", False) else 1.0,
-        decoder_start_token_id=int(start if start is not None else config["pad_token_id"]),
     )
     return arch, settings

@@ -23,7 +23,7 @@ import torch
 
 from widebeam.defaults import DEFAULT_MODEL
 from widebeam.errors import ModelFormatError, ModelNotFoundError, WidebeamError
-from widebeam.model.hub import looks_like_repo_id, resolve_repo_id
+from widebeam.model.loading.hub import looks_like_repo_id, resolve_repo_id
 
 log = logging.getLogger(__name__)
 

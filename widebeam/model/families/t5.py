@@ -27,12 +27,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from widebeam.model.arch import CROSS_POOL, ModelArch
-from widebeam.model.attention_metadata import PositionBias
-from widebeam.model.configs_t5 import T5Settings
-from widebeam.model.cross_attention import cross_attention
-from widebeam.model.paged_attention import PagedAttention, write_kv
-from widebeam.model.weights import copy_checkpoint
+from widebeam.model.attention.cross import cross_attention
+from widebeam.model.attention.metadata import PositionBias
+from widebeam.model.attention.paged import PagedAttention, write_kv
+from widebeam.model.families.arch import CROSS_POOL, ModelArch
+from widebeam.model.families.t5_config import T5Settings
+from widebeam.model.loading.weights import copy_checkpoint
 
 T5_ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, "swish": F.silu,
                   "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
@@ -278,5 +278,5 @@ class T5ForConditionalGeneration(nn.Module):
 
 
 def build_t5(parsed) -> T5ForConditionalGeneration:
-    """The family table's builder (families.py: the `t5` row), from a ParsedConfig."""
+    """The family table's builder (table.py: the `t5` row), from a ParsedConfig."""
     return T5ForConditionalGeneration(parsed.arch, parsed.settings)

@@ -29,7 +29,7 @@ import warnings
 
 import torch
 
-from widebeam.model.layers import swap_linears
+from widebeam.model.families.layers import swap_linears
 
 INT8_KERNELS = ("fbgemm", "int_mm")
 _INT_MM_MIN_ROWS = 17  # torch._int_mm wants more than 16 rows: fewer are padded with zeros

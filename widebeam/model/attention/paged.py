@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from widebeam.model.attention_metadata import AttentionMetadata, PositionBias
+from widebeam.model.attention.metadata import AttentionMetadata, PositionBias
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

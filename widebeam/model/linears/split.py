@@ -26,7 +26,7 @@ import time
 import torch
 from torch.nn import functional as F
 
-from widebeam.model.layers import float32_on_cpu, swap_linears
+from widebeam.model.families.layers import float32_on_cpu, swap_linears
 
 SPLIT_BLOCKS = 8  # blocks of output rows: a few per thread, each still thousands of weights
 SPLIT_ROWS = range(1, 5)  # the row counts the split product runs (measured faster at 1 and 2 threads)

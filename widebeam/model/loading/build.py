@@ -1,6 +1,6 @@
 """From a resolved model directory to a ready model and tokenizer on a device.
 
-Which class runs a config is the family table's answer (families.py); this module builds it on the
+Which class runs a config is the family table's answer (families/table.py); this module builds it on the
 meta device, fills it from safetensors and moves it to the device.
 """
 
@@ -12,10 +12,10 @@ import torch
 
 from widebeam.defaults import DEFAULT_LINEAR_BACKEND, DTYPES, FLOAT_DTYPES
 from widebeam.kv.spec import kv_dtype
-from widebeam.model.families import ParsedConfig, parse_config
-from widebeam.model.int8_linear import fuse_int8_projections, quantize_int8
-from widebeam.model.loader import ModelSource, load_config, load_state_dict
-from widebeam.model.packed_linear import pack_linears
+from widebeam.model.families.table import ParsedConfig, parse_config
+from widebeam.model.linears.int8 import fuse_int8_projections, quantize_int8
+from widebeam.model.linears.packed import pack_linears
+from widebeam.model.loading.sources import ModelSource, load_config, load_state_dict
 
 # torch's dtype by name for the float dtypes; int8 is weights-only (activations and KV in float32)
 _TORCH_DTYPES = {name: getattr(torch, name) for name in FLOAT_DTYPES}
@@ -46,19 +46,18 @@ def build_model(config: dict) -> torch.nn.Module:
 
 def build_seq2seq(parsed: ParsedConfig) -> torch.nn.Module:
     """A BART-shaped encoder-decoder (Marian, M2M100/NLLB, BART, mBART): the family's settings are
-    the switches of bart_family.Seq2SeqConfig (Marian's settings leave the rest at its defaults)."""
-    from widebeam.model.bart_family import Seq2SeqConfig, Seq2SeqLM
+    the switches of families/seq2seq.py: Seq2SeqConfig (Marian's settings leave the rest at its defaults)."""
+    from widebeam.model.families.seq2seq import Seq2SeqConfig, Seq2SeqLM
 
     return Seq2SeqLM(Seq2SeqConfig(arch=parsed.arch, **dataclasses.asdict(parsed.settings)))
 
 
-build_marian = build_seq2seq  # the name the family table used before the BART family joined
 
 
 def load_model(source: ModelSource, dtype: str, device: torch.device,
                linear_backend: str = DEFAULT_LINEAR_BACKEND) -> torch.nn.Module:
     """Build the model from config.json and fill it from safetensors (never a pickle). float32 on
-    CPU: `linear_backend="onednn"` packs every linear's weight once for oneDNN (packed_linear.py)."""
+    CPU: `linear_backend="onednn"` packs every linear's weight once for oneDNN (linears/packed.py)."""
     config = load_config(source)
     with torch.device("meta"):
         model = build_model(config)

@@ -13,16 +13,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from widebeam.model.arch import ConfigError, ModelArch, UnsupportedModelError
+from widebeam.errors import ConfigError, UnsupportedModelError
+from widebeam.model.families.arch import ModelArch
 
-# widebeam.model.t5.T5_ACTIVATIONS' names: the activation after `feed_forward_proj`'s "gated-" (if any)
+# families/t5.py: T5_ACTIVATIONS' names: the activation after `feed_forward_proj`'s "gated-" (if any)
 T5_ACTIVATIONS = ("relu", "gelu", "gelu_new", "gelu_pytorch_tanh", "silu", "swish")
 DEFAULT_SOURCE_TOKENS = 512
 
 
 @dataclass(frozen=True)
 class T5Settings:
-    """widebeam.model.t5's settings beside the architecture."""
+    """widebeam.model.families.t5's settings beside the architecture."""
 
     encoder_layers: int
     relative_attention_num_buckets: int

@@ -1,0 +1,1 @@
+"""Attention on the paged KV cache: step metadata, backends, the paged layer, cross-attention."""
