@@ -16,6 +16,7 @@ import math
 import pytest
 import torch
 from beam_checks import assert_beams_match
+from kv_helpers import allocate_table
 from tiny_bart_family import (
     BART_BASE_SHAPE,
     EOS,
@@ -26,7 +27,7 @@ from tiny_bart_family import (
     save_tiny_seq2seq,
 )
 
-from widebeam.kv.managers import Holding
+from widebeam.kv.tables import Holding
 from widebeam.llm import LLM
 from widebeam.model.runner import SequenceInput
 from widebeam.params import BeamSearchParams, SamplingParams
@@ -85,7 +86,7 @@ def assert_logits_match(llm, hf, sources, decoder_ids, decode_steps: int):
     of all sequences together, against HF's full forward; every block goes back."""
     engine = llm.engine
     self_manager, cross_manager = engine.cache["self"], engine.cache["cross"]
-    cross_tables = [cross_manager.allocate(Holding(), len(s)) for s in sources]
+    cross_tables = [allocate_table(cross_manager, Holding(), len(s)) for s in sources]
     engine.runner.encode(sources, [cross_manager.slots(t) for t in cross_tables])
     decoder_ids = [list(d) for d in decoder_ids]
     tables = [self_manager.new_table(Holding()) for _ in decoder_ids]

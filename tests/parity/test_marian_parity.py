@@ -13,11 +13,12 @@ import sys
 import pytest
 import torch
 from beam_checks import assert_beams_match
+from kv_helpers import allocate_table
 from tiny_models import TINY_MARIAN_EOS as EOS
 from tiny_models import TINY_MARIAN_PAD as PAD
 from transformers import MarianMTModel
 
-from widebeam.kv.managers import Holding
+from widebeam.kv.tables import Holding
 from widebeam.llm import LLM
 from widebeam.model.runner import SequenceInput
 from widebeam.params import BeamSearchParams, SamplingParams
@@ -68,7 +69,7 @@ def get_llm(models, tokens_per_block):
 def test_logits_match_with_cross_attention_from_the_pool(models, tokens_per_block):
     engine, hf = get_llm(models, tokens_per_block).engine, models[1]
     self_manager, cross_manager = engine.cache["self"], engine.cache["cross"]
-    cross_tables = [cross_manager.allocate(Holding(), len(s)) for s in SOURCES]
+    cross_tables = [allocate_table(cross_manager, Holding(), len(s)) for s in SOURCES]
     engine.runner.encode(SOURCES, [cross_manager.slots(t) for t in cross_tables])
     # Decoder prefixes of different lengths, all in one forward, logits of every token.
     decoder_ids = [[PAD, 4, 8, 9, 10], [PAD], [PAD] + [3] * 9, [PAD, 50, 51]]

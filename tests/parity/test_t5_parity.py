@@ -15,11 +15,12 @@ import sys
 import pytest
 import torch
 from beam_checks import assert_beams_match
+from kv_helpers import allocate_table
 from tiny_t5 import T5_EOS as EOS
 from tiny_t5 import T5_PAD as PAD
 from tiny_t5 import T5_SMALL_SHAPE, save_tiny_t5
 
-from widebeam.kv.managers import Holding
+from widebeam.kv.tables import Holding
 from widebeam.llm import LLM
 from widebeam.model.runner import SequenceInput
 from widebeam.params import BeamSearchParams, SamplingParams
@@ -68,7 +69,7 @@ def check_logits(engine, hf, sources, decoder_ids, steps: int = 4, tol: float = 
     """The encoder's cross K/V in the pool, then every decoder token's logits (one prefill forward of
     all sequences, then decode steps together) against HF's full forward."""
     self_manager, cross_manager = engine.cache["self"], engine.cache["cross"]
-    cross_tables = [cross_manager.allocate(Holding(), len(s)) for s in sources]
+    cross_tables = [allocate_table(cross_manager, Holding(), len(s)) for s in sources]
     tables = [self_manager.new_table(Holding()) for _ in decoder_ids]
     try:  # the blocks go back even when a comparison fails, so one failure does not cascade
         _compare(engine, hf, sources, decoder_ids, steps, tol, tables, cross_tables)

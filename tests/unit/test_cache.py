@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from kv_helpers import allocate_table
 
 from widebeam.errors import BlockStateError, RequestTooLargeError
 from widebeam.kv.budget import KVRequest, full_attention_blocks
 from widebeam.kv.cache import KVCache
-from widebeam.kv.managers import Holding
 from widebeam.kv.spec import CrossAttentionSpec, FullAttentionSpec, SlidingWindowSpec
+from widebeam.kv.tables import Holding
 
 COMMON = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16}
 
@@ -86,7 +87,7 @@ def test_cross_blocks_are_shared_by_beams_and_freed():
     cache = KVCache([(CrossAttentionSpec(name="cross", **COMMON), 4)], tokens_per_block=4)
     manager = cache["cross"]
     holding = Holding()
-    table = manager.allocate(holding, 9)
+    table = allocate_table(manager, holding, 9)
     assert holding.num_held_blocks == 3 and cache.num_free_blocks()["cross"] == 1
     assert manager.slots(table)[:5] == ([table.block_ids[0] * 4 + i for i in range(4)]
                                         + [table.block_ids[1] * 4])
@@ -98,7 +99,7 @@ def test_cross_blocks_are_shared_by_beams_and_freed():
 
 def test_stats_report_totals_and_free_blocks():
     cache = self_only(8, tokens_per_block=4)
-    table = cache["self"].allocate_prompt(Holding(), 5)
+    table = allocate_table(cache["self"], Holding(), 5)
     stats = cache.stats()["self"]
     assert stats["total_blocks"] == 8 and stats["free_blocks"] == 6 and stats["kind"] == "full"
     assert stats["bytes_per_block"] == 2 * 2 * 2 * 16 * 2 * 4
@@ -108,7 +109,7 @@ def test_stats_report_totals_and_free_blocks():
 
 def test_released_table_cannot_be_used():
     manager = self_only(4, tokens_per_block=4)["self"]
-    table = manager.allocate_prompt(Holding(), 3)
+    table = allocate_table(manager, Holding(), 3)
     manager.release(table)
     for op in (manager.fork, manager.append_slots):
         with pytest.raises(BlockStateError):
@@ -117,7 +118,7 @@ def test_released_table_cannot_be_used():
 
 def test_slots_follow_block_table():
     manager = self_only(4, tokens_per_block=4)["self"]
-    table = manager.allocate_prompt(Holding(), 6)
+    table = allocate_table(manager, Holding(), 6)
     b0, b1 = table.block_ids
     assert manager.append_slots(table, 3) == [b1 * 4 + 2, b1 * 4 + 3, table.block_ids[2] * 4]
     assert b0 != b1

@@ -11,17 +11,12 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kv_helpers import num_used_blocks
+from kv_reference_bounds import scheduled_blocks_reference
 
-from widebeam.kv.budget import (
-    KVRequest,
-    _scheduled_blocks_reference,
-    full_attention_blocks,
-    scheduled_blocks,
-    scheduled_sliding_window_blocks,
-    sliding_window_blocks,
-    width_at_step,
-)
+from widebeam.kv.budget import KVRequest, full_attention_blocks, sliding_window_blocks
 from widebeam.kv.cache import KVCache
+from widebeam.kv.schedule_budget import scheduled_blocks, scheduled_sliding_window_blocks, width_at_step
 from widebeam.kv.spec import FullAttentionSpec, SlidingWindowSpec
 
 SIZES = {
@@ -62,7 +57,7 @@ class ScheduleTrace:
 
             def checked_allocate(pool=pool, allocate=allocate, name=name):
                 block_id = allocate()
-                held = pool.num_used_blocks
+                held = num_used_blocks(pool)
                 assert held <= self.required[name], f"{name}: held {held} > required {self.required[name]}"
                 self.peak[name] = max(self.peak[name], held)
                 return block_id
@@ -160,7 +155,7 @@ def test_fast_schedule_bound_equals_its_definition(prompt_tokens, max_new_tokens
     for window in (None, window_tokens):
         assert (scheduled_blocks(prompt_tokens, max_new_tokens, schedule, tokens_per_block, window,
                                  beams_own_all)
-                == _scheduled_blocks_reference(prompt_tokens, max_new_tokens, schedule, tokens_per_block,
+                == scheduled_blocks_reference(prompt_tokens, max_new_tokens, schedule, tokens_per_block,
                                                window, beams_own_all))
 
 

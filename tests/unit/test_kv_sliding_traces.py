@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kv_helpers import num_used_blocks
 
 from widebeam.kv.budget import KVRequest, full_attention_blocks, sliding_window_blocks
 from widebeam.kv.cache import KVCache
-from widebeam.kv.managers import DROPPED
 from widebeam.kv.spec import SlidingWindowSpec
+from widebeam.kv.tables import DROPPED
 
 
 class SlidingTrace:
@@ -43,7 +44,7 @@ class SlidingTrace:
         self.pool.allocate = checked_allocate
 
     def check(self, tables=()):
-        held = self.pool.num_used_blocks
+        held = num_used_blocks(self.pool)
         assert held <= self.required_blocks, f"held {held} > required {self.required_blocks}"
         self.peak_blocks = max(self.peak_blocks, held)
         for table in tables:  # everything the last written query can see is still there
@@ -59,11 +60,11 @@ class SlidingTrace:
 
     def step(self, parents, append=True):
         self.kv.reorder(parents)
-        assert self.holding.num_held_blocks == self.pool.num_used_blocks
+        assert self.holding.num_held_blocks == num_used_blocks(self.pool)
         if append:
             self.kv.decode_slots()
             self.check(self.kv.tables["sliding"])
-        assert self.holding.num_held_blocks == self.pool.num_used_blocks
+        assert self.holding.num_held_blocks == num_used_blocks(self.pool)
         return self.kv.tables["sliding"]
 
     def finish(self, beams):

@@ -14,11 +14,12 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kv_helpers import num_used_blocks
+from kv_reference_bounds import sliding_window_blocks_reference
 
 from widebeam.defaults import MAX_NUM_SPECULATIVE_TOKENS
 from widebeam.kv.budget import (
     KVRequest,
-    _sliding_window_blocks_reference,
     full_attention_blocks,
     sliding_window_blocks,
 )
@@ -68,14 +69,14 @@ class SpecTrace:
     def check(self, *names):
         for name in names or self.required:
             pool = self.cache[name].pool
-            held = pool.num_used_blocks
+            held = num_used_blocks(pool)
             assert held <= self.required[name], f"{name}: held {held} > required {self.required[name]}"
             self.peak[name] = max(self.peak[name], held)
 
     def check_holdings(self):
         self.check()
         for name, manager in self.cache.managers.items():
-            assert self.kv.holdings[name].num_held_blocks == manager.pool.num_used_blocks, name
+            assert self.kv.holdings[name].num_held_blocks == num_used_blocks(manager.pool), name
 
     def prefill(self, chunks):
         assert sum(chunks) == self.p
@@ -226,7 +227,7 @@ def test_adversarial_rounds_reach_the_sliding_bound(
     assert required - beam_width <= peak <= required
     assert peak == required
     d = speculative_tokens
-    assert required == _sliding_window_blocks_reference(prompt_tokens, max_new_tokens, beam_width,
+    assert required == sliding_window_blocks_reference(prompt_tokens, max_new_tokens, beam_width,
                                                         tokens_per_block, window_tokens, None, d, d)
 
 
@@ -235,7 +236,7 @@ def test_the_audit_point_holds_its_reference_blocks():
     of the sliding pool at once, what the reference loop gives; a pool sized by a fast bound that
     forgets the re-feed tail (27) runs dry."""
     peak, required = adversarial_sliding_peak(91, 90, 3, 16, 128, 25)
-    assert peak == required == _sliding_window_blocks_reference(91, 90, 3, 16, 128, None, 25, 25) == 29
+    assert peak == required == sliding_window_blocks_reference(91, 90, 3, 16, 128, None, 25, 25) == 29
 
 
 def test_the_refeed_term_is_what_keeps_the_sliding_pool_from_running_dry():

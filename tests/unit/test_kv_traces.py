@@ -15,11 +15,13 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kv_helpers import allocate_many, num_used_blocks
 
 from widebeam.kv.block_pool import BlockPool
 from widebeam.kv.budget import KVRequest, full_attention_blocks
-from widebeam.kv.managers import BlockTable, FullAttentionManager, Holding
+from widebeam.kv.full_attention import FullAttentionManager
 from widebeam.kv.spec import FullAttentionSpec
+from widebeam.kv.tables import BlockTable, Holding
 
 SPEC = FullAttentionSpec(name="self", num_layers=1, num_kv_heads=1, head_dim=8)
 TOKENS_PER_BLOCK = st.sampled_from([1, 2, 4, 16])
@@ -40,7 +42,7 @@ class CheckedTrace:
 
     def check(self) -> None:
         held = self.holding.num_held_blocks
-        assert held == self.pool.num_used_blocks, "holding count drifted from the pool"
+        assert held == num_used_blocks(self.pool), "holding count drifted from the pool"
         assert held <= self.required_blocks, f"held {held} > required {self.required_blocks}"
         self.peak_blocks = max(self.peak_blocks, held)
 
@@ -228,5 +230,5 @@ def test_reorder_passing_references_on_equals_releasing_and_forking_whole_tables
         pools = [trace.pool for trace in traces]
         assert [pools[0].ref_count(b) for b in range(pools[0].num_blocks)] == \
             [pools[1].ref_count(b) for b in range(pools[1].num_blocks)]
-    free_order = [trace.pool.allocate_many(trace.pool.num_free_blocks) for trace in traces]
+    free_order = [allocate_many(trace.pool, trace.pool.num_free_blocks) for trace in traces]
     assert free_order[0] == free_order[1]

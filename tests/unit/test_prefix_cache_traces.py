@@ -21,11 +21,12 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kv_helpers import allocate_many, num_used_blocks
 
 from widebeam.errors import OutOfBlocksError, RequestTooLargeError
 from widebeam.kv.cache import KVCache
-from widebeam.kv.managers import DROPPED
 from widebeam.kv.spec import FullAttentionSpec, SlidingWindowSpec
+from widebeam.kv.tables import DROPPED
 from widebeam.sched.admission import admit_check
 from widebeam.sched.scheduler import Scheduler
 
@@ -127,7 +128,7 @@ class Simulator:
     def check_counts(self):
         for name, manager in self.cache.managers.items():
             pool = manager.pool
-            assert pool.num_used_blocks + pool.num_free_blocks == pool.num_blocks
+            assert num_used_blocks(pool) + pool.num_free_blocks == pool.num_blocks
             for request in self.scheduler.running:
                 held = request.kv.holdings[name].num_held_blocks
                 assert held <= request.admission.required_blocks.get(name, 0), (name, held)
@@ -305,7 +306,7 @@ def run_random_workload(seed, tokens_per_block, window_tokens, with_sliding, num
             if len(prefix) >= t:
                 pin(Simulator(alone, chunk, random.Random(0)), prefix)
         for manager in alone.managers.values():  # empty but for the pins: evict every other cached block
-            manager.pool.free(manager.pool.allocate_many(manager.pool.num_free_blocks))
+            manager.pool.free(allocate_many(manager.pool, manager.pool.num_free_blocks))
         with pytest.raises(OutOfBlocksError):
             run_alone_diverging(alone, prompt, new_tokens, width)
     return sim, admitted, rejected
@@ -379,7 +380,7 @@ def test_a_hit_copy_never_evicts_a_block_of_the_same_hit():
     may only come from eviction; the hit's own evictable block must not be the one evicted."""
     cache = KVCache([(sliding(100), 4)], 1, enable_prefix_caching=True)
     manager, pool = cache["sliding"], cache["sliding"].pool
-    ids = pool.allocate_many(4)
+    ids = allocate_many(pool, 4)
     for block_id, name in zip(ids, (b"in-use", b"lru", b"newer", b"other")):
         pool.register(block_id, name)
     pool.dec_ref(ids[1])  # least recently released: first in line for eviction

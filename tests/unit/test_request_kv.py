@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kv_helpers import held_blocks, num_used_blocks
 
 from widebeam.errors import BlockStateError, OutOfBlocksError
 from widebeam.kv.budget import KVRequest
@@ -31,8 +32,8 @@ def exact_cache(request: KVRequest, tokens_per_block: int, window_tokens: int, c
 
 def check(cache: KVCache, kv) -> None:
     for name, manager in cache.managers.items():
-        assert kv.holdings[name].num_held_blocks == manager.pool.num_used_blocks, name
-        assert manager.pool.num_used_blocks <= manager.pool.num_blocks
+        assert kv.holdings[name].num_held_blocks == num_used_blocks(manager.pool), name
+        assert num_used_blocks(manager.pool) <= manager.pool.num_blocks
 
 
 @settings(max_examples=100, deadline=None)
@@ -89,9 +90,9 @@ def test_truncate_rolls_back_blocks_and_a_shared_block_is_copied_before_it_is_re
     kv.reorder([0, 0])  # two beams share both blocks
     kv.decode_slots(4)  # each beam copies the shared partial block, then takes a new one
     assert len(cache.take_copies()["self"]) == 2 - 1  # the last sharer keeps the original
-    held = kv.held_blocks()["self"]
+    held = held_blocks(kv)["self"]
     kv.truncate(0, 7)
-    assert kv.num_tokens(0) == 7 and kv.held_blocks()["self"] == held - 1
+    assert kv.num_tokens(0) == 7 and held_blocks(kv)["self"] == held - 1
     with pytest.raises(BlockStateError):
         kv.truncate(0, 9)  # a rollback never grows a table
     kv.free()
@@ -191,10 +192,10 @@ def test_decode_slots_refuses_a_step_the_pool_cannot_hold_before_it_changes_anyt
     assert kv.step_blocks(1) == {"self": 2}
     with pytest.raises(OutOfBlocksError, match="pool 'self' has 1 free blocks"):
         kv.decode_slots(1)
-    assert kv.held_blocks() == {"self": 2} and [kv.num_tokens(i) for i in range(3)] == [6, 6, 6]
+    assert held_blocks(kv) == {"self": 2} and [kv.num_tokens(i) for i in range(3)] == [6, 6, 6]
     kv.drop([2])  # two beams: one copy, which fits
     kv.decode_slots(1)
-    assert kv.held_blocks() == {"self": 3}
+    assert held_blocks(kv) == {"self": 3}
 
 
 def test_the_refeed_rule_is_the_cache_s():
@@ -215,5 +216,5 @@ def test_a_renewed_coordinator_keeps_the_key_and_the_encoder_output_but_holds_no
     assert kv.step_blocks(1) == {"self": 0}  # the encoder output is written
     kv.free()
     fresh = kv.renew()
-    assert fresh.key is key and fresh.encoder_tokens == 6 and fresh.held_blocks() == {"self": 0, "cross": 0}
+    assert fresh.key is key and fresh.encoder_tokens == 6 and held_blocks(fresh) == {"self": 0, "cross": 0}
     assert fresh.step_blocks(5) == {"self": 2, "cross": 2}

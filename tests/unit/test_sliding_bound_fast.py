@@ -1,5 +1,5 @@
 """`sliding_window_blocks` evaluates its decode term only at `_decode_candidate_positions`
-(O(T + R) positions); `_sliding_window_blocks_reference` loops over every position and is the
+(O(T + R) positions); `sliding_window_blocks_reference` loops over every position and is the
 definition. They must agree everywhere."""
 
 from __future__ import annotations
@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from kv_reference_bounds import sliding_window_blocks_reference
 
 from widebeam.defaults import MAX_NUM_SPECULATIVE_TOKENS
 from widebeam.kv import budget
-from widebeam.kv.budget import _sliding_window_blocks_reference, sliding_window_blocks
+from widebeam.kv.budget import sliding_window_blocks
 
 
 def _args(p, n, beams, t, w, chunk=None, extra=0, refeed=0, cached=0):
@@ -47,14 +48,14 @@ def _bound_args(draw):
 @example(_args(91, 90, 3, 16, 128, extra=25, refeed=25))
 @example(_args(91, 90, 3, 16, 128, extra=MAX_NUM_SPECULATIVE_TOKENS, refeed=MAX_NUM_SPECULATIVE_TOKENS))
 def test_fast_bound_equals_reference(args):
-    assert sliding_window_blocks(**args) == _sliding_window_blocks_reference(**args)
+    assert sliding_window_blocks(**args) == sliding_window_blocks_reference(**args)
 
 
 def test_the_audit_point_needs_its_refeed_tail():
     """T=16, window 128, P=91, N=90, W=3, D=R=25: the reference loop's maximum lies in the re-feed tail
     (positions within R + T of the last one fed), 29 blocks."""
     args = _args(91, 90, 3, 16, 128, extra=25, refeed=25)
-    assert _sliding_window_blocks_reference(**args) == 29
+    assert sliding_window_blocks_reference(**args) == 29
     assert sliding_window_blocks(**args) == 29
 
 
@@ -76,7 +77,7 @@ _EDGES = [
 
 @pytest.mark.parametrize("args", _EDGES)
 def test_fast_bound_edge_cases(args):
-    assert sliding_window_blocks(**args) == _sliding_window_blocks_reference(**args)
+    assert sliding_window_blocks(**args) == sliding_window_blocks_reference(**args)
 
 
 def test_fast_bound_independent_of_max_new_tokens(monkeypatch):
@@ -94,7 +95,7 @@ def test_fast_bound_independent_of_max_new_tokens(monkeypatch):
     # three windows of about a block each (and the re-feed), whatever N: 75 positions here
     assert positions(1_000_000) == positions(10_000) <= 5 * 16 + 2 * 4
     args = _args(2048, 5000, 8, 16, 512, chunk=512, extra=4, refeed=4)
-    assert sliding_window_blocks(**args) == _sliding_window_blocks_reference(**args)
+    assert sliding_window_blocks(**args) == sliding_window_blocks_reference(**args)
 
 
 def test_plan_at_64gib_on_a_sliding_config_evaluates_few_positions(monkeypatch, capsys):

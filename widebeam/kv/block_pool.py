@@ -62,10 +62,6 @@ class BlockPool:
     def num_pinned_blocks(self) -> int:
         return len(self._pinned)
 
-    @property
-    def num_used_blocks(self) -> int:
-        return self.num_blocks - self.num_free_blocks
-
     def ref_count(self, block_id: int) -> int:
         self._check_id(block_id)
         return self._ref_counts[block_id] if block_id < len(self._ref_counts) else 0
@@ -87,12 +83,6 @@ class BlockPool:
             raise OutOfBlocksError(f"pool '{self.name}' has no free block (all {self.num_blocks} in use)")
         self._ref_counts[block_id] = 1
         return block_id
-
-    def allocate_many(self, num_blocks: int) -> list[int]:
-        if num_blocks > self.num_free_blocks:
-            raise OutOfBlocksError(f"pool '{self.name}' has {self.num_free_blocks} free blocks, "
-                                   f"{num_blocks} requested")
-        return [self.allocate() for _ in range(num_blocks)]
 
     def inc_ref(self, block_id: int) -> None:
         """Add a reference to a block in use (a fork shares it)."""

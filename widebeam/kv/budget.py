@@ -16,7 +16,8 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _check(**values: int) -> None:
+def check_non_negative(**values: int) -> None:
+    """Raise `ValueError` naming the first negative value."""
     for name, value in values.items():
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
@@ -42,7 +43,7 @@ def full_attention_blocks(
     written again at their own positions, so they add nothing here. Every beam diverging at once
     reaches it exactly (tests/unit/test_kv_traces.py, test_kv_tightness_engine.py).
     """
-    _check(prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens, extra_tokens=extra_tokens)
+    check_non_negative(prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens, extra_tokens=extra_tokens)
     if beam_width < 1 or tokens_per_block < 1:
         raise ValueError("beam_width and tokens_per_block must be >= 1")
     if max_new_tokens <= 1:
@@ -54,7 +55,7 @@ def full_attention_blocks(
 
 def cross_attention_blocks(encoder_tokens: int, tokens_per_block: int) -> int:
     """`ceil(E/T)`: computed once per request and shared by all its beams; never grows."""
-    _check(encoder_tokens=encoder_tokens)
+    check_non_negative(encoder_tokens=encoder_tokens)
     return _ceil_div(encoder_tokens, tokens_per_block)
 
 
@@ -120,7 +121,7 @@ class KVRequest:
     refeeds_after_preemption: bool = False
 
     def __post_init__(self) -> None:
-        _check(
+        check_non_negative(
             prompt_tokens=self.prompt_tokens,
             max_new_tokens=self.max_new_tokens,
             extra_tokens=self.extra_tokens,
@@ -140,7 +141,8 @@ class KVRequest:
                                  "refeed_tokens must be 0)")
 
 
-def _blocks_spanned(first_position: int, last_position: int, tokens_per_block: int) -> int:
+def blocks_spanned(first_position: int, last_position: int, tokens_per_block: int) -> int:
+    """Blocks holding any position of [first_position, last_position] (0 when empty)."""
     if last_position < first_position:
         return 0
     return last_position // tokens_per_block - first_position // tokens_per_block + 1
@@ -151,7 +153,7 @@ def _prefill_span_blocks(start: int, prompt_tokens: int, window_tokens: int, tok
     chunk = prompt_tokens - start
     if prefill_chunk_tokens is not None:
         chunk = min(prefill_chunk_tokens, chunk)
-    return _blocks_spanned(max(0, start - window_tokens + 1), start + chunk - 1, tokens_per_block)
+    return blocks_spanned(max(0, start - window_tokens + 1), start + chunk - 1, tokens_per_block)
 
 
 def _prefill_chunk_starts(prompt_tokens: int, window_tokens: int, tokens_per_block: int,
@@ -166,6 +168,16 @@ def _prefill_chunk_starts(prompt_tokens: int, window_tokens: int, tokens_per_blo
     starts.update(range(first_start, first_start + t + 1))  # one period of the sliding regime
     starts.update(range(tail - t, tail + t + 1))
     return {s for s in starts if first_start <= s <= last}
+
+
+def sliding_prefill_blocks(prompt_tokens: int, window_tokens: int, tokens_per_block: int,
+                           prefill_chunk_tokens: int | None, cached_prompt_tokens: int) -> int:
+    """The prefill term of the sliding-window bounds: the most blocks one prompt chunk's window spans
+    (one sequence, whatever the beam width; see sliding_window_blocks)."""
+    starts = _prefill_chunk_starts(prompt_tokens, window_tokens, tokens_per_block, prefill_chunk_tokens,
+                                   cached_prompt_tokens)
+    return max(_prefill_span_blocks(s, prompt_tokens, window_tokens, tokens_per_block, prefill_chunk_tokens)
+               for s in starts)
 
 
 def sliding_window_blocks(
@@ -213,16 +225,16 @@ def _sliding_blocks(prompt_tokens: int, max_new_tokens: int, beam_width: int, to
                     window_tokens: int, prefill_chunk_tokens: int | None, extra_tokens: int,
                     refeed_tokens: int, cached_prompt_tokens: int, decode_positions) -> int:
     """`sliding_window_blocks` with the decode term's maximum taken over
-    `decode_positions(P, last_fed, T, w, R)`: the candidates, or (the reference) every position."""
+    `decode_positions(P, last_fed, T, w, R)`: the candidates, or every position (the
+    definition the tests check it against: tests/kv_reference_bounds.py)."""
     if window_tokens < 1:
         raise ValueError(f"window_tokens must be >= 1, got {window_tokens}")
     t = tokens_per_block
     # validates the common arguments the same way the full-attention bound does
     full = full_attention_blocks(prompt_tokens, max_new_tokens, beam_width, t, extra_tokens)
-    _check(refeed_tokens=refeed_tokens)
-    chunk = prefill_chunk_tokens
-    starts = _prefill_chunk_starts(prompt_tokens, window_tokens, t, chunk, cached_prompt_tokens)
-    prefill_blocks = max(_prefill_span_blocks(s, prompt_tokens, window_tokens, t, chunk) for s in starts)
+    check_non_negative(refeed_tokens=refeed_tokens)
+    prefill_blocks = sliding_prefill_blocks(prompt_tokens, window_tokens, t, prefill_chunk_tokens,
+                                            cached_prompt_tokens)
     last_fed = prompt_tokens + max_new_tokens - 2  # the position of the last token ever fed
     decode_blocks = max(
         (_decode_step_blocks(x, prompt_tokens, last_fed, beam_width, t, window_tokens, extra_tokens,
@@ -244,8 +256,8 @@ def _decode_step_blocks(x: int, prompt_tokens: int, last_fed: int, beam_width: i
     # query's window start stay.
     refeed = 0 if x == prompt_tokens else min(refeed_tokens, last_fed - x)
     window_start = max(0, x - window_tokens + 1)
-    shared = _blocks_spanned(window_start, shared_end - 1, t)
-    own = _blocks_spanned(max(window_start, shared_end), x + refeed + extra_tokens, t)
+    shared = blocks_spanned(window_start, shared_end - 1, t)
+    own = blocks_spanned(max(window_start, shared_end), x + refeed + extra_tokens, t)
     return shared + own * beam_width
 
 
@@ -273,185 +285,3 @@ def _decode_candidate_positions(prompt_tokens: int, last_fed: int, tokens_per_bl
     candidates.update(range(crossing - t - 1, crossing + t + 2))
     candidates.update(range(last_fed - refeed_tokens - t - 1, last_fed + 1))
     return {x for x in candidates if prompt_tokens <= x <= last_fed}
-
-
-def _sliding_window_blocks_reference(
-    prompt_tokens: int,
-    max_new_tokens: int,
-    beam_width: int,
-    tokens_per_block: int,
-    window_tokens: int,
-    prefill_chunk_tokens: int | None = None,
-    extra_tokens: int = 0,
-    refeed_tokens: int = 0,
-    cached_prompt_tokens: int = 0,
-) -> int:
-    """The definition of `sliding_window_blocks`: the same bound with the decode term taken over
-    every position x = P .. P + N - 2 (O(N) per call). `sliding_window_blocks` evaluates only
-    `_decode_candidate_positions`; tests/unit/test_sliding_bound_fast.py checks they agree (the
-    loop's body, `_decode_step_blocks`, is the pre-#30 loop's, unchanged)."""
-    return _sliding_blocks(prompt_tokens, max_new_tokens, beam_width, tokens_per_block, window_tokens,
-                           prefill_chunk_tokens, extra_tokens, refeed_tokens, cached_prompt_tokens,
-                           lambda first, last_fed, *_: range(first, last_fed + 1))
-
-
-# -- beam-width schedules ---------------------------------------------------------------------------
-#
-# A schedule (w_1, ..., w_L) gives the width of each beam-search step: step k chooses the k-th
-# generated token and keeps w_k beams (w_L for every k > L). The bound below is the schedule's own
-# worst case; it is never W_max times the length.
-
-
-def width_at_step(schedule: tuple[int, ...], step: int) -> int:
-    """w_k: the width of step k >= 1 (the last width repeats)."""
-    return schedule[min(step, len(schedule)) - 1]
-
-
-def scheduled_blocks(prompt_tokens: int, max_new_tokens: int, schedule: tuple[int, ...],
-                     tokens_per_block: int, window_tokens: int | None = None,
-                     beams_own_all: bool = False) -> int:
-    """The most blocks a request whose beam width follows `schedule` holds in a full-attention pool
-    (`window_tokens=None`) or in the decode steps of a sliding-window one (no draft nor re-fed
-    tokens: D = R = 0, which the engine enforces for schedules).
-
-    Closed form. Decode step k = 1 .. N - 1 feeds the k-th generated token at position x = P + k - 1
-    in each of its w_k live beams, having trimmed a window to keys from a = max(0, x - w + 1)
-    (a = 0 for full attention). With E = floor(P/T) * T (the end of the shared full prompt blocks),
-    the request then holds, for block b (positions bT .. bT + T - 1):
-
-        blocks(k) = #{b < E/T : b spans a key >= a}                       (prompt, shared: once)
-                  + w_k                                                   (b = floor(x/T), written now)
-                  + sum over E/T <= b < floor(x/T), (b+1)T - 1 >= a of  min(w_s : s_b <= s <= k)
-
-    where s_b = (b + 1)T - P is the step that wrote b's last position, and the bound is
-    `max(ceil(P/T), max_k blocks(k))` (N <= 1: `ceil(P/T)`, the prompt alone).
-
-    Proof (upper bound). Full prompt blocks are written once in the prefill and only shared. Block
-    floor(x/T) is being written by every live beam, each into its own copy (copy-on-write): at most
-    w_k. A block b below it is complete: after step s_b nobody writes it again, so each copy held at
-    step k is one of those the w_{s_b} beams of step s_b held, inherited through forks. Every beam of
-    step k descends from one beam of each step s in [s_b, k], so the copies it holds number at most
-    the fewest beams of any such step: min(w_s : s_b <= s <= k). A pruned beam's blocks are released
-    before the kept ones fork (`RequestKV.reorder`), and a window's trimmed blocks leave before any
-    append (`RequestKV.decode_slots`), so nothing else is held at the step's allocation, which is
-    where the count peaks (a reorder never allocates).
-
-    Reached exactly: let every beam diverge (its own token at every step), and when the width falls
-    keep parents spread over the ancestors (as many distinct ancestors of every earlier step as the
-    new width allows: the ancestor partitions are nested, so one choice of parents serves every
-    step); when it grows, continue every parent. Then each term is met with equality at once
-    (tests/unit/test_kv_schedule_traces.py drives `RequestKV` through such traces).
-
-    For a constant schedule (W) every min is W and this is `full_attention_blocks` (D = 0):
-    floor(P/T) + ceil((P mod T + N - 1)/T) * W, and the sliding bound's decode term.
-
-    `beams_own_all`: a request preempted and resumed re-feeds each live beam's tokens into blocks of
-    its own (`Request._resume`), so at a resume at step k every beam owns every block it reads; the
-    min is then w_k for every block (a bound at least as large, reached by a preemption at the worst
-    step). The engine asks for it under the `max_utilization` policy only.
-
-    Computed in O(N): the mins are nondecreasing in b (a later block's range of steps is a suffix of
-    an earlier one's), so they are kept as runs (value, count) on a stack that step k caps at w_k
-    (pop the runs above it, merge them), a window drops from its bottom, and a block enters on top.
-    """
-    if not schedule or any(w < 1 for w in schedule):
-        raise ValueError(f"schedule must hold widths >= 1, got {schedule}")
-    _check(prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens)
-    t = tokens_per_block
-    if t < 1:
-        raise ValueError("tokens_per_block must be >= 1")
-    best = _ceil_div(prompt_tokens, t) if window_tokens is None else 0
-    if max_new_tokens <= 1:
-        return best
-    return max(best, max(_scheduled_step_blocks(prompt_tokens, max_new_tokens, schedule, t, window_tokens,
-                                                beams_own_all)))
-
-
-def _scheduled_step_blocks(prompt_tokens: int, max_new_tokens: int, schedule: tuple[int, ...],
-                           tokens_per_block: int, window_tokens: int | None,
-                           beams_own_all: bool) -> list[int]:
-    """blocks(k) of `scheduled_blocks` for k = 1 .. N - 1, in order."""
-    t, p = tokens_per_block, prompt_tokens
-    first_own = p // t  # the first block a beam may own (the partial prompt block, or the next)
-    runs: list[list[int]] = []  # [min width, blocks] bottom (oldest block) to top; mins nondecreasing
-    bottom = 0  # index of the bottom run still in the window
-    next_block = first_own  # the next complete own block to enter the runs
-    complete_sum = 0  # sum of min * count over the runs
-    out = []
-    for k in range(1, max_new_tokens):
-        x = p + k - 1
-        width = width_at_step(schedule, k)
-        current = x // t
-        # blocks completed by an earlier step enter with their min so far: w_{s_b} = w_{k-1} caps them
-        while next_block < current:
-            value = width_at_step(schedule, k - 1)
-            if len(runs) > bottom and runs[-1][0] == value:
-                runs[-1][1] += 1
-            else:
-                runs.append([value, 1])
-            complete_sum += value
-            next_block += 1
-        # cap every min at w_k (or, re-fed beams, set it to w_k)
-        merged = 0
-        while len(runs) > bottom and (beams_own_all or runs[-1][0] > width):
-            value, count = runs.pop()
-            complete_sum -= value * count
-            merged += count
-        if merged:
-            runs.append([width, merged])
-            complete_sum += width * merged
-        window_start = 0 if window_tokens is None else max(0, x - window_tokens + 1)
-        first_visible = window_start // t
-        # drop whole blocks that left the window, from the oldest
-        dropped_to = max(first_visible, first_own)
-        oldest = next_block - sum(c for _, c in runs[bottom:])
-        while oldest < dropped_to and len(runs) > bottom:
-            run = runs[bottom]
-            take = min(run[1], dropped_to - oldest)
-            run[1] -= take
-            complete_sum -= run[0] * take
-            oldest += take
-            if run[1] == 0:
-                bottom += 1
-        shared = _blocks_spanned(window_start, first_own * t - 1, t)
-        out.append(shared + complete_sum + width)
-    return out
-
-
-def _scheduled_blocks_reference(prompt_tokens: int, max_new_tokens: int, schedule: tuple[int, ...],
-                                tokens_per_block: int, window_tokens: int | None = None,
-                                beams_own_all: bool = False) -> int:
-    """The definition of `scheduled_blocks`, term by term (O(N^2 / T)); the tests compare them."""
-    t, p = tokens_per_block, prompt_tokens
-    best = -(-p // t) if window_tokens is None else 0
-    for k in range(1, max_new_tokens):
-        x = p + k - 1
-        window_start = 0 if window_tokens is None else max(0, x - window_tokens + 1)
-        total = _blocks_spanned(window_start, (p // t) * t - 1, t) + width_at_step(schedule, k)
-        for b in range(p // t, x // t):
-            if (b + 1) * t - 1 < window_start:
-                continue
-            first_step = (b + 1) * t - p
-            steps = [k] if beams_own_all else range(first_step, k + 1)
-            total += min(width_at_step(schedule, s) for s in steps)
-        best = max(best, total)
-    return best
-
-
-def scheduled_sliding_window_blocks(prompt_tokens: int, max_new_tokens: int, schedule: tuple[int, ...],
-                                    tokens_per_block: int, window_tokens: int,
-                                    prefill_chunk_tokens: int | None = None, cached_prompt_tokens: int = 0,
-                                    beams_own_all: bool = False) -> int:
-    """`sliding_window_blocks` for a width schedule (D = R = 0): the prefill term is the same (one
-    sequence, whatever the widths), the decode term is `scheduled_blocks` with the window, and like
-    there it never exceeds the full-attention count."""
-    if window_tokens < 1:
-        raise ValueError(f"window_tokens must be >= 1, got {window_tokens}")
-    t = tokens_per_block
-    full = scheduled_blocks(prompt_tokens, max_new_tokens, schedule, t, None, beams_own_all)
-    starts = _prefill_chunk_starts(prompt_tokens, window_tokens, t, prefill_chunk_tokens,
-                                   cached_prompt_tokens)
-    prefill_blocks = max(_prefill_span_blocks(s, prompt_tokens, window_tokens, t, prefill_chunk_tokens)
-                         for s in starts)
-    decode_blocks = scheduled_blocks(prompt_tokens, max_new_tokens, schedule, t, window_tokens, beams_own_all)
-    return min(full, max(prefill_blocks, decode_blocks))

@@ -25,21 +25,33 @@ The order of operations is what keeps a request within its `required_blocks` in 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from widebeam.errors import BlockStateError, OutOfBlocksError
-from widebeam.kv.managers import DROPPED, BlockTable, Holding, PoolManager
+from widebeam.kv.pool_manager import PoolManager
 from widebeam.kv.prefix import PrefixHit, PrefixKey
-from widebeam.kv.tables import common_prefix_length
+from widebeam.kv.tables import DROPPED, BlockTable, Holding, common_prefix_length
 
-if TYPE_CHECKING:
-    from widebeam.kv.cache import KVCache
+
+class CachePools(Protocol):
+    """What a request's coordinator uses of the cache it allocates in (`KVCache` is one): each pool's
+    manager by name, the block size, and the prefix lookup with its hit-rate count. Named here so
+    this module does not import the cache, which makes coordinators (`KVCache.new_request`)."""
+
+    tokens_per_block: int
+    managers: dict[str, PoolManager]
+
+    def __getitem__(self, pool_name: str) -> PoolManager: ...
+
+    def find_hit(self, key: PrefixKey | None) -> PrefixHit: ...
+
+    def record_lookup(self, key: PrefixKey | None, hit: PrefixHit) -> None: ...
 
 
 class RequestKV:
     """Block tables and holdings of one request, in every pool of a `KVCache`."""
 
-    def __init__(self, cache: KVCache, key: PrefixKey | None = None, encoder_tokens: int = 0):
+    def __init__(self, cache: CachePools, key: PrefixKey | None = None, encoder_tokens: int = 0):
         """`encoder_tokens`: the length of the encoder output the per-request (cross) pools hold,
         written with the request's first step (0: a decoder-only request)."""
         self.cache = cache
@@ -111,10 +123,6 @@ class RequestKV:
         """Per-request pool -> tokens its table holds (the encoder output's length)."""
         return {name: table.num_tokens for name, table in self.shared_tables.items()}
 
-    def held_blocks(self) -> dict[str, int]:
-        """Distinct blocks held now, per pool (blocks shared by several sequences count once)."""
-        return {name: holding.num_held_blocks for name, holding in self.holdings.items()}
-
     def peak_blocks(self) -> dict[str, int]:
         return {name: holding.peak_held_blocks for name, holding in self.holdings.items()}
 
@@ -125,7 +133,8 @@ class RequestKV:
     def renew(self) -> RequestKV:
         """A fresh coordinator for the same request (same cache, key and encoder output), holding
         nothing: what a preempted request starts again from."""
-        return self.cache.new_request(self.key, self.encoder_tokens)
+        # `self.key` is already None where the cache keeps no prefixes (`KVCache.new_request`)
+        return RequestKV(self.cache, self.key, self.encoder_tokens)
 
     # -- block needs (nothing is allocated) ---------------------------------------------------------
     def step_blocks(self, num_tokens: int) -> dict[str, int]:
