@@ -135,7 +135,7 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from widebeam.errors import ConfigError
     from widebeam.model.families.arch import BUILTIN_CONFIGS
-    from widebeam.model.families.table import load_arch
+    from widebeam.model.loading.arch import load_arch
     from widebeam.plan import PlanError, PlanInputs, plan
 
     if args.list_models:
@@ -285,7 +285,7 @@ def _plan_speculative(args: argparse.Namespace, parser: argparse.ArgumentParser)
     """The plan's `SpeculativeConfig` (None without speculation), checked by the engine's own rules,
     and the draft model's arch (None without a draft model)."""
     from widebeam.errors import ConfigError, InvalidParameterError
-    from widebeam.model.families.table import load_arch
+    from widebeam.model.loading.arch import load_arch
 
     try:
         speculative = engine_config(args, SPECULATIVE).speculative

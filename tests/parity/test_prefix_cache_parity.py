@@ -163,7 +163,7 @@ def test_pinned_prefixes_need_the_cache_and_a_whole_block(tiny_llama_dir):
 def test_plan_shows_the_blocks_the_engine_pins(tiny_gemma3_dir):
     """`widebeam plan --pin-prefix` counts, per pool (the sliding ones: what a hit at the prefix's end
     needs), the blocks the engine really pins; prefixes sharing blocks share them."""
-    from widebeam.model.families.table import load_arch
+    from widebeam.model.loading.arch import load_arch
     from widebeam.plan import PlanInputs, plan
 
     prefix = prompts(43, seed=9)[0]

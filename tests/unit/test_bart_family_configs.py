@@ -15,7 +15,8 @@ import torch
 from tiny_bart_family import BART_BASE_SHAPE, NLLB_600M_SHAPE, TINY_CONFIGS
 
 from widebeam.errors import UnsupportedModelError
-from widebeam.model.families.table import generation_settings, load_arch, parse_config
+from widebeam.model.families.table import generation_settings, parse_config
+from widebeam.model.loading.arch import load_arch
 from widebeam.model.loading.build import build_model
 
 SHAPES = {**TINY_CONFIGS, "nllb-600m-1-layer": NLLB_600M_SHAPE, "bart-base-1-layer": BART_BASE_SHAPE}

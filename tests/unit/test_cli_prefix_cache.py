@@ -17,7 +17,7 @@ from widebeam.cli import build_parser, main
 from widebeam.engine_args import error_message, prefix_cache_kwargs, read_pinned_prefix
 from widebeam.errors import WidebeamError
 from widebeam.model.families.arch import BUILTIN_CONFIGS
-from widebeam.model.families.table import load_arch
+from widebeam.model.loading.arch import load_arch
 from widebeam.plan import PlanError, PlanInputs, plan
 
 T = 16

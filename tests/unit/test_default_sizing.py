@@ -91,7 +91,7 @@ def test_default_sizing_with_a_draft_model_agrees_with_plans_reserve(monkeypatch
     draft-model engine is what `widebeam plan` reserves for the same config (target and draft)."""
     from widebeam.layout import estimate_activation_bytes
     from widebeam.model.activation import estimate_activation_peak_bytes
-    from widebeam.model.families.table import load_arch
+    from widebeam.model.loading.arch import load_arch
 
     def measure(model, device, dtype, tokens_per_block, max_num_batched_tokens, max_beam_width):
         return estimate_activation_peak_bytes(model.arch, max_num_batched_tokens, max_beam_width, "float32")

@@ -15,7 +15,7 @@ import torch
 from widebeam.errors import InvalidParameterError, RequestTooLargeError
 from widebeam.kv.spec import CrossAttentionSpec, FullAttentionSpec
 from widebeam.model.attention.cross import CrossAttentionMetadata, cross_attention
-from widebeam.model.families.table import load_arch
+from widebeam.model.loading.arch import load_arch
 from widebeam.params import BeamSearchParams, SamplingParams
 from widebeam.plan import PlanInputs, plan
 

@@ -15,9 +15,10 @@ from tiny_bart_family import TINY_CONFIGS as SEQ2SEQ_CONFIGS
 from widebeam.errors import ConfigError, UnsupportedModelError
 from widebeam.model.contract import CausalModel, EncoderDecoderModel
 from widebeam.model.families.arch import BUILTIN_CONFIGS
-from widebeam.model.families.table import FAMILIES, PHI3_LAYOUT, generation_settings, load_arch, parse_config
+from widebeam.model.families.checkpoint import to_model_names
+from widebeam.model.families.table import FAMILIES, PHI3_LAYOUT, generation_settings, parse_config
+from widebeam.model.loading.arch import load_arch
 from widebeam.model.loading.build import build_model
-from widebeam.model.loading.weights import to_model_names
 
 SMALL = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 6,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512}
@@ -188,7 +189,7 @@ def test_missing_shape_field_is_a_config_error():
 
 
 def test_family_table_and_plan_do_not_import_torch():
-    code = ("import sys; from widebeam.model.families.table import load_arch; "
+    code = ("import sys; from widebeam.model.loading.arch import load_arch; "
             "from widebeam.model.families import table, decoder_config, seq2seq_config, t5_config;"
             "[load_arch(m) for m in ('gemma3-270m', 'qwen3-0.6b', 'phi-3-mini-4k', 'opus-mt-en-de')];"
             "print('torch' in sys.modules)")

@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from widebeam.llm import LLM
-from widebeam.model.families.table import load_arch
+from widebeam.model.loading.arch import load_arch
 from widebeam.model.loading.hub import looks_like_repo_id
 from widebeam.model.loading.sources import ModelNotFoundError
 from widebeam.params import BeamSearchParams

@@ -18,7 +18,7 @@ from widebeam.catalogue.sources import trie_size
 from widebeam.config import SpeculativeConfig
 from widebeam.engine import LLMEngine
 from widebeam.layout import estimate_activation_bytes
-from widebeam.model.families.table import load_arch
+from widebeam.model.loading.arch import load_arch
 from widebeam.plan import CataloguePlan, PlanInputs, catalogue_nbytes, plan
 
 T = 4

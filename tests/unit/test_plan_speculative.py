@@ -16,7 +16,7 @@ from widebeam.defaults import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from widebeam.kv.budget import sliding_window_blocks
 from widebeam.layout import activation_rows, scoped_pool_name
 from widebeam.model.activation import estimate_activation_peak_bytes
-from widebeam.model.families.table import load_arch
+from widebeam.model.loading.arch import load_arch
 from widebeam.plan import PlanError, PlanInputs, plan
 
 SMOLLM2 = "smollm2-135m-instruct"

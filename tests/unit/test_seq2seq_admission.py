@@ -93,7 +93,7 @@ def test_a_source_too_long_for_the_cross_pool_is_refused_naming_it(family, famil
 def test_plan_counts_a_decoder_prefix_as_the_engine_does(family, prefix_len, beam_width, family_dirs):
     """`widebeam plan --decoder-prefix-len K` and the engine's admission of a request with a K-token
     decoder prefix ask the same blocks of every pool."""
-    from widebeam.model.families.table import load_arch
+    from widebeam.model.loading.arch import load_arch
     from widebeam.plan import PlanInputs, plan
 
     path = family_dirs(family)

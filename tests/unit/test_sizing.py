@@ -7,7 +7,7 @@ import pytest
 from widebeam.errors import CacheTooSmallError
 from widebeam.kv.sizing import PoolNeed, resolve_max_seq_len, split_by_need, tokens_per_sequence
 from widebeam.kv.spec import CrossAttentionSpec, FullAttentionSpec, SlidingWindowSpec
-from widebeam.model.families.table import load_arch
+from widebeam.model.loading.arch import load_arch
 from widebeam.plan import PlanInputs, plan
 
 FULL = FullAttentionSpec(name="self", num_layers=4, num_kv_heads=2, head_dim=16, dtype="float32")

@@ -95,7 +95,7 @@ def add_ui_routes(app: FastAPI, loop, *, model_name: str, plan_model: str | None
     async def plan_endpoint(body: PlanRequest):
         from widebeam.defaults import DEFAULT_TOKENS_PER_BLOCK
         from widebeam.errors import ConfigError, InvalidParameterError, UnsupportedModelError
-        from widebeam.model.families.table import load_arch
+        from widebeam.model.loading.arch import load_arch
         from widebeam.plan import PlanError, PlanInputs, plan
 
         if body.model not in plan_models:

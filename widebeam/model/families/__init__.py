@@ -1,1 +1,2 @@
-"""Model families: torch-free config parses (the plan reads them) beside the torch networks they build."""
+"""Model families: torch-free config parses (the plan reads them), the family table, and the torch
+networks they build with their checkpoint names."""

@@ -27,6 +27,7 @@ from torch import nn
 from widebeam.model.attention.metadata import AttentionMetadata
 from widebeam.model.attention.paged import PagedAttention
 from widebeam.model.families.arch import ModelArch
+from widebeam.model.families.checkpoint import copy_checkpoint
 from widebeam.model.families.decoder_config import DecoderSettings
 from widebeam.model.families.layers import (
     FusedProjections,
@@ -37,7 +38,6 @@ from widebeam.model.families.layers import (
     fuse_linears,
 )
 from widebeam.model.families.table import ParsedConfig
-from widebeam.model.loading.weights import copy_checkpoint
 
 
 def _layer_type(window: int | None) -> str:

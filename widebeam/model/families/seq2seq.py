@@ -32,8 +32,8 @@ from widebeam.model.attention.cross import CrossAttentionMetadata, cross_attenti
 from widebeam.model.attention.metadata import AttentionMetadata
 from widebeam.model.attention.paged import PagedAttention, write_kv
 from widebeam.model.families.arch import CROSS_POOL, ModelArch
+from widebeam.model.families.checkpoint import copy_checkpoint
 from widebeam.model.families.seq2seq_config import LEARNED, M2M100_SINUSOIDAL, MARIAN_SINUSOIDAL
-from widebeam.model.loading.weights import copy_checkpoint
 
 ACTIVATIONS = {"swish": F.silu, "silu": F.silu, "gelu": F.gelu, "relu": F.relu,
                "gelu_new": lambda x: F.gelu(x, approximate="tanh")}

@@ -31,8 +31,8 @@ from widebeam.model.attention.cross import cross_attention
 from widebeam.model.attention.metadata import PositionBias
 from widebeam.model.attention.paged import PagedAttention, write_kv
 from widebeam.model.families.arch import CROSS_POOL, ModelArch
+from widebeam.model.families.checkpoint import copy_checkpoint
 from widebeam.model.families.t5_config import T5Settings
-from widebeam.model.loading.weights import copy_checkpoint
 
 T5_ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, "swish": F.silu,
                   "gelu_new": lambda x: F.gelu(x, approximate="tanh"),

@@ -3,7 +3,7 @@
 An entry names the config `model_type`s it serves, the one function that parses such a config into
 the architecture the KV layer needs (`ModelArch`) plus the family's own settings, how its checkpoint
 names differ from the model's parameters, and the builder of the runtime model (imported on first
-use, so `widebeam plan` never imports torch). `load_arch` (the plan) and
+use, so `widebeam plan` never imports torch). `loading/arch.py: load_arch` (the plan) and
 `widebeam.model.loading.build.build_model` (the engine) both go through `parse_config`.
 
 Adding a family: write its parse function (decoder_config.py, seq2seq_config.py, t5_config.py),
@@ -14,18 +14,15 @@ row here.
 from __future__ import annotations
 
 import importlib
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from widebeam.errors import ConfigError, UnsupportedModelError
 from widebeam.model.families import decoder_config as fc
 from widebeam.model.families import seq2seq_config
-from widebeam.model.families.arch import BUILTIN_CONFIGS, ModelArch
+from widebeam.model.families.arch import ModelArch
 from widebeam.model.families.t5_config import parse_t5
-from widebeam.model.loading.hub import cached_repo_file, hub_cache_dir, looks_like_repo_id
 
 
 @dataclass(frozen=True)
@@ -192,40 +189,3 @@ def generation_settings(config: dict, generation_config: dict) -> GenerationSett
 
 def _is_token_id(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def load_arch(model: str) -> ModelArch:
-    """A built-in name, a `config.json` path, or a directory holding one."""
-    if model in BUILTIN_CONFIGS:
-        config = BUILTIN_CONFIGS[model]
-    else:
-        config = _read_config(model)
-    try:
-        return parse_config(config, name=str(model)).arch
-    except UnsupportedModelError as exc:
-        # a plan for a model the engine cannot run is refused the same way a bad config is
-        raise ConfigError(str(exc)) from None
-
-
-def _read_config(model: str) -> dict:
-    path = Path(model)
-    if path.is_dir():
-        path = path / "config.json"
-    elif looks_like_repo_id(model):  # a repo in the local Hugging Face cache (no network for a plan)
-        cached = cached_repo_file(model, "config.json")
-        if cached is None:
-            raise ConfigError(f"model {model!r} is not in the Hugging Face cache {hub_cache_dir()}: load it "
-                              "once (widebeam generate --model ...), or give its config.json path")
-        path = cached
-    if path.suffix != ".json" or not path.exists():
-        raise ConfigError(
-            f"unknown model {model!r}: use one of {', '.join(BUILTIN_CONFIGS)}, "
-            "a Hugging Face model directory or repo id, or a config.json path"
-        )
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"cannot read model config {str(path)!r}: {exc}") from None
-    if not isinstance(config, dict):
-        raise ConfigError(f"model config {str(path)!r} is not a JSON object")
-    return config

@@ -1,1 +1,2 @@
-"""From a `model=` string to weights and a tokenizer: sources, the hub, checkpoints, building."""
+"""From a `model=` string to a model and tokenizer on a device: sources, the hub, the plan's arch
+(torch-free), building."""

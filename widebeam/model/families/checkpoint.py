@@ -1,4 +1,5 @@
-"""Filling a model built from its config with a checkpoint's tensors, strictly."""
+"""A family's checkpoint into the model built from its config, strictly: names mapped by the family's
+`CheckpointLayout` (table.py), every tensor present, shapes equal."""
 
 from __future__ import annotations
 
