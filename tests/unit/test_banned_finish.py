@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from widebeam.beam.search import BANNED, BeamSearchState
+from widebeam.beam.hypothesis import BANNED
+from widebeam.beam.search import BeamSearchState
 from widebeam.errors import InvalidParameterError
 from widebeam.llm import LLM
 from widebeam.params import BeamSearchParams, SamplingParams

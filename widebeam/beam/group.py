@@ -32,7 +32,7 @@ from collections.abc import Iterable
 
 import torch
 
-from widebeam.beam.search import BANNED, Hypothesis, StepResult
+from widebeam.beam.hypothesis import BANNED, Hypothesis, StepResult
 from widebeam.params import BeamSearchParams
 
 _NEG = -1.0e9  # transformers' score of a group's prompt copies but the first

@@ -38,11 +38,12 @@ What that algorithm does, and what this module therefore does:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
+from widebeam.beam.hypothesis import BANNED, Annotate, Hypothesis, StepResult
 from widebeam.beam.ranking import top_allowed, top_candidates
 from widebeam.beam.scores import divided_scores, hypothesis_score, length_normalizer
 from widebeam.beam.tree import SearchTree
@@ -57,47 +58,6 @@ _NEG = -1.0e9
 _IMPOSSIBLE = float("-inf")
 
 _NO_NODE = -1  # parent of the first generated token: the prompt
-
-# The finish reason of a sequence (a beam, a sample) that its constraints (bans, the n-gram rule,
-# min_new_tokens' end ban, a catalogue or grammar, a caller's processor) left no token to take: it ends
-# where it stands, never with a banned token.
-BANNED = "banned"
-
-
-@dataclass(frozen=True)
-class Hypothesis:
-    """One finished beam: generated tokens only (with the final EOS/stop token if it ended with one)."""
-
-    token_ids: list[int]
-    cumulative_logprob: float
-    score: float
-    finish_reason: str  # "stop" (EOS / stop token / stop string), "length", or BANNED (no token was left)
-    # One per token when the steps were annotated (`step(annotate=...)`): the beam's own history.
-    annotations: list | None = None
-
-
-# Called once per step with the (parent row, token) pairs the step kept (new live beams and newly
-# finished hypotheses), returns one annotation per pair (the decoder's per-token log-probs).
-Annotate = Callable[[Sequence[int], Sequence[int]], list]
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """The next live beams: beam i = current live beam `parent_indices[i]` extended by `token_ids[i]`.
-
-    Empty when the search is done.
-    """
-
-    parent_indices: list[int] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-
-    def __len__(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def empty(self) -> bool:
-        return not self.token_ids
-
 
 @dataclass
 class _Finished:
