@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from widebeam.errors import InvalidParameterError
-from widebeam.structured.formats import schema_of
+from widebeam.response_format import schema_of
 
 GREEDY_TEMPERATURE = 1e-5  # below this, sampling is argmax
 # Scores divide by generated_len ** length_penalty: within this range they stay finite for any length
@@ -18,7 +18,7 @@ MAX_PATIENCE = 16.0
 
 
 def check_response_format(params) -> None:
-    """The format's shape and caps (structured/formats.py), and the options a grammar cannot honour:
+    """The format's shape and caps (response_format.py), and the options a grammar cannot honour:
     the grammar allows the end-of-sequence token only once the JSON value is complete and nothing after
     it, so generating past it (`ignore_eos`) or withholding it for a minimum count (`min_new_tokens`,
     which may exceed the value's length) has no valid continuation."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
+from typing import Self
 
 from widebeam.param_checks import (  # noqa: F401  (constants re-exported: callers read them here)
     DEFAULT_BEAM_WIDTH,
@@ -37,33 +38,32 @@ from widebeam.param_checks import (  # noqa: F401  (constants re-exported: calle
 from widebeam.response_format import schema_of
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """Greedy (`temperature=0`) or sampled decoding of one sequence.
+@dataclass(frozen=True, kw_only=True)
+class DecodingParams:
+    """The fields sampling and beam search share, written once. Each subclass adds its own and checks
+    all of them in its `__post_init__` (in its own order: which error comes first is the subclass's).
+    Keyword-only: the shared fields come first in the field order, so a positional argument would not
+    mean what it meant when each class listed all of its fields."""
 
-    `max_new_tokens=None` means up to the engine's `max_seq_len` minus the prompt.
-    """
-
+    # None: up to the engine's `max_seq_len` minus the prompt.
     max_new_tokens: int | None = 16
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
+    min_new_tokens: int = 0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    min_new_tokens: int = 0
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     # Log-probs (widebeam/logprobs.py): None = off, k = each token's log-prob and the k most likely
-    # alternatives; `prompt_logprobs` the same for every prompt token (computed in the prefill).
+    # alternatives (per beam: its parent's at that step); `prompt_logprobs` the same for every prompt
+    # token (computed in the prefill).
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     # Encoder-decoder models: the decoder starts from these tokens after its start token (NLLB's target
     # language, a T5 task prefix, a forced partial translation): its prompt, never scored nor returned.
     # Decoder-only models refuse it at admission (put the tokens in the prompt), as they refuse
-    # forced_bos_token_id. Text is tokenized without special tokens.
+    # forced_bos_token_id, except as beam search's soft prefix (prefix_bias_beta), generated under a
+    # bias. Text is tokenized without special tokens.
     decoder_prefix: tuple[int, ...] | str = ()
     # HF `forced_bos_token_id`: the first generated token (mBART-50 / NLLB target language), scored 0.
     # None: the model's generation config's. Only without a decoder_prefix, as in HF.
@@ -76,12 +76,35 @@ class SamplingParams:
     # Truncate the prompt to this many tokens instead of refusing it (None = off): an encoder-decoder's
     # source keeps its first tokens (CTranslate2's max_input_length), a decoder-only prompt its last.
     max_input_length: int | None = None
-    # Structured output: OpenAI's response_format (widebeam/structured/: JSON mode, JSON schema).
+    # Structured output: OpenAI's response_format (widebeam/structured/: JSON mode, JSON schema); with
+    # beams, every beam stays inside the grammar, its matcher forked with the beam.
     response_format: object = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         as_tuple(self, "stop", str)
         as_tuple(self, "stop_token_ids", int)
+
+    def replace(self, **changes) -> Self:
+        """A copy with `changes` applied, checked as a new one."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(changes)
+        return type(self)(**values)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams(DecodingParams):
+    """Greedy (`temperature=0`) or sampled decoding of one sequence.
+
+    `max_new_tokens=None` means up to the engine's `max_seq_len` minus the prompt.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         require(self.max_new_tokens is None or (is_int(self.max_new_tokens) and self.max_new_tokens >= 1),
                  "max_new_tokens", "must be an integer >= 1 or None, got {value!r}",
                  value=self.max_new_tokens)
@@ -121,14 +144,9 @@ class SamplingParams:
     def beam_width(self) -> int:
         return 1
 
-    def replace(self, **changes) -> SamplingParams:
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
-        values.update(changes)
-        return type(self)(**values)
 
-
-@dataclass(frozen=True)
-class BeamSearchParams:
+@dataclass(frozen=True, kw_only=True)
+class BeamSearchParams(DecodingParams):
     """Deterministic beam search over `beam_width` beams, scored like Hugging Face `generate(num_beams=...)`.
 
     A finished hypothesis scores `cumulative_logprob / generated_len ** length_penalty`, where
@@ -160,38 +178,11 @@ class BeamSearchParams:
     # None: not given, resolved in __post_init__ to the schedule's widest step or DEFAULT_BEAM_WIDTH (an
     # int after construction, always); a given width beside a schedule must be its widest step.
     beam_width: int | None = None
-    max_new_tokens: int | None = 16
     length_penalty: float = 1.0
     early_stopping: bool | str = False
     num_return_sequences: int | None = None
-    min_new_tokens: int = 0
-    stop_token_ids: tuple[int, ...] = ()
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
     catalogue: str | None = None
     allowed_sequences: object = field(default=None, compare=False, repr=False)
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    # Per beam: each token's log-prob and the k most likely alternatives of its parent at that step.
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    # Encoder-decoder models: the decoder starts from these tokens after its start token (NLLB's target
-    # language, a T5 task prefix, a forced partial translation): its prompt, never scored nor returned.
-    # Decoder-only models refuse it at admission (put the tokens in the prompt), except as a soft
-    # prefix (prefix_bias_beta), which is generated under a bias. Text is tokenized without special tokens.
-    decoder_prefix: tuple[int, ...] | str = ()
-    # HF `forced_bos_token_id`: the first generated token (mBART-50 / NLLB target language), scored 0.
-    # None: the model's generation config's. Only without a decoder_prefix, as in HF.
-    forced_bos_token_id: int | None = None
-    # Bans read each row's history (decoding/bans.py, transformers' semantics): no n-gram of this many
-    # tokens twice (0 = off); token sequences never generated (the last token of one is banned where the
-    # rest was just generated).
-    no_repeat_ngram_size: int = 0
-    bad_words_ids: tuple[tuple[int, ...], ...] = ()
-    # Truncate the prompt to this many tokens instead of refusing it (None = off): an encoder-decoder's
-    # source keeps its first tokens (CTranslate2's max_input_length), a decoder-only prompt its last.
-    max_input_length: int | None = None
     # CTranslate2's patience (arXiv 2204.05424): the search keeps round(beam_width * patience) finished
     # hypotheses and stops only once that many finished (1.0: transformers' search, unchanged).
     patience: float = 1.0
@@ -203,8 +194,6 @@ class BeamSearchParams:
     # (the best always), each continued greedily; returned in the order of that token's probability.
     return_alternatives: bool = False
     min_alternative_expansion_prob: float = 0.0
-    # Structured output: every beam inside the grammar, its matcher forked with the beam.
-    response_format: object = field(default=None, compare=False)
     # The search tree (widebeam/beam/tree.py, docs/ui.md): every candidate each step kept, returned in
     # `RequestOutput.tree`. Off by default; its memory is counted, not capped: at most 2 x beam_width x
     # max_new_tokens nodes of 26 bytes (200 more per finished one) while searching (`tree["nbytes"]`),
@@ -228,8 +217,7 @@ class BeamSearchParams:
         return self.catalogue is not None or self.allowed_sequences is not None
 
     def __post_init__(self) -> None:
-        as_tuple(self, "stop", str)
-        as_tuple(self, "stop_token_ids", int)
+        super().__post_init__()
         # what the caller gave, before None is resolved: `replace` re-resolves only what was not given
         object.__setattr__(self, "_given", frozenset(name for name in ("beam_width", "num_return_sequences")
                                                      if getattr(self, name) is not None))

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from widebeam.decoding.logprobs import PromptLogprobs
 from widebeam.kv.spec import PoolSpec
 from widebeam.layout import scoped_specs
-from widebeam.model.registry import model_dtype
+from widebeam.model.loading.build import model_dtype
 from widebeam.model.runner import ModelRunner, SequenceInput
 
 
@@ -63,6 +64,29 @@ class Worker:
                              {local_of[k]: v for k, v in seq.block_tables.items() if k in local_of},
                              {local_of[k]: v for k, v in seq.slots.items() if k in local_of},
                              seq.group, seq.cross_block_table, seq.num_encoder_tokens, seq.tree_parents)
+
+
+def execute_step(worker: Worker, inputs: list[SequenceInput], num_rows: list[int],
+                 collectors: dict[int, PromptLogprobs]) -> torch.Tensor:
+    """Run a step's forward pass: the logits of the last `num_rows[i]` tokens of input i, in order
+    [sum(num_rows), vocab], as `worker.execute(inputs, num_logits=num_rows)` returns them. A prompt
+    chunk with a collector (`collectors[i]`: its request wants prompt log-probs) also gets the
+    logits of every one of its tokens from the same pass, handed to the collector; its last row is
+    returned as usual."""
+    wanted = {i: c for i, c in collectors.items() if not inputs[i].tree_parents
+              and c.wants(inputs[i].num_computed_tokens, len(inputs[i].token_ids))}
+    if not wanted:
+        if all(n == 1 for n in num_rows):
+            return worker.execute(inputs)
+        return worker.execute(inputs, num_logits=num_rows)
+    counts = [len(seq.token_ids) if i in wanted else n for i, (seq, n) in enumerate(zip(inputs, num_rows))]
+    logits = worker.execute(inputs, num_logits=counts)
+    ends = torch.tensor(counts).cumsum(0).tolist()
+    for i, collector in wanted.items():
+        chunk = logits[ends[i] - counts[i]:ends[i]]
+        collector.add_chunk(inputs[i].num_computed_tokens, torch.log_softmax(chunk.float(), dim=-1))
+    keep = [row for i, end in enumerate(ends) for row in range(end - num_rows[i], end)]
+    return logits.index_select(0, torch.tensor(keep, device=logits.device))
 
 
 def _spec_named(specs: list[PoolSpec], name: str) -> PoolSpec:

@@ -1,5 +1,5 @@
 """`response_format` caps, references and refused combinations, checked torch-free at the edge
-(structured/formats.py, params.py): each refusal names the field; what is under the caps passes. And the
+(response_format.py, params.py): each refusal names the field; what is under the caps passes. And the
 server's bounded compile (structured/compile_worker.py): a compile in a worker process is the compile
 done here, a compile past its bound kills its worker, and a dead worker is replaced."""
 
@@ -15,7 +15,7 @@ import pytest
 
 from widebeam.errors import InvalidParameterError
 from widebeam.params import BeamSearchParams, SamplingParams
-from widebeam.structured.formats import (
+from widebeam.response_format import (
     MAX_ENUM_VALUES,
     MAX_NESTING_DEPTH,
     MAX_PROPERTIES,

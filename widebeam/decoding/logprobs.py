@@ -1,6 +1,6 @@
 """The tensor side of log-probs (what they are is in `widebeam/logprobs.py`): each chosen token's entry
-from a log-softmax row, the prompt's collector filled chunk by chunk during the prefill, and the step
-that gets every prefill position's logits from the same forward pass."""
+from a log-softmax row, and the prompt's collector filled chunk by chunk during the prefill (from the
+step's own forward pass: `worker.py: execute_step`)."""
 
 from __future__ import annotations
 
@@ -63,25 +63,3 @@ class PromptLogprobs:
         self.entries[start + 1:start + 1 + count] = token_logprobs(logprobs, range(count), targets,
                                                                    self.num_top)
 
-
-def execute_step(worker, inputs: list, num_rows: list[int],
-                 collectors: dict[int, PromptLogprobs]) -> torch.Tensor:
-    """Run a step's forward pass: the logits of the last `num_rows[i]` tokens of input i, in order
-    [sum(num_rows), vocab], as `worker.execute(inputs, num_logits=num_rows)` returns them. A prompt
-    chunk with a collector (`collectors[i]`: its request wants prompt log-probs) also gets the
-    logits of every one of its tokens from the same pass, handed to the collector; its last row is
-    returned as usual."""
-    wanted = {i: c for i, c in collectors.items() if not inputs[i].tree_parents
-              and c.wants(inputs[i].num_computed_tokens, len(inputs[i].token_ids))}
-    if not wanted:
-        if all(n == 1 for n in num_rows):
-            return worker.execute(inputs)
-        return worker.execute(inputs, num_logits=num_rows)
-    counts = [len(seq.token_ids) if i in wanted else n for i, (seq, n) in enumerate(zip(inputs, num_rows))]
-    logits = worker.execute(inputs, num_logits=counts)
-    ends = torch.tensor(counts).cumsum(0).tolist()
-    for i, collector in wanted.items():
-        chunk = logits[ends[i] - counts[i]:ends[i]]
-        collector.add_chunk(inputs[i].num_computed_tokens, torch.log_softmax(chunk.float(), dim=-1))
-    keep = [row for i, end in enumerate(ends) for row in range(end - num_rows[i], end)]
-    return logits.index_select(0, torch.tensor(keep, device=logits.device))
