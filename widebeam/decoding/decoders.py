@@ -88,7 +88,7 @@ class Advance:
 
 
 def _prompt_logprobs(params, prompt_token_ids: Sequence[int]) -> PromptLogprobs | None:
-    """The collector the step fills during the prefill (`logprobs.execute_step`), if asked for."""
+    """The collector the step fills during the prefill (`worker.py: execute_step`), if asked for."""
     if params.prompt_logprobs is None:
         return None
     return PromptLogprobs(prompt_token_ids, params.prompt_logprobs)
