@@ -1,6 +1,6 @@
 """A/B of the int8 linear layers (issue #19), two `dtype="int8"` engines over the same SmolLM2-135M
 weights in one process: the engine as it loads (FBGEMM where exact, q/k/v and gate/up fused;
-widebeam/model/int8_linear.py) against a reference arm, `--reference`:
+widebeam/model/linears/int8.py) against a reference arm, `--reference`:
 - "int_mm": `torch._int_mm`, every projection its own layer (the int8 path before these changes);
 - "unfused": FBGEMM, every projection its own layer (the fusion's share alone).
 All compute the same int32 products and scales, bit for bit, so the best beams must agree.

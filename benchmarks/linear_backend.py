@@ -1,7 +1,7 @@
 """A/B of the float32 linear backend (issue #19): `linear_backend="torch"` (F.linear, the reference)
 against `--candidate`: "split" (the default backend: 1-4 rows as batched blocks of output rows on
-every thread; widebeam/model/split_linear.py), "auto" (every linear's weight also packed once for
-oneDNN and run at 4-128 rows) or "onednn" (packed at every row count; widebeam/model/packed_linear.py),
+every thread; widebeam/model/linears/split.py), "auto" (every linear's weight also packed once for
+oneDNN and run at 4-128 rows) or "onednn" (packed at every row count; widebeam/model/linears/packed.py),
 two engines over the same SmolLM2-135M weights in one process.
 
     python benchmarks/linear_backend.py [--widths 1 4 16 64] [--prompt-len 512] [--new-tokens 32]

@@ -1,4 +1,4 @@
-"""Int8 linear kernels (widebeam/model/int8_linear.py): one definition of the math, two kernels
+"""Int8 linear kernels (widebeam/model/linears/int8.py): one definition of the math, two kernels
 that must compute it bit for bit. The reference here is the definition itself in float64 (int32
 products are exact there), not either kernel."""
 

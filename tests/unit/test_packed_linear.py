@@ -1,5 +1,5 @@
 """Float32 linears with the weight packed once for oneDNN (`linear_backend="onednn"`,
-widebeam/model/packed_linear.py): the same results as `F.linear` within float32 rounding, at the
+widebeam/model/linears/packed.py): the same results as `F.linear` within float32 rounding, at the
 row counts decode (1, 4), odd batches (17) and prefill chunks (64) give, with and without bias, on
 odd shapes; a tiny model's greedy tokens and beam sequences equal the `F.linear` path's; no oneDNN
 or no CPU: the model keeps `nn.Linear`, no error."""

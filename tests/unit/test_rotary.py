@@ -1,6 +1,7 @@
-"""`apply_rotary` (widebeam/model/layers.py) against transformers' formula, `x * cos + rotate_half(x) *
-sin`: float32 runs it as x * cos plus two in-place halves (equal within float32 rounding); other
-dtypes run the formula op for op (bit-equal), and a partial rotary leaves the tail dims as they are."""
+"""`apply_rotary` (widebeam/model/families/layers.py) against transformers' formula,
+`x * cos + rotate_half(x) * sin`: float32 runs it as x * cos plus two in-place halves (equal within
+float32 rounding); other dtypes run the formula op for op (bit-equal), and a partial rotary leaves the
+tail dims as they are."""
 
 from __future__ import annotations
 

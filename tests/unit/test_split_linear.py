@@ -1,5 +1,5 @@
 """Float32 linears split into batched blocks of output rows at 1-4 rows (`linear_backend="split"`,
-the default; widebeam/model/split_linear.py): equal to `F.linear` within float32 rounding where the
+the default; widebeam/model/linears/split.py): equal to `F.linear` within float32 rounding where the
 split runs, the very same kernel elsewhere; the weight shared, never copied; a tiny model's greedy
 tokens and beams equal the `F.linear` engine's."""
 
