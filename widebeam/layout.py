@@ -54,17 +54,51 @@ def draft_dtype(config: EngineConfig) -> str:
     return (config.speculative.dtype if config.speculative else None) or config.model.dtype
 
 
-def estimate_activation_bytes(config: EngineConfig, target: ModelArch, draft: ModelArch | None = None) -> int:
-    """The activation reserve of every worker, estimated from shapes (model/activation.py) for the
-    largest prefill chunk and the widest decode step (`activation_rows`)."""
+def worker_dtypes(config: EngineConfig, target: ModelArch,
+                  draft: ModelArch | None = None) -> list[tuple[ModelArch, str]]:
+    """Each worker's model and weights dtype: the target's, then a draft model's."""
+    return [(target, config.model.dtype)] + ([(draft, draft_dtype(config))] if draft is not None else [])
+
+
+def config_activation_rows(config: EngineConfig) -> int:
+    """`activation_rows` of an engine with `config`: its widest request, D tokens per sequence."""
     d = config.speculative.num_speculative_tokens if config.speculative else 0
-    rows = activation_rows(config.scheduler.max_beam_width, d)
+    return activation_rows(config.scheduler.max_beam_width, d)
+
+
+@dataclass(frozen=True)
+class ActivationReserve:
+    """The memory the widest steps' activations take beside the pools, per worker (the target's, then
+    a draft model's), for `rows` rows of logits: measured on the device, or estimated from shapes."""
+
+    worker_bytes: tuple[int, ...]
+    rows: int
+    measured: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.worker_bytes)
+
+    @property
+    def draft_bytes(self) -> int:
+        """The draft model's share (0 without one)."""
+        return sum(self.worker_bytes[1:])
+
+
+def estimate_activation_reserve(config: EngineConfig, target: ModelArch,
+                                draft: ModelArch | None = None) -> ActivationReserve:
+    """The activation reserve of every worker, estimated from shapes (model/activation.py) for the
+    largest prefill chunk and the widest decode step (`activation_rows`); the one estimate plan and
+    the engine (with `kv_cache_memory`) take."""
+    rows = config_activation_rows(config)
     chunk_tokens = config.scheduler.max_num_batched_tokens
-    total_bytes = estimate_activation_peak_bytes(target, chunk_tokens, rows, kv_dtype(config.model.dtype))
-    if draft is not None:
-        draft_kv_dtype = kv_dtype(draft_dtype(config))
-        total_bytes += estimate_activation_peak_bytes(draft, chunk_tokens, rows, draft_kv_dtype)
-    return total_bytes
+    return ActivationReserve(tuple(estimate_activation_peak_bytes(arch, chunk_tokens, rows, kv_dtype(dtype))
+                                   for arch, dtype in worker_dtypes(config, target, draft)), rows)
+
+
+def estimate_activation_bytes(config: EngineConfig, target: ModelArch, draft: ModelArch | None = None) -> int:
+    """`estimate_activation_reserve`'s bytes, summed over the workers."""
+    return estimate_activation_reserve(config, target, draft).nbytes
 
 
 @dataclass(frozen=True)
@@ -96,13 +130,25 @@ class StartupLayout:
     model_max_seq_len: int
     max_encoder_tokens: int  # the longest source an encoder-decoder takes (0 for a decoder-only model)
     capacity_tokens: int | None  # the length-bounding pools' token capacity; None when none bounds it
-    activation_rows: int  # logits rows of the widest decode step the reserve is sized for
-    activation_bytes: int  # the reserve of every worker, measured or estimated
-    activation_measured: bool
+    reserve: ActivationReserve  # beside the pools, every worker's
     free_bytes: int  # the memory given less the activation reserve (the KV share is taken of this)
     kv_cache_bytes: int  # the pools' budget
     catalogue_bytes: int  # start-up catalogues, beside the pools
     too_small: str | None = None  # why start-up must refuse this layout (a `CacheTooSmallError`)
+
+    @property
+    def activation_rows(self) -> int:
+        """Logits rows of the widest decode step the reserve is sized for."""
+        return self.reserve.rows
+
+    @property
+    def activation_bytes(self) -> int:
+        """The reserve of every worker, measured or estimated."""
+        return self.reserve.nbytes
+
+    @property
+    def activation_measured(self) -> bool:
+        return self.reserve.measured
 
     @property
     def blocks_per_pool(self) -> dict[str, int]:
@@ -114,6 +160,11 @@ class StartupLayout:
         return {p.name: p.num_pinned_blocks for p in self.pools}
 
     @property
+    def pinned_block_hashes(self) -> dict[str, tuple[bytes, ...]]:
+        """The names of the blocks pinned prefixes hold, per pool that holds any."""
+        return {p.name: p.pinned_block_hashes for p in self.pools if p.pinned_block_hashes}
+
+    @property
     def specs(self) -> list[PoolSpec]:
         return [p.spec for p in self.pools]
 
@@ -123,15 +174,15 @@ class StartupLayout:
 
 def compute_layout(config: EngineConfig, target: ModelArch, available_bytes: int, *,
                    draft: ModelArch | None = None, catalogue_bytes: int = 0,
-                   pinned_prefixes: Sequence[Sequence[int]] = (), activation_bytes: int | None = None,
+                   pinned_prefixes: Sequence[Sequence[int]] = (), reserve: ActivationReserve | None = None,
                    default_kv_cache_bytes: int | None = None) -> StartupLayout:
     """The start-up layout of an engine with `config` over `target` (and `draft`, the draft model's
     arch with `config.speculative.method == "draft"`).
 
     `available_bytes`: memory left for the activations and the KV cache once the weights and the
     catalogues are loaded (the engine measures it on its device; `widebeam plan` subtracts them from
-    --memory). `activation_bytes`: the measured reserve, None to estimate it from shapes
-    (`estimate_activation_bytes`, what the engine does when `kv_cache_memory` is set).
+    --memory). `reserve`: the activations', measured on the device or already estimated; None to
+    estimate it from shapes (`estimate_activation_reserve`, what the engine does with `kv_cache_memory`).
     `pinned_prefixes`: token ids (text is tokenized first). `default_kv_cache_bytes`: a cap on the
     pools' budget without `kv_cache_memory` (CPU hosts). Raises `InvalidParameterError` for
     `kv_cache_memory` that leaves nothing beside the catalogues and for pins start-up refuses; a
@@ -142,10 +193,9 @@ def compute_layout(config: EngineConfig, target: ModelArch, available_bytes: int
     t = config.cache.tokens_per_block
     chunk_tokens = config.scheduler.max_num_batched_tokens
     _check_pins(pinned_prefixes, target, t)
-    measured = activation_bytes is not None
-    if activation_bytes is None:
-        activation_bytes = estimate_activation_bytes(config, target, draft)
-    free_bytes = available_bytes - activation_bytes
+    if reserve is None:
+        reserve = estimate_activation_reserve(config, target, draft)
+    free_bytes = available_bytes - reserve.nbytes
     kv_cache_bytes = int(max(free_bytes, 0) * config.cache.kv_cache_fraction)
     if config.cache.kv_cache_memory is not None:
         # kv_cache_memory is the budget of the pools and the start-up catalogues together
@@ -183,11 +233,9 @@ def compute_layout(config: EngineConfig, target: ModelArch, available_bytes: int
                                             "{num_blocks} blocks of pool {pool!r}; pin less or give the "
                                             "KV cache more memory", num_blocks=pool.num_blocks,
                                             pool=pool.name)
-    d = config.speculative.num_speculative_tokens if config.speculative else 0
-    rows = activation_rows(config.scheduler.max_beam_width, d)
     return StartupLayout(pools, t, max_seq_len, target.max_position_embeddings, max_encoder_tokens,
-                         sizing.capacity_tokens, rows, activation_bytes, measured, free_bytes, kv_cache_bytes,
-                         catalogue_bytes, too_small)
+                         sizing.capacity_tokens, reserve, free_bytes, kv_cache_bytes, catalogue_bytes,
+                         too_small)
 
 
 def _check_pins(prefixes: Sequence[Sequence[int]], target: ModelArch, tokens_per_block: int) -> None:

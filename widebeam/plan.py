@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from widebeam.catalogue.sizing import CataloguePlan
 from widebeam.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from widebeam.defaults import (
     DEFAULT_KV_CACHE_FRACTION,
@@ -30,45 +31,13 @@ from widebeam.kv.budget import (
     naive_max_seq_len,
 )
 from widebeam.kv.cache import KVCache
-from widebeam.layout import StartupLayout, compute_layout, draft_dtype, estimate_activation_bytes
+from widebeam.layout import compute_layout, estimate_activation_reserve, worker_dtypes
 from widebeam.model.families.arch import CROSS_POOL, ModelArch
 
 # The most memory a plan is made for: 256 TiB, past the largest single-system memory sold today (tens of
 # TiB). Larger is a typo or an attack, refused naming --memory; the plan's cost does not grow with it
 # (pools are counts: kv/block_pool.py hands out ids lazily).
 MAX_PLAN_MEMORY_BYTES = 1 << 48
-
-
-@dataclass(frozen=True)
-class CataloguePlan:
-    """A start-up catalogue's size. `exact`: counted from its items (`widebeam plan --catalogue FILE`),
-    else an estimate (the node bound from --catalogue-items and --catalogue-item-tokens) or bytes given."""
-
-    nbytes: int
-    num_items: int | None = None
-    num_nodes: int | None = None
-    max_item_tokens: int | None = None
-    exact: bool = False
-    upper_bound: bool = False  # nbytes is the bound for num_items x max_item_tokens (no prefix shared)
-
-    def entry(self) -> dict:
-        return {"bytes": self.nbytes, "num_items": self.num_items, "num_nodes": self.num_nodes,
-                "max_item_tokens": self.max_item_tokens, "exact": self.exact, "upper_bound": self.upper_bound}
-
-
-# The trie's device tensors (widebeam/catalogue/trie.py), per node: node_token, node_parent and
-# child_start (int64, one more entry), child_keys (int64, one fewer: nodes 1..) and is_end (bool).
-CATALOGUE_BYTES_PER_NODE = 8 + 8 + 8 + 8 + 1
-
-
-def catalogue_nbytes(num_nodes: int) -> int:
-    """`Catalogue.nbytes` of a trie of `num_nodes` nodes (the root included): 33 bytes a node."""
-    return CATALOGUE_BYTES_PER_NODE * num_nodes
-
-
-def catalogue_node_bound(num_items: int, max_item_tokens: int) -> int:
-    """At most one node per token of every item, plus the root (items sharing prefixes share nodes)."""
-    return num_items * max_item_tokens + 1
 
 
 @dataclass(frozen=True)
@@ -105,29 +74,6 @@ class PlanInputs:
                                             max_beam_width=self.beam_width),
                             self.speculative)
 
-    @property
-    def num_speculative_tokens(self) -> int:
-        """D, the tokens every per-sequence pool reserves per sequence beyond P + N (0 without
-        speculation)."""
-        return 0 if self.speculative is None else self.speculative.num_speculative_tokens
-
-    def request(self, arch: ModelArch) -> KVRequest:
-        """What the cache is asked to hold: for an encoder-decoder model the source goes to the
-        cross pool and the decoder prompt is its start token and prefix; with speculation D more
-        tokens per sequence."""
-        # D draft tokens written per step, and up to D accepted ones fed again the next round
-        d = self.num_speculative_tokens
-        schedule = self.beam_width_schedule
-        if schedule and d:
-            raise PlanError("a beam-width schedule runs without speculative decoding",
-                            "--beam-width-schedule")
-        if not arch.is_encoder_decoder:
-            return KVRequest(self.prompt_len, self.max_new_tokens, self.beam_width, extra_tokens=d,
-                             refeed_tokens=d, beam_width_schedule=schedule)
-        encoder_len = self.prompt_len if self.encoder_len is None else self.encoder_len
-        return KVRequest(1 + self.decoder_prefix_len, self.max_new_tokens, self.beam_width, extra_tokens=d,
-                         encoder_tokens=encoder_len, refeed_tokens=d, beam_width_schedule=schedule)
-
 
 class PlanError(ValueError):
     """The inputs leave nothing for the KV cache, or pinned prefixes the engine would refuse;
@@ -154,46 +100,52 @@ def plan(arch: ModelArch, inputs: PlanInputs, draft_arch: ModelArch | None = Non
         raise PlanError(f"--memory must be in (0, {MAX_PLAN_MEMORY_BYTES}] bytes (256 TiB, more than any "
                         f"machine has), got {inputs.memory_bytes}")
     config = inputs.engine_config()
-    weight_bytes = arch.weight_bytes(inputs.dtype)
-    # the engine's own estimate, for an engine whose widest request is this one (summed over its workers)
-    reserve_bytes = estimate_activation_bytes(config, arch, draft_arch)
-    draft_weight_bytes = draft_reserve_bytes = 0
-    if draft_arch is not None:
-        draft_weight_bytes = draft_arch.weight_bytes(draft_dtype(config))
-        draft_reserve_bytes = reserve_bytes - estimate_activation_bytes(config, arch)
-        weight_bytes += draft_weight_bytes
+    t = inputs.tokens_per_block
+    # each worker's weights (a draft model's in its own dtype), and the activation reserve: the
+    # layout's estimate for an engine whose widest request is this one (summed over its workers)
+    worker_weight_bytes = [model.weight_bytes(dtype)
+                           for model, dtype in worker_dtypes(config, arch, draft_arch)]
+    weight_bytes = sum(worker_weight_bytes)
+    reserve = estimate_activation_reserve(config, arch, draft_arch)
     catalogue_bytes = inputs.catalogue.nbytes if inputs.catalogue is not None else 0
     # what a device of --memory has left once the weights and the catalogues are loaded
     available_bytes = inputs.memory_bytes - weight_bytes - catalogue_bytes
-    if available_bytes - reserve_bytes <= 0:
+    if available_bytes - reserve.nbytes <= 0:
         raise PlanError(
             f"--memory {inputs.memory_bytes} bytes leaves nothing for the KV cache: the weights"
             f"{' (target and draft)' if draft_arch is not None else ''} need "
-            f"{weight_bytes} bytes and the activation reserve {reserve_bytes} bytes"
+            f"{weight_bytes} bytes and the activation reserve {reserve.nbytes} bytes"
             f"{f', the catalogue {catalogue_bytes} bytes' if catalogue_bytes else ''}; "
-            f"use --memory > {weight_bytes + reserve_bytes + catalogue_bytes}"
+            f"use --memory > {weight_bytes + reserve.nbytes + catalogue_bytes}"
         )
     try:
-        layout = compute_layout(config, arch, available_bytes, draft=draft_arch,
+        layout = compute_layout(config, arch, available_bytes, draft=draft_arch, reserve=reserve,
                                 catalogue_bytes=catalogue_bytes, pinned_prefixes=inputs.pinned_prefixes)
     except InvalidParameterError as exc:
         if exc.param == "pinned_prefixes":
             raise PlanError(str(exc), argument="--pin-prefix") from None
         raise
-    t = inputs.tokens_per_block
-    specs = layout.specs
-    chunk = inputs.max_num_batched_tokens
-    request = inputs.request(arch)
-    cache = KVCache([(p.spec, p.num_blocks) for p in layout.pools], t, chunk, enable_prefix_caching=True)
-    _hold_pins(cache, layout)
+    # What the cache is asked to hold: an encoder-decoder model's source goes to the cross pool and
+    # its decoder prompt is its start token and prefix; with speculation D more tokens per sequence
+    # (D draft tokens written per step, and up to D accepted ones fed again the next round).
+    d = spec_config.num_speculative_tokens if spec_config is not None else 0
+    schedule = inputs.beam_width_schedule
+    if schedule and d:
+        raise PlanError("a beam-width schedule runs without speculative decoding", "--beam-width-schedule")
+    encoder_len = inputs.prompt_len if inputs.encoder_len is None else inputs.encoder_len
+    request = KVRequest(1 + inputs.decoder_prefix_len if arch.is_encoder_decoder else inputs.prompt_len,
+                        inputs.max_new_tokens, inputs.beam_width, extra_tokens=d, refeed_tokens=d,
+                        encoder_tokens=encoder_len if arch.is_encoder_decoder else 0,
+                        beam_width_schedule=schedule)
+    cache = KVCache([(p.spec, p.num_blocks) for p in layout.pools], t, inputs.max_num_batched_tokens,
+                    enable_prefix_caching=True)
+    cache.hold_pinned_blocks(layout.pinned_block_hashes)  # every pool's capacity shows the pins gone
     pinned_blocks = {name: n for name, n in layout.pinned_blocks.items() if n}
     # The start-up bound is the token capacity of the full-attention pool, never divided by W.
     bound_tokens = layout.capacity_tokens
     capacity_blocks = layout.pools[0].num_blocks if bound_tokens is None else bound_tokens // t
     max_seq_len = layout.max_seq_len  # 0 when the cache holds not even one sequence: reported, not raised
-    kv_cache_bytes = layout.kv_cache_bytes
 
-    budgets = cache.budgets(request)
     pools = [
         {
             "name": b.pool,
@@ -211,7 +163,7 @@ def plan(arch: ModelArch, inputs: PlanInputs, draft_arch: ModelArch | None = Non
                if request.beam_width_schedule else {}),
             **cache[b.pool].fit_hints(request),
         }
-        for b in budgets
+        for b in cache.budgets(request)
     ]
     fits_length = request.prompt_tokens + inputs.max_new_tokens <= max_seq_len
     if arch.is_encoder_decoder:
@@ -238,12 +190,12 @@ def plan(arch: ModelArch, inputs: PlanInputs, draft_arch: ModelArch | None = Non
         "dtype": inputs.dtype,
         "memory_bytes": inputs.memory_bytes,
         "weight_bytes": weight_bytes,
-        "activation_reserve_bytes": reserve_bytes,
+        "activation_reserve_bytes": layout.activation_bytes,
         "activation_rows": layout.activation_rows,  # logits rows of the widest step: W x (1 + 2D)
         **({"catalogue": inputs.catalogue.entry()} if inputs.catalogue is not None else {}),
         "kv_cache_fraction": inputs.kv_cache_fraction,
-        "kv_cache_bytes": kv_cache_bytes,
-        "bytes_per_token": sum(s.bytes_per_token for s in specs),
+        "kv_cache_bytes": layout.kv_cache_bytes,
+        "bytes_per_token": sum(s.bytes_per_token for s in layout.specs),
         "tokens_per_block": t,
         "capacity_blocks": capacity_blocks,
         "model_max_seq_len": arch.max_position_embeddings,
@@ -257,9 +209,13 @@ def plan(arch: ModelArch, inputs: PlanInputs, draft_arch: ModelArch | None = Non
                if inputs.beam_width_schedule else {}),
             **({"encoder_len": request.encoder_tokens} if arch.is_encoder_decoder else {}),
         },
-        **({"speculative": _speculative_entry(spec_config, draft_arch, draft_weight_bytes,
-                                              draft_reserve_bytes)}
-           if spec_config is not None else {}),
+        **({"speculative": {
+            "method": spec_config.method, "model": spec_config.model,
+            "num_speculative_tokens": spec_config.num_speculative_tokens,
+            **({"draft_model": draft_arch.name, "draft_weight_bytes": sum(worker_weight_bytes[1:]),
+                "draft_activation_reserve_bytes": layout.reserve.draft_bytes}
+               if draft_arch is not None else {}),
+        }} if spec_config is not None else {}),
         **({"pinned_prefixes": {"count": len(inputs.pinned_prefixes),
                                 "tokens": [len(ids) for ids in inputs.pinned_prefixes],
                                 "blocks": pinned_blocks}} if inputs.pinned_prefixes else {}),
@@ -274,25 +230,3 @@ def plan(arch: ModelArch, inputs: PlanInputs, draft_arch: ModelArch | None = Non
             **naive_cross,
         },
     }
-
-
-def _hold_pins(cache: KVCache, layout: StartupLayout) -> None:
-    """Hold, in the plan's cache, the blocks the layout says pins hold (the engine's pins, under the
-    same names), so every pool's capacity shows them gone."""
-    for pool_layout in layout.pools:
-        pool = cache[pool_layout.name].pool
-        for block_hash in pool_layout.pinned_block_hashes:
-            block_id = pool.allocate()
-            pool.register(block_id, block_hash)
-            pool.pin(block_id)
-            pool.dec_ref(block_id)  # the pin's reference stays
-
-
-def _speculative_entry(config: SpeculativeConfig, draft_arch: ModelArch | None, draft_weight_bytes: int,
-                       draft_reserve_bytes: int) -> dict:
-    entry = {"method": config.method, "model": config.model,
-             "num_speculative_tokens": config.num_speculative_tokens}
-    if draft_arch is not None:
-        entry.update(draft_model=draft_arch.name, draft_weight_bytes=draft_weight_bytes,
-                     draft_activation_reserve_bytes=draft_reserve_bytes)
-    return entry

@@ -19,7 +19,7 @@ from widebeam.defaults import DEFAULT_CPU_KV_CACHE_BYTES
 from widebeam.device import available_memory_bytes
 from widebeam.errors import CacheTooSmallError
 from widebeam.kv.cache import KVCache
-from widebeam.layout import StartupLayout, activation_rows, compute_layout
+from widebeam.layout import ActivationReserve, StartupLayout, compute_layout, config_activation_rows
 from widebeam.model.loading.build import load_model, load_tokenizer, model_dtype
 from widebeam.model.loading.sources import ModelSource, resolve_model
 from widebeam.model.warmup import measure_activation_peak_bytes
@@ -60,18 +60,17 @@ def lay_out_pools(config: EngineConfig, workers: list[Worker], device: torch.dev
     """The layout of the pools (layout.py). With `kv_cache_memory` the activation reserve is the
     shape-based estimate `widebeam plan` uses; without, the pools take what is left, so the largest
     steps' activations are measured (a warm-up costs seconds per engine on a CPU)."""
-    activation_bytes = None
-    cache_config, sched_config = config.cache, config.scheduler
-    if cache_config.kv_cache_memory is None:
-        num_draft_tokens = config.speculative.num_speculative_tokens if config.speculative else 0
-        rows = activation_rows(sched_config.max_beam_width, num_draft_tokens)
-        t, chunk = cache_config.tokens_per_block, sched_config.max_num_batched_tokens
-        activation_bytes = sum(measure_activation_peak_bytes(w.model, device, model_dtype(w.model), t, chunk,
-                                                             rows) for w in workers)
+    reserve = None
+    if config.cache.kv_cache_memory is None:
+        rows = config_activation_rows(config)
+        t, chunk = config.cache.tokens_per_block, config.scheduler.max_num_batched_tokens
+        peak_bytes = tuple(measure_activation_peak_bytes(w.model, device, model_dtype(w.model), t, chunk, rows)
+                           for w in workers)
+        reserve = ActivationReserve(peak_bytes, rows, measured=True)
     layout = compute_layout(
         config, workers[0].arch, available_memory_bytes(device),
         draft=workers[1].arch if len(workers) > 1 else None, catalogue_bytes=catalogue_bytes,
-        pinned_prefixes=pinned_prefixes, activation_bytes=activation_bytes,
+        pinned_prefixes=pinned_prefixes, reserve=reserve,
         default_kv_cache_bytes=DEFAULT_CPU_KV_CACHE_BYTES if device.type == "cpu" else None)
     if layout.too_small:
         raise CacheTooSmallError(layout.too_small)

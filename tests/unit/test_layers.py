@@ -29,6 +29,7 @@ LAYERS = [
     ("widebeam.device", 4),
     ("widebeam.layout", 4), ("widebeam.prompts", 4), ("widebeam.startup", 4), ("widebeam.scoring", 4),
     ("widebeam.cli", 5), ("widebeam.generate_cli", 5), ("widebeam.__main__", 5), ("widebeam.bench", 5),
+    ("widebeam.plan_cli", 5),
     ("widebeam.server", 5),
     ("widebeam.batch", 5), ("widebeam.bench_ct2", 5),
 ]

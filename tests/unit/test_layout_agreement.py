@@ -14,12 +14,13 @@ from dataclasses import replace
 import pytest
 
 from widebeam import startup as startup_module
+from widebeam.catalogue.sizing import CataloguePlan, catalogue_nbytes
 from widebeam.catalogue.sources import trie_size
 from widebeam.config import SpeculativeConfig
 from widebeam.engine import LLMEngine
 from widebeam.layout import estimate_activation_bytes
 from widebeam.model.loading.arch import load_arch
-from widebeam.plan import CataloguePlan, PlanInputs, catalogue_nbytes, plan
+from widebeam.plan import PlanInputs, plan
 
 T = 4
 KV_BYTES = 3 << 20  # about what the plan leaves the pools: small enough that a few rows of logits move blocks

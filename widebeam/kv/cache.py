@@ -181,6 +181,17 @@ class KVCache:
             for block_id in block_ids:
                 pool.pin(block_id)
 
+    def hold_pinned_blocks(self, block_hashes_by_pool: dict[str, Sequence[bytes]]) -> None:
+        """Hold, under their names, the blocks pins would hold (the start-up layout's count), without
+        their K/V: a plan's cache, so every pool's capacity shows them gone as the engine's does."""
+        for name, block_hashes in block_hashes_by_pool.items():
+            pool = self.managers[name].pool
+            for block_hash in block_hashes:
+                block_id = pool.allocate()
+                pool.register(block_id, block_hash)
+                pool.pin(block_id)
+                pool.dec_ref(block_id)  # the pin's reference stays
+
     def pinned_hit(self, key: PrefixKey | None) -> PrefixHit:
         """What pinned prefixes alone guarantee a request with `key`: always cached, so admission
         may count on them (its prefill starts after them; the blocks it shares count as held)."""
