@@ -2,9 +2,10 @@
 the memory reserved beside them, computed once from the model archs, the config and the memory.
 
 `LLMEngine` builds its `KVCache` and its workers' pools from a `StartupLayout`, and `widebeam plan`
-prints one, so the plan is the engine's start-up by construction, not a second formula. The engine
-may measure its activation peak (model/warmup.py) and pass it in; everything else is arithmetic on
-shapes. Torch-free: `widebeam plan` must stay quick.
+prints one, so the plan is the engine's start-up by construction, not a second formula. The
+activation reserve comes in as an `ActivationReserve`: measured by the engine (model/warmup.py), or
+estimated here from shapes (`estimate_activation_reserve`, the one estimate); everything else is
+arithmetic on shapes. Torch-free: `widebeam plan` must stay quick.
 """
 
 from __future__ import annotations
@@ -36,11 +37,10 @@ def scoped_pool_name(prefix: str, local_name: str) -> str:
 def scoped_specs(arch: ModelArch, dtype: str, prefix: str = TARGET_PREFIX) -> dict[str, PoolSpec]:
     """A worker's pools: the model's pool name -> its spec under the engine's name. `dtype`: the
     model's; int8 weights keep float KV (`kv_dtype`)."""
-    specs = {}
-    for spec in arch.kv_pool_specs(kv_dtype(dtype)):
-        name = scoped_pool_name(prefix, spec.name)
-        specs[spec.name] = spec if spec.name == name else replace(spec, name=name)
-    return specs
+    # a pool's name depends on the model alone, its spec on the dtype too
+    names = {local_name: scoped_pool_name(prefix, local_name) for local_name in arch.layer_pool_names()}
+    return {spec.name: spec if spec.name == names[spec.name] else replace(spec, name=names[spec.name])
+            for spec in arch.kv_pool_specs(kv_dtype(dtype))}
 
 
 def activation_rows(max_beam_width: int, num_speculative_tokens: int = 0) -> int:
@@ -54,10 +54,13 @@ def draft_dtype(config: EngineConfig) -> str:
     return (config.speculative.dtype if config.speculative else None) or config.model.dtype
 
 
-def worker_dtypes(config: EngineConfig, target: ModelArch,
-                  draft: ModelArch | None = None) -> list[tuple[ModelArch, str]]:
-    """Each worker's model and weights dtype: the target's, then a draft model's."""
-    return [(target, config.model.dtype)] + ([(draft, draft_dtype(config))] if draft is not None else [])
+def worker_models(config: EngineConfig, target: ModelArch,
+                  draft: ModelArch | None = None) -> list[tuple[str, ModelArch, str, str]]:
+    """Each worker as (name, model, weights dtype, pool-name prefix): the target, then a draft model."""
+    workers = [("target", target, config.model.dtype, TARGET_PREFIX)]
+    if draft is not None:
+        workers.append(("draft", draft, draft_dtype(config), DRAFT_PREFIX))
+    return workers
 
 
 def config_activation_rows(config: EngineConfig) -> int:
@@ -93,7 +96,7 @@ def estimate_activation_reserve(config: EngineConfig, target: ModelArch,
     rows = config_activation_rows(config)
     chunk_tokens = config.scheduler.max_num_batched_tokens
     return ActivationReserve(tuple(estimate_activation_peak_bytes(arch, chunk_tokens, rows, kv_dtype(dtype))
-                                   for arch, dtype in worker_dtypes(config, target, draft)), rows)
+                                   for _, arch, dtype, _ in worker_models(config, target, draft)), rows)
 
 
 def estimate_activation_bytes(config: EngineConfig, target: ModelArch, draft: ModelArch | None = None) -> int:
@@ -172,17 +175,17 @@ class StartupLayout:
         return [p.spec for p in self.pools if p.worker == worker]
 
 
-def compute_layout(config: EngineConfig, target: ModelArch, available_bytes: int, *,
-                   draft: ModelArch | None = None, catalogue_bytes: int = 0,
-                   pinned_prefixes: Sequence[Sequence[int]] = (), reserve: ActivationReserve | None = None,
+def compute_layout(config: EngineConfig, target: ModelArch, available_bytes: int, reserve: ActivationReserve,
+                   *, draft: ModelArch | None = None, catalogue_bytes: int = 0,
+                   pinned_prefixes: Sequence[Sequence[int]] = (),
                    default_kv_cache_bytes: int | None = None) -> StartupLayout:
     """The start-up layout of an engine with `config` over `target` (and `draft`, the draft model's
     arch with `config.speculative.method == "draft"`).
 
     `available_bytes`: memory left for the activations and the KV cache once the weights and the
     catalogues are loaded (the engine measures it on its device; `widebeam plan` subtracts them from
-    --memory). `reserve`: the activations', measured on the device or already estimated; None to
-    estimate it from shapes (`estimate_activation_reserve`, what the engine does with `kv_cache_memory`).
+    --memory). `reserve`: the activations', measured on the device or estimated from shapes
+    (`estimate_activation_reserve`: `widebeam plan`, and the engine with `kv_cache_memory`).
     `pinned_prefixes`: token ids (text is tokenized first). `default_kv_cache_bytes`: a cap on the
     pools' budget without `kv_cache_memory` (CPU hosts). Raises `InvalidParameterError` for
     `kv_cache_memory` that leaves nothing beside the catalogues and for pins start-up refuses; a
@@ -193,8 +196,10 @@ def compute_layout(config: EngineConfig, target: ModelArch, available_bytes: int
     t = config.cache.tokens_per_block
     chunk_tokens = config.scheduler.max_num_batched_tokens
     _check_pins(pinned_prefixes, target, t)
-    if reserve is None:
-        reserve = estimate_activation_reserve(config, target, draft)
+    # a draft model's pools are sized beside the target's, from the same budget
+    workers = [(worker, scoped_specs(arch, dtype, prefix))
+               for worker, arch, dtype, prefix in worker_models(config, target, draft)]
+    specs = [spec for _, worker_specs in workers for spec in worker_specs.values()]
     free_bytes = available_bytes - reserve.nbytes
     kv_cache_bytes = int(max(free_bytes, 0) * config.cache.kv_cache_fraction)
     if config.cache.kv_cache_memory is not None:
@@ -209,11 +214,6 @@ def compute_layout(config: EngineConfig, target: ModelArch, available_bytes: int
     elif default_kv_cache_bytes is not None:
         kv_cache_bytes = min(kv_cache_bytes, default_kv_cache_bytes)
 
-    workers = [("target", scoped_specs(target, config.model.dtype, TARGET_PREFIX))]
-    if draft is not None:
-        # a draft model's pools are sized beside the target's, from the same budget
-        workers.append(("draft", scoped_specs(draft, draft_dtype(config), DRAFT_PREFIX)))
-    specs = [spec for _, worker_specs in workers for spec in worker_specs.values()]
     # Encoder-decoder: the source is bounded by the model's positions, as the decoder's length is.
     max_encoder_tokens = target.max_position_embeddings if target.is_encoder_decoder else 0
     sizing = size_pools(specs, kv_cache_bytes, t, target.max_position_embeddings, max_encoder_tokens,
@@ -223,8 +223,16 @@ def compute_layout(config: EngineConfig, target: ModelArch, available_bytes: int
         max_seq_len = sizing.max_seq_len(config.scheduler.max_seq_len)
     except CacheTooSmallError as exc:
         max_seq_len, too_small = 0, str(exc)
-    pinned = _pinned_block_hashes(specs, t, chunk_tokens, pinned_prefixes)
-    pools = tuple(PoolLayout(spec, worker, sizing.blocks_per_pool[spec.name], pinned.get(spec.name, ()))
+    # The names of the blocks the pins hold, per pool: each prefix's full blocks that a hit at its end
+    # needs (a sliding pool: its window's), a block two prefixes share counted once. Asked of an
+    # empty cache with the engine's pools, so the rule is the one `KVCache.pin` follows.
+    names = KVCache([(spec, 0) for spec in specs], t, chunk_tokens, enable_prefix_caching=True)
+    pinned: dict[str, dict[bytes, None]] = {}  # insertion-ordered sets
+    for token_ids in pinned_prefixes:
+        for pool, block_hashes in names.prefix_blocks(names.prefix_key(token_ids)).items():
+            pinned.setdefault(pool, {}).update(dict.fromkeys(block_hashes))
+    pools = tuple(PoolLayout(spec, worker, sizing.blocks_per_pool[spec.name],
+                             tuple(pinned.get(spec.name, ())))
                   for worker, worker_specs in workers for spec in worker_specs.values())
     if too_small is None:  # a refused cache is refused for its size, whatever it pins
         for pool in pools:
@@ -256,18 +264,3 @@ def _check_pins(prefixes: Sequence[Sequence[int]], target: ModelArch, tokens_per
             raise InvalidParameterError("pinned_prefixes", "prefix {index} holds token id {token}, outside "
                                         "the vocabulary [0, {vocab_size})", index=index, token=outside[0],
                                         vocab_size=target.vocab_size)
-
-
-def _pinned_block_hashes(specs: Sequence[PoolSpec], tokens_per_block: int, chunk_tokens: int,
-                         prefixes: Sequence[Sequence[int]]) -> dict[str, tuple[bytes, ...]]:
-    """Per pool, the names of the blocks pinning `prefixes` holds: each prefix's full blocks that a
-    hit at its end needs (a sliding pool: its window's), a block two prefixes share counted once.
-    Asked of an empty cache with the engine's pools, so the rule is the one `KVCache.pin` follows."""
-    if not prefixes:
-        return {}
-    names = KVCache([(spec, 0) for spec in specs], tokens_per_block, chunk_tokens, enable_prefix_caching=True)
-    hashes: dict[str, dict[bytes, None]] = {}  # insertion-ordered sets
-    for token_ids in prefixes:
-        for pool, block_hashes in names.prefix_blocks(names.prefix_key(token_ids)).items():
-            hashes.setdefault(pool, {}).update(dict.fromkeys(block_hashes))
-    return {pool: tuple(pool_hashes) for pool, pool_hashes in hashes.items()}

@@ -3,11 +3,13 @@
 `plan()` is the engine's start-up layout (layout.py: `compute_layout`, the function the engine
 builds its pools from) for an engine whose widest request is the one planned, read through the
 engine's budget code (kv/cache.py), with the naive per-beam-copy model beside it so the difference
-is visible. With speculative decoding the
-draft model's pools ("draft", "draft/sliding_512", ...) are sized beside the target's from the same
-budget, and every per-sequence pool reserves D speculative tokens per sequence. A catalogue
-registered at start-up (generative retrieval, `CataloguePlan`) lives on the device beside the pools:
-its bytes come off the memory before the KV share is taken, as the engine does.
+is visible; the activation reserve is the layout's estimate, the pins are held by the cache
+(`KVCache.hold_pinned_blocks`). With speculative decoding the draft model's pools ("draft",
+"draft/sliding_512", ...) are sized beside the target's from the same budget, and every
+per-sequence pool reserves D speculative tokens per sequence. A catalogue registered at start-up
+(generative retrieval, `CataloguePlan`: catalogue/sizing.py) lives on the device beside the pools:
+its bytes come off the memory before the KV share is taken, as the engine does. The command line
+is plan_cli.py.
 
 This module stays free of torch (`widebeam plan` must be quick and run anywhere).
 """
@@ -31,7 +33,7 @@ from widebeam.kv.budget import (
     naive_max_seq_len,
 )
 from widebeam.kv.cache import KVCache
-from widebeam.layout import compute_layout, estimate_activation_reserve, worker_dtypes
+from widebeam.layout import compute_layout, estimate_activation_reserve, worker_models
 from widebeam.model.families.arch import CROSS_POOL, ModelArch
 
 # The most memory a plan is made for: 256 TiB, past the largest single-system memory sold today (tens of
@@ -104,7 +106,7 @@ def plan(arch: ModelArch, inputs: PlanInputs, draft_arch: ModelArch | None = Non
     # each worker's weights (a draft model's in its own dtype), and the activation reserve: the
     # layout's estimate for an engine whose widest request is this one (summed over its workers)
     worker_weight_bytes = [model.weight_bytes(dtype)
-                           for model, dtype in worker_dtypes(config, arch, draft_arch)]
+                           for _, model, dtype, _ in worker_models(config, arch, draft_arch)]
     weight_bytes = sum(worker_weight_bytes)
     reserve = estimate_activation_reserve(config, arch, draft_arch)
     catalogue_bytes = inputs.catalogue.nbytes if inputs.catalogue is not None else 0
@@ -119,7 +121,7 @@ def plan(arch: ModelArch, inputs: PlanInputs, draft_arch: ModelArch | None = Non
             f"use --memory > {weight_bytes + reserve.nbytes + catalogue_bytes}"
         )
     try:
-        layout = compute_layout(config, arch, available_bytes, draft=draft_arch, reserve=reserve,
+        layout = compute_layout(config, arch, available_bytes, reserve, draft=draft_arch,
                                 catalogue_bytes=catalogue_bytes, pinned_prefixes=inputs.pinned_prefixes)
     except InvalidParameterError as exc:
         if exc.param == "pinned_prefixes":

@@ -19,7 +19,13 @@ from widebeam.defaults import DEFAULT_CPU_KV_CACHE_BYTES
 from widebeam.device import available_memory_bytes
 from widebeam.errors import CacheTooSmallError
 from widebeam.kv.cache import KVCache
-from widebeam.layout import ActivationReserve, StartupLayout, compute_layout, config_activation_rows
+from widebeam.layout import (
+    ActivationReserve,
+    StartupLayout,
+    compute_layout,
+    config_activation_rows,
+    estimate_activation_reserve,
+)
 from widebeam.model.loading.build import load_model, load_tokenizer, model_dtype
 from widebeam.model.loading.sources import ModelSource, resolve_model
 from widebeam.model.warmup import measure_activation_peak_bytes
@@ -60,17 +66,18 @@ def lay_out_pools(config: EngineConfig, workers: list[Worker], device: torch.dev
     """The layout of the pools (layout.py). With `kv_cache_memory` the activation reserve is the
     shape-based estimate `widebeam plan` uses; without, the pools take what is left, so the largest
     steps' activations are measured (a warm-up costs seconds per engine on a CPU)."""
-    reserve = None
+    target, draft = workers[0].arch, workers[1].arch if len(workers) > 1 else None
     if config.cache.kv_cache_memory is None:
         rows = config_activation_rows(config)
         t, chunk = config.cache.tokens_per_block, config.scheduler.max_num_batched_tokens
-        peak_bytes = tuple(measure_activation_peak_bytes(w.model, device, model_dtype(w.model), t, chunk, rows)
-                           for w in workers)
+        peak_bytes = tuple(measure_activation_peak_bytes(worker.model, device, model_dtype(worker.model), t,
+                                                         chunk, rows) for worker in workers)
         reserve = ActivationReserve(peak_bytes, rows, measured=True)
+    else:
+        reserve = estimate_activation_reserve(config, target, draft)
     layout = compute_layout(
-        config, workers[0].arch, available_memory_bytes(device),
-        draft=workers[1].arch if len(workers) > 1 else None, catalogue_bytes=catalogue_bytes,
-        pinned_prefixes=pinned_prefixes, reserve=reserve,
+        config, target, available_memory_bytes(device), reserve, draft=draft, catalogue_bytes=catalogue_bytes,
+        pinned_prefixes=pinned_prefixes,
         default_kv_cache_bytes=DEFAULT_CPU_KV_CACHE_BYTES if device.type == "cpu" else None)
     if layout.too_small:
         raise CacheTooSmallError(layout.too_small)

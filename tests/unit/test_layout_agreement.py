@@ -134,4 +134,6 @@ def test_the_engine_checks_its_pins_against_the_layout(tiny_llama_dir):
     engine = LLMEngine(str(tiny_llama_dir), device="cpu", tokens_per_block=T, kv_cache_memory="1MiB")
     assert engine.pinned_blocks == engine.layout.pinned_blocks == {"self": 0}
     with pytest.raises(RuntimeError, match="the start-up layout counted"):
-        pin_prefixes(engine, [list(range(3, 23))], engine.layout)  # a layout that counted no pins
+        # a layout that counted no pins
+        pin_prefixes([list(range(3, 23))], engine.layout, engine.cache, engine.add_request, engine.step,
+                     engine.has_unfinished)
