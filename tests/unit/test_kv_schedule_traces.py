@@ -1,5 +1,5 @@
 """Beam-width schedules against the real allocator: a request whose width follows a schedule holds at
-most `required_blocks` (kv/budget.py: `scheduled_blocks`) in a full-attention and a sliding-window
+most `required_blocks` (kv/schedule_budget.py: `scheduled_blocks`) in a full-attention and a sliding-window
 pool at once, after every single allocation, and a trace that spreads its parents over the ancestors
 (every beam diverging) reaches the bound exactly in both.
 

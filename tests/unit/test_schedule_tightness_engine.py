@@ -1,4 +1,4 @@
-"""A width schedule's KV bound (`kv/budget.py: scheduled_blocks`) is reached through the engine's
+"""A width schedule's KV bound (`kv/schedule_budget.py: scheduled_blocks`) is reached through the engine's
 public path, not only on the bare allocator (tests/unit/test_kv_schedule_traces.py).
 
 A logits processor decides every step: each live row offers one token of its own scored near 0
