@@ -55,6 +55,8 @@ from widebeam.engine import LLMEngine
 from widebeam.llm import LLM
 from widebeam.memstats import rss_bytes
 from widebeam.params import BeamSearchParams
+from widebeam.sched.preemption import MaxUtilizationScheduler
+from widebeam.sched.scheduler import Scheduler
 from widebeam.units import format_bytes, parse_bytes
 
 MODEL = "smollm2-135m-instruct"
@@ -91,12 +93,21 @@ def _timed(method, key: str, count: bool = False):
 
 
 _step = LLMEngine.step
+_LAST_SCHEDULE: list = [None]  # what the latest step ran
+
+
+def _recorded(schedule):
+    def wrapper(self):
+        _LAST_SCHEDULE[0] = out = schedule(self)
+        return out
+    return wrapper
 
 
 def _timed_step(self):
     start = time.perf_counter()
+    _LAST_SCHEDULE[0] = None
     deltas = _step(self)
-    schedule = self.last_schedule
+    schedule = _LAST_SCHEDULE[0]
     prefill = bool(schedule and any(s.num_prompt_tokens for s in schedule.scheduled))
     STEPS.append((prefill, time.perf_counter() - start))
     return deltas
@@ -110,6 +121,8 @@ if hasattr(CatalogueConstraint, "allowed"):
     CatalogueConstraint.allowed = _timed(CatalogueConstraint.allowed, "constraint_allowed_s", count=True)
 setattr(CatalogueConstraint, _REORDER, _timed(getattr(CatalogueConstraint, _REORDER), "constraint_reorder_s"))
 LLMEngine.step = _timed_step
+for _scheduler in (Scheduler, MaxUtilizationScheduler):
+    _scheduler.schedule = _recorded(_scheduler.__dict__["schedule"])
 
 
 def git_revision() -> dict:

@@ -65,14 +65,14 @@ def main() -> None:
         llm.score({"prompt_token_ids": prompt[:32]}, candidates[:4])  # warm-up
         llm.engine.reset_prefix_cache()
         counts: list[int] = []
-        step = llm.engine.step
+        schedule = llm.engine.scheduler.schedule
 
         def counted():
-            deltas = step()
-            counts.append(llm.engine.last_schedule.num_batched_tokens)
-            return deltas
+            out = schedule()
+            counts.append(out.num_batched_tokens)
+            return out
 
-        llm.engine.step = counted
+        llm.engine.scheduler.schedule = counted
         start = time.perf_counter()
         scores = llm.score({"prompt_token_ids": prompt}, candidates)
         widebeam_s = time.perf_counter() - start

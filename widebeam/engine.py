@@ -25,8 +25,6 @@ from widebeam.decoding.scoring import ScoringDecoder
 from widebeam.decoding.stream import output_stream
 from widebeam.defaults import DEFAULT_MODEL
 from widebeam.device import default_device
-from widebeam.errors import InvalidParameterError
-from widebeam.kv.spec import FullAttentionSpec
 from widebeam.model.runner import SequenceInput
 from widebeam.outputs import RequestDelta
 from widebeam.param_checks import check_bans_leave_a_token
@@ -39,14 +37,13 @@ from widebeam.prompts import (
     read_generation_settings,
     tokenize_prompt,
 )
-from widebeam.request import DraftPrompts, Request
+from widebeam.request import Request
+from widebeam.request_checks import check_request
 from widebeam.sched.admission import admit_check
 from widebeam.sched.preemption import make_scheduler
-from widebeam.sched.scheduler import SchedulerOutput
 from widebeam.score_params import ScoreParams
-from widebeam.speculative.drafter import ModelDrafter
-from widebeam.speculative.policy import DraftShapes, StepShare
-from widebeam.speculative.round import SequenceRound
+from widebeam.speculative.drafting import Drafting
+from widebeam.speculative.round import SequenceRound, number_verify_rows
 from widebeam.startup import allocate_pools, lay_out_pools, load_workers
 from widebeam.structured.grammars import Grammars
 from widebeam.worker import execute_step
@@ -71,11 +68,8 @@ class LLMEngine:
         self._preempts = sched_config.scheduling_policy == "max_utilization"
         self.device = torch.device(config.model.device) if config.model.device else default_device()
         self.dtype = config.model.dtype
-        self.speculative = config.speculative
-        self.num_draft_tokens = self.speculative.num_speculative_tokens if self.speculative else 0
         loaded = load_workers(config, model, self.device)
-        self.source, self.tokenizer = loaded.source, loaded.tokenizer
-        self.workers, self.drafter = loaded.workers, loaded.drafter
+        self.source, self.tokenizer, self.workers = loaded.source, loaded.tokenizer, loaded.workers
         self.model = self.workers[0].model
         self.arch = self.model.arch
         self.catalogues = CatalogueRegistry(self.arch.vocab_size, self.device, self.tokenizer)
@@ -98,30 +92,19 @@ class LLMEngine:
                                         self.max_seq_len)
         self.suppress_token_ids = generation.suppress_token_ids
         self.forced_eos_token_id = generation.forced_eos_token_id
+        # speculative decoding (`config` None: none): the drafter, its policy's memory, each step's timing
+        self.drafting = Drafting(config, loaded.drafter, self.cache)
         self.scheduler = make_scheduler(sched_config.scheduling_policy, self.cache,
                                         sched_config.max_num_batched_tokens, sched_config.max_preemptions,
-                                        self.num_draft_tokens)
-        self.last_schedule: SchedulerOutput | None = None  # what the latest step ran (tests and benchmarks)
+                                        self.drafting.num_draft_tokens)
         self._requests: dict[str, Request] = {}
         self._num_rejected = 0
         # The last finished requests' KV blocks per pool, required (admission's bound) vs peak (held at
         # once): `stats()["recent_requests"]`, drawn by the web page's capacity panel.
         self._recent_requests: deque[dict] = deque(maxlen=RECENT_REQUESTS)
-        # refed_tokens: tokens a round fed beyond each sequence's last chosen one: accepted drafts whose
-        # K/V were not kept, and re-fed tokens after a preemption
-        self._speculative_counts = {"rounds": 0, "steps": 0, "drafted_tokens": 0, "accepted_tokens": 0,
-                                    "refed_tokens": 0}
-        self.draft_shapes = DraftShapes()  # what earlier requests learned about drafting, per shape
-        # A draft model's pools; it may lag behind the target (fed only in rounds that draft) when all
-        # are full-attention pools: a sliding window's released blocks could not take missed tokens.
-        self.draft_pools: tuple[str, ...] = ()
-        if isinstance(self.drafter, ModelDrafter):
-            self.draft_pools = tuple(self.drafter.worker.pool_names.values())
-        self.lazy_draft = bool(self.draft_pools) and all(
-            type(self.cache[name].spec) is FullAttentionSpec for name in self.draft_pools)
-        self.draft_prompts = DraftPrompts()
         # The engine is whole: the pins run as requests do, and must hold the blocks the layout counted.
-        self.pinned_blocks = pin_prefixes(self, pins, layout)
+        self.pinned_blocks = pin_prefixes(pins, layout, self.cache, self.add_request, self.step,
+                                          self.has_unfinished)
 
     @property
     def runner(self):
@@ -140,33 +123,10 @@ class LLMEngine:
         that raises fails this request alone: the step reports it and goes on for the others."""
         params = params or SamplingParams()
         scoring = isinstance(params, ScoreParams)
-        if request_id in self._requests:
-            raise InvalidParameterError("request_id", "{request_id} {value!r} is already in use",
-                                        value=request_id)
         try:
-            if not isinstance(params, (SamplingParams, BeamSearchParams, ScoreParams)):
-                raise InvalidParameterError("params", "expected SamplingParams, BeamSearchParams or "
-                                            "ScoreParams, got {value!r}", value=params)
-            if scoring:
-                params = params.tokenized(self.tokenizer, self.arch.vocab_size)
-            if scoring and logits_processors:
-                raise InvalidParameterError("logits_processors", "scoring reads the model's raw log-probs: "
-                                            "{logits_processors} cannot apply")
-            if scoring and params.beam_width > self.max_beam_width:
-                raise InvalidParameterError(
-                    "continuations", "{continuations} fork {value} rows at one position, more than the "
-                    "engine's max_beam_width ({limit}): score them in groups (LLM.score does)",
-                    value=params.beam_width, limit=self.max_beam_width)
-            if params.beam_width > self.max_beam_width:
-                raise InvalidParameterError(
-                    "beam_width",
-                    "{beam_width} must be in [1, {limit}] (the engine's max_beam_width), got {value}",
-                    limit=self.max_beam_width, value=params.beam_width)
-            schedule = getattr(params, "beam_width_schedule", None) or ()
-            if schedule and self.speculative:
-                # a round may accept several tokens, each a step of its own width: not supported
-                raise InvalidParameterError("beam_width_schedule", "{beam_width_schedule} needs an engine "
-                                            "without speculative decoding")
+            params = check_request(request_id, params, logits_processors, ids_in_use=self._requests,
+                                   max_beam_width=self.max_beam_width, tokenizer=self.tokenizer,
+                                   speculative=bool(self.drafting.config), vocab_size=self.arch.vocab_size)
             catalogue, params = self.catalogues.fit_request(params)
             prepared = prepare_prompt(prompt, params, self.prompt_rules)
             if not scoring:  # bans that leave the first step no token: a 400, not an empty answer
@@ -174,16 +134,19 @@ class LLMEngine:
                                          self.suppress_token_ids)
             token_ids, encoder_token_ids = prepared.token_ids, prepared.encoder_token_ids
             # prompt log-probs compute every token: no prefix reuse for them
+            schedule = getattr(params, "beam_width_schedule", None) or ()
             caching = self.cache.enable_prefix_caching and params.prompt_logprobs is None
             key = self.cache.prefix_key(token_ids, encoder_token_ids) if caching else None
             admission = admit_check(self.cache, self.max_seq_len, len(token_ids), params.max_new_tokens,
                                     params.beam_width, encoder_tokens=len(encoder_token_ids or ()),
                                     max_encoder_tokens=self.max_encoder_tokens,
-                                    extra_tokens=self.num_draft_tokens, refeed_tokens=self.num_draft_tokens,
+                                    extra_tokens=self.drafting.num_draft_tokens,
+                                    refeed_tokens=self.drafting.num_draft_tokens,
                                     key=key, beam_width_schedule=schedule,
                                     refeeds_after_preemption=self._preempts)
         except ValueError:
-            self._num_rejected += 1
+            if request_id not in self._requests:  # a request id in use is no rejected request
+                self._num_rejected += 1
             raise
         if scoring:  # forced rows along the continuations, raw log-probs: no processor, no forced token
             decoder = ScoringDecoder(params)
@@ -196,18 +159,11 @@ class LLMEngine:
                                             extra_processors=logits_processors,
                                             forced_bos_token_id=prepared.forced_bos_token_id,
                                             soft_prefix=prepared.soft_prefix)
-        draft_length = None
-        if self.speculative and not scoring:  # forced rows: nothing to draft
-            # its share of the steps it will run in: its beams over those of every request here now
-            num_seqs = params.beam_width + sum(r.params.beam_width for r in self._requests.values())
-            draft_length = self.draft_shapes.new_length(self.speculative.method, params.beam_width,
-                                                        self.num_draft_tokens, self.speculative.adaptive,
-                                                        max_new_tokens=admission.max_new_tokens,
-                                                        sequences_share=params.beam_width / num_seqs)
+        draft = self.drafting.new_request(params.beam_width, admission.max_new_tokens, scoring,
+                                          sum(r.params.beam_width for r in self._requests.values()))
         kv = self.cache.new_request(key, len(encoder_token_ids or ()))
         request = Request(request_id, prepared.text, token_ids, admission, kv, decoder,
-                          output_stream(decoder, self.tokenizer), encoder_token_ids, draft_length,
-                          self.draft_pools, self.lazy_draft, self.draft_prompts)
+                          output_stream(decoder, self.tokenizer), encoder_token_ids, draft, catalogue)
         self._requests[request_id] = request
         self.scheduler.add(request)
         return list(request.source_token_ids)
@@ -250,14 +206,9 @@ class LLMEngine:
                              "hit_rate": cache.num_hit_tokens / max(cache.num_queried_tokens, 1)},
         }
         if self.catalogues:  # per-request item filters' memory (catalogue/filters.py)
-            live = [r for r in (*self.scheduler.running, *self.scheduler.waiting)]
             stats["catalogue_filters"] = self.catalogues.stats(
-                [getattr(p, "catalogue", None) for r in live for p in getattr(r.decoder, "processors", ())])
-        if self.speculative:
-            stats["speculative"] = {"method": self.speculative.method, "model": self.speculative.model,
-                                    "num_speculative_tokens": self.num_draft_tokens,
-                                    **self._speculative_counts}
-        return stats
+                [r.catalogue for r in (*self.scheduler.running, *self.scheduler.waiting)])
+        return {**stats, **self.drafting.stats()}  # "speculative", with speculative decoding
 
     # -- the loop ---------------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
@@ -267,21 +218,13 @@ class LLMEngine:
         Prompt chunks and rounds share the pass. A round feeds each live sequence's pending tokens
         and the nodes a drafter (if any) drafted; without drafts it is a plain decode step, so
         plain and speculative decoding are one loop (docs/architecture.md)."""
-        started = time.perf_counter()
+        started_s = time.perf_counter()  # the draft policy times rounds from here
         schedule = self.scheduler.schedule()
-        self.last_schedule = schedule
+        draft_step = self.drafting.step(schedule.scheduled, started_s)
         deltas: list[RequestDelta] = []
         prefills: list[tuple[Request, SequenceInput]] = []
         rounds_by_request: list[tuple[Request, list[SequenceRound]]] = []
         sources, cross_slots = [], []
-        # A draft model's first pass holds what lagging drafts missed (and, for an eager draft, the
-        # step's prompt chunks) within the step's token budget, which its activation reserve is sized for.
-        catch_up_budget = self.scheduler.max_num_batched_tokens - (0 if self.lazy_draft else sum(
-            item.num_prompt_tokens for item in schedule.scheduled))
-        # A request due for a measured plain round makes the whole step plain: a round's time is a
-        # plain step's only when nobody in the step drafts (speculative/policy.py).
-        plain_step = any(item.request.wants_plain_round() for item in schedule.scheduled
-                         if not item.num_prompt_tokens)
         for item in schedule.scheduled:
             request = item.request
             try:  # one request's inputs whole, or none of them
@@ -289,8 +232,7 @@ class LLMEngine:
                 if item.num_prompt_tokens:
                     prefills.append((request, request.prefill_input(item.num_prompt_tokens)))
                 else:
-                    rounds_by_request.append((request, request.begin_round(catch_up_budget, plain_step)))
-                    catch_up_budget -= request.num_catch_up_tokens
+                    rounds_by_request.append((request, draft_step.begin_round(request)))
             except Exception as exc:  # noqa: BLE001  (any failure of its own fails this request alone)
                 deltas.append(self._fail(request, exc))
                 continue
@@ -306,18 +248,10 @@ class LLMEngine:
         target = self.workers[0]
         target.encode(sources, cross_slots)  # cross K/V in place before the decoder reads them
         rounds = [rnd for _, request_rounds in rounds_by_request for rnd in request_rounds]
-        prefill_inputs = [seq for _, seq in prefills]
-        if self.drafter is not None:
-            # An eager draft holds every prompt too; a lazy one catches a prompt up when it first drafts.
-            draft_prefills = [request.draft_prefill_input(seq) for request, seq in prefills]
-            self.drafter.draft(rounds, [seq for seq in draft_prefills if seq is not None])
+        draft_step.draft(rounds, prefills)
         # One target pass: each prompt chunk's last token, and per round the last pending token and
         # every drafted node (tree attention), each with its logits.
-        num_rows = [1] * len(prefills) + [rnd.num_verify_rows for rnd in rounds]
-        row = len(prefills)
-        for rnd in rounds:
-            rnd.row_start = row
-            row += rnd.num_verify_rows
+        num_rows = [1] * len(prefills) + number_verify_rows(rounds, len(prefills))
         collectors = {i: request.decoder.prompt_logprobs for i, (request, _) in enumerate(prefills)
                       if request.decoder.prompt_logprobs is not None}
         greedy_rows = [i for i, (request, _) in enumerate(prefills)
@@ -325,27 +259,14 @@ class LLMEngine:
         greedy_rows += [r for request, request_rounds in rounds_by_request if request.decoder.batched_greedy
                         for rnd in request_rounds
                         for r in range(rnd.row_start, rnd.row_start + rnd.num_verify_rows)]
-        inputs = prefill_inputs + [rnd.verify_input() for rnd in rounds]
+        inputs = [seq for _, seq in prefills] + [rnd.verify_input() for rnd in rounds]
         logits = execute_step(target, inputs, num_rows, collectors)
         scores = StepScores(logits, greedy_rows)  # a failure of the shared pass fails the whole batch
         for i, (request, _) in enumerate(prefills):
             self._collect(deltas, request, request.finish_prefill, scores, i)
         for request, request_rounds in rounds_by_request:
             self._collect(deltas, request, request.finish_round, request_rounds, scores)
-            if self.drafter is not None:
-                self._count_round(request, request_rounds)
-        if self.drafter is not None:
-            # The draft policy weighs a round's wall time: a step that also ran prompt chunks says
-            # nothing of it, nor one where others drafted of a round that drafted nothing.
-            round_s = None if prefills else time.perf_counter() - started
-            drafted = [any(len(rnd.tree) for rnd in request_rounds)
-                       for _, request_rounds in rounds_by_request]
-            num_seqs = len(rounds)
-            num_nodes = sum(len(rnd.tree) for rnd in rounds) or 1
-            for (request, request_rounds), request_drafted in zip(rounds_by_request, drafted):
-                share = StepShare(len(request_rounds) / num_seqs,
-                                  sum(len(rnd.tree) for rnd in request_rounds) / num_nodes)
-                request.record_round(round_s if request_drafted or not any(drafted) else None, share)
+        draft_step.end(rounds_by_request, ran_prefills=bool(prefills))
         return deltas
 
     def _collect(self, deltas: list[RequestDelta], request: Request, finish, *args) -> None:
@@ -367,14 +288,6 @@ class LLMEngine:
             self.scheduler.remove(request)
             del self._requests[request.request_id]
         deltas.append(delta)
-
-    def _count_round(self, request: Request, rounds: list[SequenceRound]) -> None:
-        counts = self._speculative_counts
-        counts["rounds"] += 1
-        counts["steps"] += request.last_round_steps
-        counts["drafted_tokens"] += sum(len(rnd.tree) for rnd in rounds)
-        counts["accepted_tokens"] += max(request.last_round_steps - 1, 0) * len(rounds)
-        counts["refed_tokens"] += sum(rnd.num_pending - 1 for rnd in rounds)
 
     def _fail(self, request: Request, exc: Exception) -> RequestDelta:
         """Abort one request whose own processing raised; the step goes on for the others."""

@@ -26,7 +26,7 @@ from widebeam.errors import InvalidParameterError
 from widebeam.params import SamplingParams
 
 if TYPE_CHECKING:
-    from widebeam.engine import LLMEngine
+    from widebeam.kv.cache import KVCache
     from widebeam.layout import StartupLayout
 
 
@@ -47,24 +47,26 @@ def pin_token_ids(prefixes: Sequence[str | Sequence[int]],
     return tuple(token_ids)
 
 
-def pin_prefixes(engine: LLMEngine, prefixes: Sequence[Sequence[int]],
-                 layout: StartupLayout) -> dict[str, int]:
-    """Compute each prefix through the engine's public path and pin its blocks; returns pinned blocks
-    per pool (every pool), which must be what `layout` counted."""
+def pin_prefixes(prefixes: Sequence[Sequence[int]], layout: StartupLayout, cache: KVCache,
+                 add_request: Callable[[str, list[int], SamplingParams], object],
+                 step: Callable[[], object], has_unfinished: Callable[[], bool]) -> dict[str, int]:
+    """Compute each prefix through the engine's public path (`add_request`, then `step` while
+    `has_unfinished`) and pin its blocks in `cache`; returns pinned blocks per pool (every pool),
+    which must be what `layout` counted."""
     if not prefixes:
         return layout.pinned_blocks
     for index, token_ids in enumerate(prefixes):
         request_id = f"pinned-prefix-{index}"
         try:
-            engine.add_request(request_id, list(token_ids), SamplingParams(max_new_tokens=1, temperature=0.0))
+            add_request(request_id, list(token_ids), SamplingParams(max_new_tokens=1, temperature=0.0))
         except ValueError as exc:
             raise InvalidParameterError("pinned_prefixes", "prefix {index} cannot be computed: {reason}",
                                         index=index, reason=str(exc)) from None
-        while engine.has_unfinished():
-            engine.step()
-        engine.cache.pin(engine.cache.prefix_key(token_ids))
-    engine.cache.num_queried_tokens = engine.cache.num_hit_tokens = 0  # the hit rate counts requests only
-    pinned_blocks = {name: pool["pinned_blocks"] for name, pool in engine.cache.stats().items()}
+        while has_unfinished():
+            step()
+        cache.pin(cache.prefix_key(token_ids))
+    cache.num_queried_tokens = cache.num_hit_tokens = 0  # the hit rate counts requests only
+    pinned_blocks = {name: pool["pinned_blocks"] for name, pool in cache.stats().items()}
     if pinned_blocks != layout.pinned_blocks:  # plan would have promised other capacities than these
         raise RuntimeError(f"the pins hold {pinned_blocks} blocks, the start-up layout counted "
                            f"{layout.pinned_blocks}")

@@ -21,27 +21,17 @@ from widebeam.logprobs import with_token_text
 from widebeam.model.runner import SequenceInput
 from widebeam.outputs import CompletionOutput, RequestDelta, RequestOutput
 from widebeam.sched.admission import Admission
-from widebeam.speculative.policy import ALONE, DraftLength, StepShare
 from widebeam.speculative.replay import ReplayedRound, replay_round
+from widebeam.speculative.request_draft import RequestDraft
 from widebeam.speculative.round import SequenceRound
 from widebeam.speculative.tree import DraftTree, branching_for_width
-
-
-class DraftPrompts:
-    """Whether the draft model holds the K/V of every prompt in the prefix cache: true until a lazy
-    draft first skips a prompt (`Request.draft_prefill_input`); from then a prefix hit's blocks may
-    hold no draft K/V, so a request's draft holds none of a hit and catches it up if it drafts."""
-
-    def __init__(self) -> None:
-        self.whole = True
 
 
 class Request:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  admission: Admission, kv: RequestKV, decoder: SamplingDecoder | BeamDecoder,
                  stream: SampledStream | BeamStream, encoder_token_ids: list[int] | None = None,
-                 draft_length: DraftLength | None = None, draft_pools: tuple[str, ...] = (),
-                 lazy_draft: bool = False, draft_prompts: DraftPrompts | None = None):
+                 draft: RequestDraft | None = None, catalogue=None):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -51,31 +41,14 @@ class Request:
         self.stream = stream
         self.params = decoder.params
         self.encoder_token_ids = encoder_token_ids
-        self.draft_length = draft_length  # how many nodes to draft next round (None: no drafter)
-        # A draft model's pools (empty: no draft model). Lazy: a round that drafts nothing does not feed
-        # the draft, whose cache then lags at `draft_tokens` tokens per live sequence (the same for all:
-        # beams fork from sequences that had it, and share their blocks up to there); the next round
-        # that drafts feeds each sequence what it missed first (`_draft_feed`). Eager: every round feeds
-        # the draft its pending tokens (a draft with sliding-window pools: blocks behind its window are
-        # released, so missed tokens could not be written later).
-        self.draft_pools = draft_pools
-        self.lazy_draft = lazy_draft
-        self.draft_tokens = 0
-        # Leading prompt positions the draft holds (fed to it, or in prefix-cache blocks, which hold the
-        # draft's K/V of every prompt fed to it): a lazy draft skips the prompt of a request that starts
-        # backed off (`draft_prefill_input`).
-        self._draft_prompt_tokens = 0
-        self.draft_prompts = draft_prompts or DraftPrompts()  # the engine's: shared by its requests
-        self.num_catch_up_tokens = 0  # missed tokens the latest round's draft pass catches up
-        self._draft_tokens_after: int | None = None  # draft_tokens once the round being run ends
-        self._round_timed = True  # whether the latest round's wall time says what drafting costs
+        self.draft = draft  # its drafting (speculative/request_draft.py); None: the engine does not speculate
+        self.catalogue = catalogue  # the catalogue its search is constrained to (catalogue/), or None
         self.num_prefilled_tokens = 0
         # What each live sequence feeds next: its last chosen token, after a round that accepted
-        # drafted nodes also those whose drafted K/V were not kept (`_num_kept_nodes`).
+        # drafted nodes also those whose drafted K/V were not kept (`RequestDraft.keep_accepted`).
         self.pending_token_ids: list[list[int]] = []
         self.completions: list[CompletionOutput] | None = None  # set when it finishes
         self.last_round_steps = 0  # decoder steps the latest round took
-        self._unrecorded_round_nodes: int | None = None  # the latest round's drafted nodes, for the policy
         self.num_preemptions = 0  # times the scheduler took its blocks back (it resumed by recomputation)
         self.max_feed_tokens: int | None = None  # after a preemption: the most tokens one re-feed step feeds
         self._num_fed_tokens = 1  # tokens per sequence the latest round fed
@@ -118,9 +91,9 @@ class Request:
         """Admitted: start from the cached blocks; the prefill begins after them (and skips the
         encoder when its output was cached)."""
         self.kv.take_hit(hit)
-        self.kv.cache.record_lookup(self.kv.key, hit)
         self.num_prefilled_tokens = hit.num_tokens
-        self._draft_prompt_tokens = hit.num_tokens if self.draft_prompts.whole else 0
+        if self.draft is not None:
+            self.draft.take_hit(hit.num_tokens)
 
     # -- building a step ---------------------------------------------------------------------------
     def encoder_input(self) -> tuple[list[int], dict[str, list[int]]] | None:
@@ -139,51 +112,23 @@ class Request:
         return SequenceInput(self.prompt_token_ids[start:start + num_tokens], start, tables, slots,
                              self.request_id, *cross)
 
-    def draft_prefill_input(self, chunk: SequenceInput) -> SequenceInput | None:
-        """Prompt chunk `chunk` if the draft model takes it, else None. An eager draft takes every
-        chunk; a lazy one skips the prompt of a request that starts backed off (earlier requests of
-        its shape lost by drafting: speculative/policy.py), which then catches the prompt up if it
-        ever drafts, so a request that never drafts costs the draft nothing."""
-        if not self.draft_pools:
-            return None
-        takes = not self.lazy_draft or (chunk.num_computed_tokens == self._draft_prompt_tokens
-                                        and not (self.draft_length and self.draft_length.backed_off))
-        if not takes:
-            self.draft_prompts.whole = False
-            return None
-        self._draft_prompt_tokens = chunk.num_computed_tokens + len(chunk.token_ids)
-        return chunk
-
-    def wants_plain_round(self) -> bool:
-        """Whether the draft policy measures a plain round next (the engine then runs a plain step)."""
-        return self.draft_length is not None and self.draft_length.wants_plain_round()
-
-    def begin_round(self, max_catch_up_tokens: int | None = None, plain: bool = False) -> list[SequenceRound]:
+    def begin_round(self, max_catch_up_tokens: int | None = None,
+                    plain: bool = False) -> tuple[list[SequenceRound], int]:
         """Take slots for every live sequence's pending tokens (those it feeds now) and the nodes it
-        may draft, in every pool at once, and describe the round (a drafter, if any, fills the trees).
-        While re-feeding after a preemption nothing is drafted. With a draft model, each sequence's
-        `draft_feed` says what the draft's first pass feeds (see `lazy_draft` in `__init__`): a lagging
-        draft catches up at most `max_catch_up_tokens` missed tokens (all sequences together; None: no
-        limit) and drafts nothing until it has caught up; `num_catch_up_tokens` says how many it took.
-        `plain`: the step is plain (another request measures a plain round): nothing is drafted."""
+        may draft, in every pool at once, and describe the round (a drafter, if any, fills the trees);
+        with it the missed tokens a lagging draft model catches up (`RequestDraft.plan_round`: at
+        most `max_catch_up_tokens`, None: no limit). While re-feeding after a preemption nothing is
+        drafted; nor when the step is `plain` (another request measures a plain round)."""
         num_fed = self._num_fed_tokens = self.num_feed_tokens
         refeeding = num_fed < len(self.pending_token_ids[0])
-        num_nodes = 0 if self.draft_length is None or refeeding else self.draft_length.next_num_nodes()
-        if plain:
-            num_nodes = 0
         generated = self.decoder.num_generated_tokens
         committed = len(self.prompt_token_ids) + generated - len(self.pending_token_ids[0])
-        self._round_timed, self._draft_tokens_after = True, None
-        self.num_catch_up_tokens = 0
-        # lazy draft: per sequence, the positions [start, end) its first pass feeds (None: nothing)
-        draft_ranges: list[tuple[int, int] | None] | None = None
-        # (the last token's round drafts nothing: no catch-up for it, its D slots taken as counted)
-        if self.lazy_draft and num_nodes and self.admission.max_new_tokens - generated - 1 > 0:
-            draft_ranges = self._catch_up_ranges(committed, num_fed, max_catch_up_tokens)
-            if draft_ranges is None or draft_ranges[0][1] <= committed:
-                # Too far behind for this step's budget: it catches up what fits (if anything) and
-                # drafts nothing; a round that fed the draft is not a plain round's time either.
-                num_nodes, self._round_timed = 0, draft_ranges is None
+        num_nodes = num_catch_up_tokens = 0
+        if self.draft is not None:
+            num_nodes, num_catch_up_tokens = self.draft.plan_round(
+                self.kv, committed, num_fed, len(self.pending_token_ids), refeeding=refeeding, plain=plain,
+                may_draft=self.admission.max_new_tokens - generated - 1 > 0,
+                max_catch_up_tokens=max_catch_up_tokens)
         slots = self.kv.decode_slots(num_fed + num_nodes)
         # A round takes at most depth + 1 steps and never passes max_new_tokens, so deeper nodes
         # would be wasted (and would sit past the positions admission checked).
@@ -198,49 +143,9 @@ class Request:
             rounds.append(SequenceRound(committed, pending[:num_fed], tables, slots[i], self.request_id,
                                         history, max_depth, branching, num_nodes,
                                         cross_block_table=cross_table, num_encoder_tokens=num_encoder_tokens))
-        if self.draft_pools and not self.lazy_draft:
-            for rnd in rounds:  # eager: the draft's cache holds every token the target's holds
-                rnd.draft_feed = rnd.pending_input()
-        elif draft_ranges is not None:
-            self._draft_tokens_after = draft_ranges[0][1]
-            for i, (rnd, positions) in enumerate(zip(rounds, draft_ranges)):
-                if positions is not None:
-                    rnd.draft_feed = self._draft_feed(i, rnd, *positions)
-        return rounds
-
-    def _catch_up_ranges(self, committed: int, num_fed: int,
-                         max_tokens: int | None) -> list[tuple[int, int] | None] | None:
-        """What a lagging draft's first pass feeds each sequence this round (None: nothing at all; a
-        sequence's None: nothing for it), and sets `num_catch_up_tokens`. The draft holds positions
-        [0, draft_tokens) of every sequence (none of the prompt until the request first drafts). The
-        missed positions in blocks every sequence shares (the prompt, the common past) are fed once,
-        by sequence 0; the rest by each sequence; then the pending tokens. All of it within
-        `max_tokens` (None: no limit); past it only what fits is caught up (sequence 0's shared part
-        first) and the round drafts nothing (the last range ends at or before `committed`)."""
-        num_seqs = len(self.pending_token_ids)
-        start = self.draft_tokens
-        shared_end = max(start, min(committed, self.kv.num_common_tokens(self.draft_pools)))
-        num_shared, num_own = shared_end - start, committed - shared_end
-        budget = None if max_tokens is None else max(0, max_tokens)
-        if budget is None or num_shared + num_own * num_seqs <= budget:
-            self.num_catch_up_tokens = num_shared + num_own * num_seqs
-            end = committed + num_fed
-            return [(start, end)] + [(shared_end, end)] * (num_seqs - 1)
-        if num_shared:
-            n = min(num_shared, budget)
-            self.num_catch_up_tokens = n
-            return [(start, start + n)] + [None] * (num_seqs - 1) if n else None
-        cap = budget // num_seqs
-        self.num_catch_up_tokens = cap * num_seqs
-        return [(start, start + cap)] * num_seqs if cap else None
-
-    def _draft_feed(self, seq_index: int, rnd: SequenceRound, start: int, end: int) -> SequenceInput:
-        """Sequence `seq_index`'s tokens at positions [start, end) for the draft model: those it missed
-        while it lagged (positions the target's cache holds: their blocks are allocated in the draft's
-        pools too, forked with the target's) and the round's pending ones."""
-        tokens = (self.prompt_token_ids + self.decoder.live_token_ids[seq_index])[start:end]
-        slots = self.kv.written_slots(seq_index, start, end, self.draft_pools)
-        return SequenceInput(tokens, start, rnd.block_tables, slots, rnd.group)
+        if self.draft is not None:
+            self.draft.feed(rounds, self.kv, lambda i: self.prompt_token_ids + self.decoder.live_token_ids[i])
+        return rounds, num_catch_up_tokens
 
     def _tables(self, seq_index: int) -> tuple[dict[str, list[int]], tuple[list[int] | None, int]]:
         """A sequence's block tables, and the cross table and its tokens apart (every beam reads it)."""
@@ -258,7 +163,8 @@ class Request:
         self.kv.register_computed(self.num_prefilled_tokens)  # before the prompt forks into beams
         if not self.prompt_done:
             return None
-        self.draft_tokens = self._draft_prompt_tokens
+        if self.draft is not None:
+            self.draft.prompt_done()
         if self.decoder.num_generated_tokens:
             self._resume()
             return None
@@ -274,47 +180,24 @@ class Request:
         if self._num_fed_tokens < len(self.pending_token_ids[0]):
             self.pending_token_ids = [pending[self._num_fed_tokens:] for pending in self.pending_token_ids]
             return None
-        if self._draft_tokens_after is not None:
-            self.draft_tokens = self._draft_tokens_after  # the draft was fed (the target's drafts go below)
         root_rows = [rnd.row_start for rnd in rounds]
         delta, replayed = self._replay(scores, root_rows, [rnd.tree for rnd in rounds])
-        # What the round drafted, not what it asked for: a prompt lookup that found nothing ran a plain
-        # step at a plain step's cost, so the policy hears of a plain round (its cost and steps say
-        # nothing about drafting).
-        self._unrecorded_round_nodes = max(len(rnd.tree) for rnd in rounds)
+        if self.draft is not None:
+            self.draft.end_round(rounds)
         if delta.finished:
             return delta
         if rounds[0].max_nodes:
             # Drafted K/V go but the accepted ones in place (each sequence keeps its pending tokens,
             # written at their own positions), then the chosen sequences fork: the held count only
             # falls before `reorder`.
-            num_kept = self._num_kept_nodes(rounds, replayed)
+            num_kept = self.draft.keep_accepted(rounds, replayed)
             for i, rnd in enumerate(rounds):
                 self.kv.truncate(i, rnd.committed_tokens + rnd.num_pending + num_kept)
             if num_kept:
                 paths = [path[num_kept:] for path in replayed.paths]
                 replayed = ReplayedRound(replayed.parent_indices, paths, replayed.num_steps)
-                if self._draft_tokens_after is not None:
-                    self.draft_tokens += num_kept  # the draft fed them too (a level of its tree)
         self._continue(replayed)
         return delta
-
-    def _num_kept_nodes(self, rounds: list[SequenceRound], replayed: ReplayedRound) -> int:
-        """Accepted nodes whose K/V every chosen sequence keeps, so the next round does not feed them
-        again (`DraftTree.num_kept`; with a draft model, only nodes it was fed too). The same count
-        for every sequence: a request's sequences stay the same length."""
-        draft_fed = bool(self.draft_pools)
-        return min((rounds[parent].tree.num_kept(path, draft_fed)
-                    for parent, path in zip(replayed.parent_indices, replayed.paths)), default=0)
-
-    def record_round(self, round_s: float | None, share: StepShare = ALONE) -> None:
-        """Tell the draft policy how the latest round went: its steps and, when the step ran rounds
-        alone, its wall time and this request's share of the step. A re-feed round (nothing chosen)
-        tells nothing."""
-        if self.draft_length is not None and self._unrecorded_round_nodes is not None:
-            self.draft_length.record(self._unrecorded_round_nodes, self.last_round_steps,
-                                     round_s if self._round_timed else None, share)
-        self._unrecorded_round_nodes = None
 
     def _replay(self, scores: StepScores, root_rows: list[int], trees: list[DraftTree]) -> tuple[RequestDelta,
                                                                                                    ReplayedRound]:
@@ -351,7 +234,8 @@ class Request:
         self.kv.free()
         self.kv = self.kv.renew()
         self.num_prefilled_tokens = 0
-        self.draft_tokens = self._draft_prompt_tokens = 0
+        if self.draft is not None:
+            self.draft.reset()
         self.pending_token_ids = []
         self.max_feed_tokens = max_feed_tokens
         self.num_preemptions += 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from beam_checks import assert_beams_match, hf_beam_search
+from helpers import prefill_request_ids, record_schedules
 from transformers import AutoModelForCausalLM
 
 from widebeam.llm import LLM
@@ -82,8 +83,9 @@ def test_prompt_is_stored_once_and_held_blocks_stay_in_bound(models):
     engine.add_request("wide", {"prompt_token_ids": prompt},
                        BeamSearchParams(beam_width=width, max_new_tokens=10, ignore_eos=True))
     total = engine.cache.stats()["self"]["total_blocks"]
+    schedules = record_schedules(engine)
     engine.step()  # the prefill: one sequence of 40 tokens, whatever the beam width
-    assert engine.last_schedule.prefill_request_ids == ["wide"]
+    assert prefill_request_ids(schedules[-1]) == ["wide"]
     assert total - engine.cache.num_free_blocks()["self"] == 10
     held = []
     outputs = []

@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from helpers import record_schedules
 from tiny_models import TINY_MARIAN_EOS, TINY_MARIAN_PAD
 from transformers import AutoModelForCausalLM, MarianMTModel
 
@@ -31,11 +32,11 @@ def candidates(seed: int, count: int, max_len: int = 4, vocab: int = 128) -> lis
 def counting_steps(llm) -> list[int]:
     """Record the tokens of every forward pass the engine runs from now on."""
     counts: list[int] = []
-    step = llm.engine.step
+    step, schedules = llm.engine.step, record_schedules(llm.engine)
 
     def counted():
         deltas = step()
-        counts.append(llm.engine.last_schedule.num_batched_tokens)
+        counts.append(schedules[-1].num_batched_tokens)
         return deltas
 
     llm.engine.step = counted

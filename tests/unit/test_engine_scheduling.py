@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from helpers import decode_request_ids, prefill_request_ids, record_schedules
 
 from widebeam.errors import InvalidParameterError, RequestTooLargeError
 from widebeam.llm import LLM
@@ -62,15 +63,16 @@ def test_request_waits_for_blocks_then_runs_and_no_step_is_empty(tiny_llama_dir)
     params = BeamSearchParams(beam_width=8, max_new_tokens=16, ignore_eos=True)
     engine.add_request("first", ids([5] * 20), params)
     engine.add_request("second", ids([6] * 20), params)
+    schedules = record_schedules(engine)
     outputs, steps = {}, 0
     while engine.has_unfinished():
         for delta in engine.step():
             if delta.finished:
                 outputs[delta.request_id] = delta.output
-        schedule = engine.last_schedule
+        schedule = schedules[-1]
         assert schedule.scheduled, "a step ran with nothing scheduled while work was waiting"
         if "first" not in outputs:
-            assert "second" not in schedule.prefill_request_ids + schedule.decode_request_ids
+            assert "second" not in prefill_request_ids(schedule) + decode_request_ids(schedule)
         steps += 1
     assert set(outputs) == {"first", "second"}
     assert steps == 2 * 16  # one after the other: the second starts the step after the first ends
@@ -91,11 +93,12 @@ def test_beam_and_greedy_requests_share_steps_and_match_running_alone(tiny_llama
         engine.add_request(request_id, prompt, params)
     mixed_steps = 0
     together = {}
+    schedules = record_schedules(engine)
     while engine.has_unfinished():
         for delta in engine.step():
             if delta.finished:
                 together[delta.request_id] = delta.output
-        decoding = set(engine.last_schedule.decode_request_ids)
+        decoding = set(decode_request_ids(schedules[-1]))
         mixed_steps += {"greedy", "beam4", "beam16"} <= decoding
     assert mixed_steps >= 5
     for request_id, (prompt, params) in requests.items():
@@ -113,11 +116,12 @@ def test_long_prompts_are_prefilled_in_chunks(tiny_llama_dir):
     engine.add_request("long", ids(prompt), SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True))
     chunks = []
     outputs = {}
+    schedules = record_schedules(engine)
     while engine.has_unfinished():
         for delta in engine.step():
             if delta.finished:
                 outputs[delta.request_id] = delta.output
-        chunks += [s.num_prompt_tokens for s in engine.last_schedule.scheduled if s.num_prompt_tokens]
+        chunks += [s.num_prompt_tokens for s in schedules[-1].scheduled if s.num_prompt_tokens]
     assert chunks == [16, 16, 16, 2]
     unchunked = make_llm(tiny_llama_dir, 100)
     (reference,) = unchunked.generate([ids(prompt)],

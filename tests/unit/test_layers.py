@@ -17,6 +17,7 @@ LAYERS = [
     ("widebeam.errors", 0), ("widebeam.units", 0), ("widebeam.defaults", 0), ("widebeam.params", 0),
     ("widebeam.outputs", 0), ("widebeam.argtypes", 0), ("widebeam.memstats", 0), ("widebeam.logprobs", 0),
     ("widebeam.response_format", 0), ("widebeam.score_params", 0), ("widebeam.param_checks", 0),
+    ("widebeam.request_checks", 0),
     ("widebeam.kv", 1),
     ("widebeam.model", 2), ("widebeam.decoding", 2), ("widebeam.beam", 2), ("widebeam.sampling", 2),
     ("widebeam.catalogue", 2), ("widebeam.structured", 2),

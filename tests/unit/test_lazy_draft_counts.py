@@ -1,7 +1,7 @@
-"""What a lazy draft model is fed, counted exactly (`engine.drafter.stats()`), against values derived by
-hand from the round protocol (speculative/round.py, `Request.begin_round`) for runs whose every round
-is known: a greedy request with the target as its own draft (float32: it proposes what the target picks,
-so a round with depth d takes d + 1 steps; test_speculative_lazy_draft checks that), D = 3.
+"""What a lazy draft model is fed, counted exactly (`engine.drafting.drafter.stats()`), against values
+derived by hand from the round protocol (speculative/round.py, `RequestDraft.plan_round`) for runs whose
+every round is known: a greedy request with the target as its own draft (float32: it proposes what the
+target picks, so a round with depth d takes d + 1 steps; test_speculative_lazy_draft checks that), D = 3.
 
 Speed, not outputs, is at stake here (the outputs are plain decoding's whatever the draft is fed), so
 only counts can catch a draft fed in a round that drafts nothing, a catch-up off by the step's budget,
@@ -34,9 +34,9 @@ def self_draft_engine(model_dir, pattern=None, **options) -> LLMEngine:
     """The target as its own draft; drafting every round, or by `pattern` (1: draft, 0: do not)."""
     engine = LLMEngine(str(model_dir), **{**OPTIONS, **options}, speculative_model=str(model_dir),
                        speculative_adaptive=False)
-    assert engine.lazy_draft
+    assert engine.drafting.lazy
     if pattern is not None:
-        engine.draft_shapes.new_length = lambda kind, width, max_nodes, adaptive=True, **_: ScriptedLength(
+        engine.drafting.shapes.new_length = lambda kind, width, max_nodes, adaptive=True, **_: ScriptedLength(
             max_nodes, pattern)
     return engine
 
@@ -49,8 +49,8 @@ def run_counting(engine: LLMEngine, prompt, params, preempt_before=()) -> list[d
 
     def snapshot():
         spec = engine.stats()["speculative"]
-        return {**engine.drafter.stats(), **{k: spec[k] for k in ("rounds", "steps", "drafted_tokens",
-                                                                  "refed_tokens")}}
+        keys = ("rounds", "steps", "drafted_tokens", "refed_tokens")
+        return {**engine.drafting.drafter.stats(), **{k: spec[k] for k in keys}}
 
     before = snapshot()
     while engine.has_unfinished():
@@ -162,11 +162,11 @@ def test_a_prefix_hit_is_the_drafts_only_while_every_prompt_reached_it(tiny_llam
     engine = self_draft_engine(tiny_llama_dir)
     first_length = (BackedOffLength if first_backed_off else ScriptedLength)(3, [1])
     lengths = iter([first_length, ScriptedLength(3, [1])])
-    engine.draft_shapes.new_length = lambda *args, **kwargs: next(lengths)
+    engine.drafting.shapes.new_length = lambda *args, **kwargs: next(lengths)
     first = list(range(3, 20))
     run_counting(engine, first, SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True))
-    assert engine.drafter.stats()["prompt_tokens"] == (0 if first_backed_off else 17)
-    assert engine.draft_prompts.whole is not first_backed_off
+    assert engine.drafting.drafter.stats()["prompt_tokens"] == (0 if first_backed_off else 17)
+    assert engine.drafting.prompts.whole is not first_backed_off
     per_step = run_counting(engine, first[:16] + [50, 51, 52],
                             SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True))
     assert per_step[0]["prompt_tokens"] == (0 if first_backed_off else 3)

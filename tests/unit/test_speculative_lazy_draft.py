@@ -1,6 +1,6 @@
 """A draft model that lags: a round that drafts nothing does not run the draft, and the next round
 that drafts feeds each live sequence the tokens it missed (issue #34). Drafting is forced on and off
-through the engine's policy factory (`engine.draft_shapes.new_length`), so requests stop and resume
+through the engine's policy factory (`engine.drafting.shapes.new_length`), so requests stop and resume
 drafting while their beams fork and are pruned. Checked through the public engine:
 
 - outputs equal plain decoding (greedy, W=4, W=16), with a perfect and a noisy draft and prompt lookup;
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import record_schedules
 from tiny_models import save_noisy_copy
 
 from widebeam.engine import LLMEngine
@@ -54,7 +55,7 @@ def scripted_engine(model_dir, pattern=PATTERN, num_draft_tokens: int = 3, max_n
                     **speculative) -> LLMEngine:
     options = {**OPTIONS, "max_num_batched_tokens": max_num_batched_tokens}
     engine = LLMEngine(str(model_dir), **options, num_speculative_tokens=num_draft_tokens, **speculative)
-    engine.draft_shapes.new_length = lambda kind, width, max_nodes, adaptive=True, **_: ScriptedLength(
+    engine.drafting.shapes.new_length = lambda kind, width, max_nodes, adaptive=True, **_: ScriptedLength(
         max_nodes, pattern)
     return engine
 
@@ -118,7 +119,7 @@ class DraftKVCheck:
         for request in engine.scheduler.running:
             if not request.prompt_done or not request.pending_token_ids:
                 continue
-            kv, held = request.kv, request.draft_tokens
+            kv, held = request.kv, request.draft.tokens
             for i in range(kv.num_sequences):
                 assert held <= kv.num_tokens(i)
                 self.max_lag_tokens = max(self.max_lag_tokens, kv.num_tokens(i) - held)
@@ -133,7 +134,7 @@ class DraftKVCheck:
 
 def test_lagging_self_draft_holds_the_targets_kv_and_is_exact(tiny_llama_dir, plain_outputs):
     engine = scripted_engine(tiny_llama_dir, speculative_model=str(tiny_llama_dir))
-    assert engine.lazy_draft
+    assert engine.drafting.lazy
     check = DraftKVCheck()
     got, outputs = run(engine, mixed_requests(), after_step=check)
     assert_same(plain_outputs, got)
@@ -204,8 +205,9 @@ def draft_calls(engine: LLMEngine, requests) -> tuple[list[list[int]], list[tupl
 
     draft_worker.execute = counted
     steps = []
+    schedules = record_schedules(engine)
     run(engine, requests, after_step=lambda engine: steps.append(
-        (any(item.num_prompt_tokens for item in engine.last_schedule.scheduled), len(calls))))
+        (any(item.num_prompt_tokens for item in schedules[-1].scheduled), len(calls))))
     return calls, steps
 
 
@@ -239,7 +241,7 @@ def test_resumed_perfect_draft_is_accepted_whole(tiny_llama_dir):
 
     def note(engine):
         for request in engine.scheduler.running:
-            if request.draft_length.num_rounds and request.draft_length.num_rounds % 4 == 0:
+            if request.draft.length.num_rounds and request.draft.length.num_rounds % 4 == 0:
                 steps.append(request.last_round_steps)
 
     run(engine, [(PROMPTS[1], SamplingParams(temperature=0, max_new_tokens=41, ignore_eos=True))],
@@ -259,7 +261,7 @@ class BackedOffLength(ScriptedLength):
 def backed_off_engine(model_dir, pattern, **options) -> LLMEngine:
     engine = LLMEngine(str(model_dir), **{**OPTIONS, **options}, num_speculative_tokens=3,
                        speculative_model=str(model_dir))
-    engine.draft_shapes.new_length = lambda kind, width, max_nodes, adaptive=True, **_: BackedOffLength(
+    engine.drafting.shapes.new_length = lambda kind, width, max_nodes, adaptive=True, **_: BackedOffLength(
         max_nodes, pattern)
     return engine
 

@@ -96,7 +96,7 @@ def test_engine_requests_share_their_shape(tiny_llama_dir):
                        BeamSearchParams(beam_width=4, max_new_tokens=8))
     while engine.has_unfinished():
         engine.step()
-    shape = engine.draft_shapes.shapes[("ngram", 4)]
+    shape = engine.drafting.shapes.shapes[("ngram", 4)]
     assert shape.gained_steps is not None and shape.plain_round_s is not None
 
 
@@ -132,7 +132,7 @@ def test_a_lookup_that_finds_nothing_is_a_plain_round(tiny_llama_dir):
         engine.step()
     counts = engine.stats()["speculative"]
     assert counts["rounds"] >= 5 and counts["drafted_tokens"] == 0
-    shape = engine.draft_shapes.shapes[("ngram", 1)]
+    shape = engine.drafting.shapes.shapes[("ngram", 1)]
     assert shape.gained_steps is None and not shape.loses()
 
 
@@ -147,7 +147,7 @@ def test_a_plain_round_is_measured_in_a_step_where_nobody_drafts(tiny_llama_dir)
                            SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True))
     measured_steps = 0
     while engine.has_unfinished():
-        due = any(request.wants_plain_round() for request in engine.scheduler.running)
+        due = any(request.draft.wants_plain_round() for request in engine.scheduler.running)
         drafted = engine.stats()["speculative"]["drafted_tokens"]
         engine.step()
         if due:

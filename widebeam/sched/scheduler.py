@@ -72,14 +72,6 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_batched_tokens: int = 0
 
-    @property
-    def prefill_request_ids(self) -> list[str]:
-        return [s.request.request_id for s in self.scheduled if s.num_prompt_tokens > 0]
-
-    @property
-    def decode_request_ids(self) -> list[str]:
-        return [s.request.request_id for s in self.scheduled if s.num_prompt_tokens == 0]
-
 
 class Scheduler:
     policy = "guaranteed_no_evict"
@@ -169,6 +161,7 @@ class Scheduler:
         first prompt chunk; returns the chunk's tokens."""
         head = self.waiting.popleft()
         head.take_prefix_hit(hit)
+        self.cache.record_lookup(head.kv.key, hit)  # the hit rate counts admitted requests
         if head.num_preemptions:
             self.num_recomputed_tokens -= hit.num_tokens  # the cache still held these
         pending.update(head.kv.unnamed_prompt_blocks())

@@ -51,7 +51,7 @@ class ModelDrafter:
         The first pass feeds each round's `draft_feed`: a sequence that drafts feeds its pending
         tokens, after any tokens the draft missed while the request did not draft (the lazy
         catch-up); a sequence with nothing to draft feeds nothing, so a plain round costs the
-        draft nothing (the request, not the drafter, decides: `Request.begin_round`)."""
+        draft nothing (the request, not the drafter, decides: `RequestDraft.plan_round`)."""
         fed = [rnd for rnd in rounds if rnd.draft_feed is not None]
         active = [rnd for rnd in fed if rnd.max_depth > 0]
         inputs = list(prefill_inputs) + [rnd.draft_feed for rnd in fed]

@@ -32,7 +32,7 @@ class SequenceRound:
     tree: DraftTree = field(default_factory=DraftTree)
     row_start: int = 0  # this sequence's first row in the verify pass's logits
     # What a draft model's first pass of the round feeds for this sequence (None: nothing, the draft
-    # lags): its pending tokens, after the tokens it missed while it lagged (`Request.begin_round`).
+    # lags): its pending tokens, after the tokens it missed while it lagged (`RequestDraft.feed`).
     draft_feed: SequenceInput | None = None
     # Encoder-decoder models: the request's cross table (read by every sequence) and its tokens.
     cross_block_table: list[int] | None = None
@@ -76,3 +76,13 @@ class SequenceRound:
     def row(self, node: int) -> int:
         """The verify logits row that scores the token after `node` (ROOT: after the pending tokens)."""
         return self.row_start + 1 + node  # ROOT is -1
+
+
+def number_verify_rows(rounds: list[SequenceRound], first_row: int) -> list[int]:
+    """Give each round its rows in the verify pass's logits (`row_start`), in order after `first_row`
+    rows; returns each round's row count."""
+    row = first_row
+    for rnd in rounds:
+        rnd.row_start = row
+        row += rnd.num_verify_rows
+    return [rnd.num_verify_rows for rnd in rounds]
