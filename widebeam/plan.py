@@ -35,6 +35,7 @@ from widebeam.kv.budget import (
 from widebeam.kv.cache import KVCache
 from widebeam.layout import compute_layout, estimate_activation_reserve, worker_models
 from widebeam.model.families.arch import CROSS_POOL, ModelArch
+from widebeam.request_checks import check_width_schedule
 
 # The most memory a plan is made for: 256 TiB, past the largest single-system memory sold today (tens of
 # TiB). Larger is a typo or an attack, refused naming --memory; the plan's cost does not grow with it
@@ -132,8 +133,11 @@ def plan(arch: ModelArch, inputs: PlanInputs, draft_arch: ModelArch | None = Non
     # (D draft tokens written per step, and up to D accepted ones fed again the next round).
     d = spec_config.num_speculative_tokens if spec_config is not None else 0
     schedule = inputs.beam_width_schedule
-    if schedule and d:
-        raise PlanError("a beam-width schedule runs without speculative decoding", "--beam-width-schedule")
+    try:
+        check_width_schedule(schedule, speculative=bool(d))
+    except InvalidParameterError as exc:
+        raise PlanError(exc.render({"beam_width_schedule": "a beam-width schedule"}),
+                        "--beam-width-schedule") from None
     encoder_len = inputs.prompt_len if inputs.encoder_len is None else inputs.encoder_len
     request = KVRequest(1 + inputs.decoder_prefix_len if arch.is_encoder_decoder else inputs.prompt_len,
                         inputs.max_new_tokens, inputs.beam_width, extra_tokens=d, refeed_tokens=d,
