@@ -1,61 +1,15 @@
 """How many nodes a request drafts next round: only while drafting is faster than not drafting.
 
-Drafted nodes cost whether or not they are accepted: the target scores every one (rows of its
-verify pass) and a draft model runs a pass per tree level. What pays is tokens per second, so each
-request weighs both sides of it, measured on its own rounds (its own shape: width, context, drafter):
+Drafted nodes cost whether or not they are accepted (the target scores each one, a draft model runs a
+pass per tree level), so each request weighs tokens per second on its own rounds: it drafts while its
+drafting rounds' steps per second beat its plain rounds' by `_MARGIN` and gain at least
+`MIN_GAINED_STEPS` steps, else it backs off and probes again at a cost-bounded gap (`DraftLength`). In a
+batch each side counts as the request's share of the step (`StepShare`); what earlier requests learned
+stays with the engine per request shape (`DraftShapes`). Output never depends on this: a round without
+drafts is a plain decode step.
 
-- a drafting round takes `draft_round_s` and advances `1 + gained_steps` steps (both exponential
-  averages of its recent drafting rounds);
-- a plain round takes `plain_round_s` and advances one step (measured on the request's plain rounds:
-  the first after `_PROBE_PLAIN_AFTER` drafting rounds, then one every `_REFRESH_PLAIN_EVERY`, and every
-  round it spends backing off).
-
-It drafts while `(1 + gained_steps) / draft_round_s >= (1 + _MARGIN) / plain_round_s` (in a batch,
-each side as the request's share of the step: see below), and also needs
-`gained_steps >= MIN_GAINED_STEPS` (before both times are known, and as a floor: a draft that is
-almost never accepted is not worth its rows even when the host is idle). Otherwise it stops drafting
-and probes again after 1, 2, 4 ... 16 rounds, or, once a drafting round's loss is known, after as many
-as keep its probes `_PROBE_COST_SHARE` of its time (`_probe_gap_rounds`); a probe that pays resumes
-full drafting. The times are
-the engine step's wall time, taken only from steps that ran rounds alone (a step that also ran
-prompt chunks says nothing about a round). Output never depends on this: a round without drafts is a
-plain decode step.
-
-In a batch the step's time is everyone's: a step of S sequences, T_plain without drafts, advances S
-sequences a step; drafting adds T_draft - T_plain, of which this request's drafted nodes are a share
-d, and advances its W sequences `gained_steps` more. So it pays when W g / S (its gain, as a share of
-the step's work) beats d (T_draft - T_plain) / T_plain (its share of the added time): the rule above
-with g scaled by W / S and T_draft by d (`StepShare`). If it drafts alone d = 1; if every request
-drafts alike, W / S = d and the rule is a lone request's. A probe's loss, and the gap before the
-next, count the same way. The engine times a round that drafted nothing only in
-a step where nobody drafted, and a request due for a measured plain round makes the step plain for
-everyone (`wants_plain_round`).
-
-What earlier requests learned stays at the engine (`DraftShapes`), per request shape: the drafter
-kind and the beam width rounded up to a power of two. Every recorded round of every request of a
-shape also feeds that shape's averages (the same three quantities). A new request of a shape whose
-averages (both times known) say drafting does not pay starts as a backed-off request: its own
-estimates seeded from the shape's, not drafting for its probe gap (at least `_MAX_BACKOFF_ROUNDS`
-rounds), then probing as above; so a short request never pays the losing rounds a fresh one would.
-Now and then one such request probes on its first round instead, so a shape can come back (its
-probe's round feeds the shape too): when the requests started backed off since the last such probe
-hold enough time (their `max_new_tokens` rounds, each their share of a plain step: their sequences
-over those in the engine when they came) that the probe's loss (it drafts alone in a step of
-everyone's) is `_PROBE_COST_SHARE` of it; never where a drafting round costs more than 1 + D plain
-rounds (not even a draft accepted whole would pay). So where a probe is cheap (prompt lookup at 1.1
-plain rounds) every request probes at once, and where it is dear, few. A shape with nothing learned
-yet, or one where drafting pays, starts requests fresh (optimistic).
-
-Greedy prompt lookup (W=1) is the exception: it is accepted exactly when the request's own text
-recurs, so what other requests' texts taught says little; such a request always tries, but from a
-losing shape it starts at `_TRY_GAINED_STEPS` with the longest back-off, so one round that gains
-nothing ends the try (one that gains keeps it drafting).
-
-A round counts as a drafting round only if its drafter drafted something: a prompt lookup that found
-no recurring n-gram ran a plain step at a plain step's cost, and is recorded as a plain round.
-
-A round that drafts nothing costs a draft model nothing: the draft's cache lags and catches up in the
-next round that drafts (`Request.begin_round`), so a plain round here is as cheap as plain decoding.
+The rule's derivation, the probe schedule and the measurements behind the constants:
+docs/speculative-decoding.md, "How the draft policy decides".
 """
 
 from __future__ import annotations
@@ -136,7 +90,7 @@ def _pays(gained_steps: float, draft_round_s: float | None, plain_round_s: float
 
 
 class ShapeRecord:
-    """The averages of every round of every request of one shape (see the module docstring)."""
+    """The averages of every round of every request of one shape (docs/speculative-decoding.md)."""
 
     def __init__(self) -> None:
         self.gained_steps: float | None = None
@@ -310,5 +264,5 @@ class DraftLength:
         return self._drafting_rounds_since_plain >= due
 
     def pays(self) -> bool:
-        """Whether drafting is expected to beat plain decoding (see the module docstring)."""
+        """Whether drafting is expected to beat plain decoding (docs/speculative-decoding.md)."""
         return _pays(self.gained_steps, self.draft_round_s, self.plain_round_s, self.share)
