@@ -99,11 +99,6 @@ def estimate_activation_reserve(config: EngineConfig, target: ModelArch,
                                    for _, arch, dtype, _ in worker_models(config, target, draft)), rows)
 
 
-def estimate_activation_bytes(config: EngineConfig, target: ModelArch, draft: ModelArch | None = None) -> int:
-    """`estimate_activation_reserve`'s bytes, summed over the workers."""
-    return estimate_activation_reserve(config, target, draft).nbytes
-
-
 @dataclass(frozen=True)
 class PoolLayout:
     """One KV pool as start-up lays it out: its spec (named in the engine's scope), the worker it
@@ -148,10 +143,6 @@ class StartupLayout:
     def activation_bytes(self) -> int:
         """The reserve of every worker, measured or estimated."""
         return self.reserve.nbytes
-
-    @property
-    def activation_measured(self) -> bool:
-        return self.reserve.measured
 
     @property
     def blocks_per_pool(self) -> dict[str, int]:

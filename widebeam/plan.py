@@ -65,7 +65,7 @@ class PlanInputs:
     # Pinned prefixes as token ids (--pin-prefix): their blocks come off every pool's capacity.
     pinned_prefixes: tuple[tuple[int, ...], ...] = ()
     # Per-step beam widths (--beam-width-schedule; `beam_width` is then its widest step): the
-    # schedule's own bound is counted (kv/budget.py: scheduled_blocks).
+    # schedule's own bound is counted (kv/schedule_budget.py: scheduled_blocks).
     beam_width_schedule: tuple[int, ...] = ()
 
     def engine_config(self) -> EngineConfig:

@@ -12,6 +12,7 @@ import torch
 from widebeam.kv.block_pool import BlockPool
 from widebeam.kv.full_attention import FullAttentionManager
 from widebeam.kv.spec import FullAttentionSpec
+from widebeam.kv.tables import BlockCopy, Holding
 from widebeam.model.runner import ModelRunner
 
 SPEC = FullAttentionSpec(name="self", num_layers=1, num_kv_heads=1, head_dim=8)

@@ -39,7 +39,7 @@ def test_default_sizing_subtracts_the_measured_activation_peak(monkeypatch, tiny
     assert calls == [(T, 64, 8)]  # measured once, for the largest chunk and the widest decode step
     expected = int((available - activation) * fraction)
     layout = engine.layout
-    assert layout.activation_measured
+    assert layout.reserve.measured
     assert layout.activation_bytes == engine.activation_peak_bytes == activation
     assert layout.free_bytes == available - activation
     assert layout.kv_cache_bytes == expected
@@ -78,7 +78,7 @@ def test_default_sizing_with_a_draft_model_reserves_both_workers_peaks(monkeypat
     assert [(t, chunk, r) for _, t, chunk, r in measured] == [(T, 64, rows)] * 2
     assert [m for m, *_ in measured] == [w.model for w in engine.workers]  # the target's, then the draft's
     layout = engine.layout
-    assert layout.activation_measured and layout.activation_rows == rows
+    assert layout.reserve.measured and layout.activation_rows == rows
     assert layout.activation_bytes == engine.activation_peak_bytes == sum(peaks)
     assert layout.activation_bytes - target_only.layout.activation_bytes == peaks[1]
     assert layout.free_bytes == available - sum(peaks)
@@ -89,7 +89,7 @@ def test_default_sizing_with_a_draft_model_reserves_both_workers_peaks(monkeypat
 def test_default_sizing_with_a_draft_model_agrees_with_plans_reserve(monkeypatch, tiny_llama_dir):
     """With each worker's measure standing in for its shape-based estimate, the measured reserve of a
     draft-model engine is what `widebeam plan` reserves for the same config (target and draft)."""
-    from widebeam.layout import estimate_activation_bytes
+    from widebeam.layout import estimate_activation_reserve
     from widebeam.model.activation import estimate_activation_peak_bytes
     from widebeam.model.loading.arch import load_arch
 
@@ -102,5 +102,5 @@ def test_default_sizing_with_a_draft_model_agrees_with_plans_reserve(monkeypatch
                        device="cpu", dtype="float32", tokens_per_block=T, max_beam_width=8,
                        max_num_batched_tokens=32)
     arch = load_arch(str(tiny_llama_dir))
-    planned = estimate_activation_bytes(engine.config, arch, arch)
-    assert engine.layout.activation_bytes == planned > estimate_activation_bytes(engine.config, arch)
+    planned = estimate_activation_reserve(engine.config, arch, arch).nbytes
+    assert engine.layout.activation_bytes == planned > estimate_activation_reserve(engine.config, arch).nbytes

@@ -111,6 +111,12 @@ def tiny_info():
     return xgrammar.TokenizerInfo(TINY_VOCAB, stop_token_ids=[0])
 
 
+def live_pids(workers) -> list[int]:
+    """The process ids of a `CompileWorkers`' live children, read under its lock."""
+    with workers._lock:
+        return sorted(worker.pid for worker in workers._workers if worker.alive)
+
+
 def process_exists(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -156,11 +162,11 @@ def test_a_compile_past_its_bound_kills_its_worker(workers):
     from widebeam.structured.compile_worker import CompileTimeout
 
     workers.compile(SMALL, timeout_s=60)  # the worker is up: its start is not part of the bound
-    (pid,) = workers.pids
+    (pid,) = live_pids(workers)
     with pytest.raises(CompileTimeout):
         workers.compile(HEAVY, timeout_s=0.5)
     assert not process_exists(pid) and workers.num_killed == 1
-    assert workers.compile(SMALL, timeout_s=60) and workers.pids != [pid]
+    assert workers.compile(SMALL, timeout_s=60) and live_pids(workers) != [pid]
 
 
 def test_a_dead_worker_is_replaced(workers):
@@ -169,22 +175,22 @@ def test_a_dead_worker_is_replaced(workers):
     from widebeam.structured.compile_worker import CompileRefused
 
     workers.compile(SMALL, timeout_s=60)
-    (pid,) = workers.pids
+    (pid,) = live_pids(workers)
     os.kill(pid, signal.SIGKILL)
     wait_dead(pid)
-    assert workers.compile(SMALL, timeout_s=60) and workers.pids != [pid]
-    (pid,) = workers.pids
+    assert workers.compile(SMALL, timeout_s=60) and live_pids(workers) != [pid]
+    (pid,) = live_pids(workers)
     threading.Timer(0.5, os.kill, (pid, signal.SIGKILL)).start()
     with pytest.raises(CompileRefused, match="crashed the grammar compiler"):
         workers.compile(HEAVY, timeout_s=60)
-    assert workers.num_killed == 0 and workers.compile(SMALL, timeout_s=60) and workers.pids != [pid]
+    assert workers.num_killed == 0 and workers.compile(SMALL, timeout_s=60) and live_pids(workers) != [pid]
 
 
 def test_close_ends_every_worker():
     from widebeam.structured.compile_worker import CompileWorkers
 
     pool = CompileWorkers(tiny_info().serialize_json().encode(), num_workers=2)
-    pids = pool.pids
+    pids = live_pids(pool)
     assert len(pids) == 2 and all(process_exists(pid) for pid in pids)
     pool.close()
     deadline = time.monotonic() + 10

@@ -18,7 +18,7 @@ from widebeam.catalogue.sizing import CataloguePlan, catalogue_nbytes
 from widebeam.catalogue.sources import trie_size
 from widebeam.config import SpeculativeConfig
 from widebeam.engine import LLMEngine
-from widebeam.layout import estimate_activation_bytes
+from widebeam.layout import estimate_activation_reserve
 from widebeam.model.loading.arch import load_arch
 from widebeam.plan import PlanInputs, plan
 
@@ -46,7 +46,8 @@ def plan_and_engine(monkeypatch, model_dir, beam_width: int = 4, draft_dir=None,
     weight_bytes = arch.weight_bytes("float32")
     weight_bytes += draft_arch.weight_bytes("float32") if draft_arch else 0
     catalogue_bytes = catalogue.nbytes if catalogue is not None else 0
-    memory_bytes = (weight_bytes + estimate_activation_bytes(inputs.engine_config(), arch, draft_arch)
+    memory_bytes = (weight_bytes
+                    + estimate_activation_reserve(inputs.engine_config(), arch, draft_arch).nbytes
                     + catalogue_bytes + KV_BYTES)
     result = plan(arch, replace(inputs, memory_bytes=memory_bytes), draft_arch)
     available_bytes = memory_bytes - result["weight_bytes"] - catalogue_bytes

@@ -1,5 +1,6 @@
 """What a request holds in one pool: its beams' block tables, the count of distinct blocks they hold,
-and the copy-on-write copies queued for the runner (the managers in `managers.py` change them)."""
+and the copy-on-write copies queued for the runner (the pool managers change them: kv/pool_manager.py
+and its kinds)."""
 
 from __future__ import annotations
 

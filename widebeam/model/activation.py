@@ -1,6 +1,6 @@
 """The one activation estimate: memory the largest steps need beside the weights and the KV cache.
 
-Used through the start-up layout (layout.py: `estimate_activation_bytes`) by `widebeam plan` and by
+Used through the start-up layout (layout.py: `estimate_activation_reserve`) by `widebeam plan` and by
 the engine when the user sizes the cache (`kv_cache_memory`); without that setting the engine
 measures the same two steps at warm-up instead (warmup.py), and falls back to this where the host
 cannot reset its peak-memory counter. The decode step's rows are the layout's rule

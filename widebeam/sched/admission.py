@@ -36,7 +36,7 @@ def admit_check(cache: KVCache, max_seq_len: int, prompt_len: int, max_new_token
     `refeed_tokens` are what speculative decoding adds per sequence (see kv/budget.py). With the
     prompt's prefix `key`, pinned prefix blocks it shares count as held and its prefill starts after
     them (they are always there). A `beam_width_schedule` (per-step widths, `beam_width` its widest)
-    is counted by its own worst case (kv/budget.py: `scheduled_blocks`); `refeeds_after_preemption`
+    is counted by its own worst case (kv/schedule_budget.py: `scheduled_blocks`); `refeeds_after_preemption`
     when a preemption may resume it by re-feeding every beam."""
     if prompt_len < 1:
         raise InvalidParameterError("prompt", "prompt is empty: give at least one token")

@@ -8,7 +8,7 @@ its `required_blocks` fit in every pool beside the *remaining* worst case of eve
 always take the blocks it may still need and nothing in use is ever evicted (only cached prompt
 blocks no request holds, which count as free: kv/block_pool.py). A request whose prompt is cached
 takes those blocks at admission; the ones other requests already hold cost it nothing (pools that
-copy in-use hits excepted: kv/managers.py `shares_hits`). The queue head waits when it
+copy in-use hits excepted: kv/pool_manager.py: `PoolManager.shares_hits`). The queue head waits when it
 does not fit; it is never skipped, never dropped, and never spins: requests that can never fit are
 rejected at admission, before they are queued.
 

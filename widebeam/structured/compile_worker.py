@@ -241,11 +241,6 @@ class CompileWorkers:
                 worker = self._start()
             self._idle.put(worker)
 
-    @property
-    def pids(self) -> list[int]:
-        with self._lock:
-            return sorted(worker.pid for worker in self._workers if worker.alive)
-
     def close(self) -> None:
         """Kill every worker (a compile in flight ends with an error)."""
         with self._lock:
