@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import weakref
 
 import pytest
@@ -45,6 +46,15 @@ def _engines_end_with_every_block_back():
         for name, pool in engine.stats()["pools"].items():
             assert pool["free_blocks"] + pool["pinned_blocks"] == pool["total_blocks"], (
                 f"pool {name!r} of an idle engine holds blocks: {pool}")
+
+
+@pytest.fixture(autouse=True)
+def _collector_unfrozen_after_each_test():
+    """A command run in process (`generate`, `serve`, a batch) freezes the heap as a long-lived process
+    should (widebeam/heap.py); the suite is not one, so each test hands the frozen objects back."""
+    yield
+    if gc.get_freeze_count():
+        gc.unfreeze()
 
 
 # One thread: the suite runs beside server processes it starts, and two threads on two busy cores

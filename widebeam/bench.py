@@ -219,6 +219,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from widebeam.heap import freeze_startup_heap
     from widebeam.llm import LLM
 
     torch.set_num_threads(args.threads)
@@ -227,6 +228,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         points += [(w, p) for p in args.wide_prompt_lens for w in args.wide_widths if (w, p) not in points]
     # the warm-up below runs W=2
     llm = LLM(model=args.model, max_beam_width=max(2, *(w for w, _ in points)), **engine_kwargs(args))
+    freeze_startup_heap()  # as `serve` and `batch` run (widebeam/heap.py)
     from widebeam.model.linears.int8 import quantize_int8
     from widebeam.model.loading.build import model_dtype
 

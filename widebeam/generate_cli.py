@@ -96,6 +96,7 @@ def _token_ids(text: str) -> tuple[int, ...]:
 
 def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from widebeam.errors import WidebeamError
+    from widebeam.heap import freeze_startup_heap
     from widebeam.llm import LLM
     from widebeam.params import BeamSearchParams, SamplingParams
 
@@ -150,6 +151,7 @@ def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         catalogues = {CLI_CATALOGUE: catalogue} if catalogue is not None else {}
         llm = LLM(args.model, max_beam_width=max(args.beam_width or 1, 1),
                   **({"catalogues": catalogues} if catalogues else {}), **engine_kwargs(args))
+        freeze_startup_heap()  # no collector pause inside a step (widebeam/heap.py)
         prompt = llm.engine.apply_chat_template(args.prompt) if args.chat else args.prompt
         (output,) = llm.generate([prompt], params, use_tqdm=False)
     except argparse.ArgumentTypeError as exc:

@@ -15,7 +15,8 @@ ROOT = Path(widebeam.__file__).parent
 # A module's layer is the first prefix that matches; lower numbers are lower layers.
 LAYERS = [
     ("widebeam.errors", 0), ("widebeam.units", 0), ("widebeam.defaults", 0), ("widebeam.params", 0),
-    ("widebeam.outputs", 0), ("widebeam.argtypes", 0), ("widebeam.memstats", 0), ("widebeam.logprobs", 0),
+    ("widebeam.outputs", 0), ("widebeam.argtypes", 0), ("widebeam.memstats", 0), ("widebeam.heap", 0),
+    ("widebeam.logprobs", 0),
     ("widebeam.response_format", 0), ("widebeam.score_params", 0), ("widebeam.param_checks", 0),
     ("widebeam.request_checks", 0),
     ("widebeam.kv", 1),

@@ -13,6 +13,7 @@ import itertools
 from collections.abc import Callable, Iterable
 
 from widebeam.batch.rows import BatchRow
+from widebeam.heap import freeze_startup_heap
 from widebeam.outputs import RequestOutput
 from widebeam.score_params import ScoreParams
 
@@ -42,6 +43,7 @@ class BatchEngine:
         from widebeam.llm import LLM
 
         self.llm = LLM(model, **engine_kwargs)
+        freeze_startup_heap()  # a long-lived batch process (widebeam/heap.py)
         self._ids = itertools.count()
 
     def run(self, rows: Iterable[BatchRow], emit: Callable[[dict], None],

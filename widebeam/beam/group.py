@@ -119,12 +119,17 @@ class GroupBeamSearchState:
 
     # -- the search ---------------------------------------------------------------------------------
     def step(self, logprobs: torch.Tensor, mask_min_length_eos: bool = True,
-             allowed: tuple[torch.Tensor, torch.Tensor] | None = None, annotate=None) -> StepResult:
+             allowed: tuple[torch.Tensor, torch.Tensor] | None = None, annotate=None,
+             normalize: bool = False) -> StepResult:
+        """As `BeamSearchState.step`; the diversity penalty edits every row, so raw logits
+        (`normalize`) are normalised whole here."""
         if self._done:
             raise RuntimeError("beam search is done; call finalize()")
         if annotate is not None:
             raise ValueError("log-probs are not reported with num_beam_groups > 1")
         lp = logprobs.detach().float().cpu()
+        if normalize:
+            lp = torch.log_softmax(lp, dim=-1)
         first = self._generated == 0
         if allowed is not None:  # a catalogue: every pair it does not offer is -inf
             rows, tokens = allowed

@@ -4,21 +4,54 @@ Both return `(values, rows, tokens, row_best)`: the K best `running[row] + lp[ro
 each row of `lp`'s best allowed score (-inf: every continuation banned, so the beam ends: beam/search.py).
 `eos`: the end-of-sequence ids on `lp`'s device while `min_new_tokens` masks them (their sums become -inf),
 else None.
+
+`top_candidates` may take the raw logits instead (`normalize=True`): it then ranks their log-softmax
+without ever writing the whole [rows, vocab] of it. Rows go through in chunks small enough to stay in
+the core's cache: each chunk's log-softmax is written to one reused buffer and its top-k read from
+there, so the step reads the logits once from memory instead of writing and re-reading a second
+[rows, vocab] tensor (0.2 GB a step at W=1,024 on a 49k vocabulary). The values are the log-softmax's
+own, bit for bit: the kernel normalises each row on its own, so a chunk's rows come out as the
+whole tensor's would, and the top-k of each row, ties included, is the one it gave before.
 """
 
 from __future__ import annotations
 
 import torch
 
+# One chunk of log-softmax rows (bytes): half a core's L2 here, so the buffer and the logits it was
+# read from stay in cache between the normalisation and the top-k.
+CHUNK_BYTES = 1 << 20
 
-def top_candidates(lp: torch.Tensor, running: torch.Tensor, num_candidates: int, eos: torch.Tensor | None):
+
+def row_top(x: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's k best: of `x` itself, or (`normalize`) of its float32 log-softmax, chunk by chunk."""
+    if not normalize:
+        return torch.topk(x, k, dim=1)
+    num_rows, vocab = x.shape
+    rows_per_chunk = max(1, CHUNK_BYTES // (4 * vocab))
+    if num_rows <= rows_per_chunk:
+        return torch.topk(torch.log_softmax(x, dim=1), k, dim=1)
+    values = torch.empty((num_rows, k), dtype=torch.float32, device=x.device)
+    tokens = torch.empty((num_rows, k), dtype=torch.long, device=x.device)
+    buffer = torch.empty((rows_per_chunk, vocab), dtype=torch.float32, device=x.device)
+    for start in range(0, num_rows, rows_per_chunk):
+        end = min(start + rows_per_chunk, num_rows)
+        chunk = buffer[:end - start]
+        torch.log_softmax(x[start:end], dim=1, out=chunk)
+        torch.topk(chunk, k, dim=1, out=(values[start:end], tokens[start:end]))
+    return values, tokens
+
+
+def top_candidates(lp: torch.Tensor, running: torch.Tensor, num_candidates: int, eos: torch.Tensor | None,
+                   normalize: bool = False):
     """The K = `num_candidates` best over all rows and the whole vocabulary.
 
     Exact, without touching the full [rows, vocab] sum: adding a row's running score keeps the row's
     order, so each row only offers its best tokens. A shallow top-k of every row gives a threshold (the
     K-th best of what it offers); only rows whose shallow list reaches the threshold can hold more of
     the K best, and only those are searched deeper. `running` has one entry per row of `lp`, or one per
-    beam when `lp` is the prompt's single row (HF's prompt copies).
+    beam when `lp` is the prompt's single row (HF's prompt copies). `normalize`: `lp` holds raw logits,
+    ranked by their log-softmax (see the module's docstring).
     """
     device = lp.device
     vocab = lp.shape[1]
@@ -29,7 +62,7 @@ def top_candidates(lp: torch.Tensor, running: torch.Tensor, num_candidates: int,
         k_shallow = k_full
     else:
         k_shallow = min(k_full, -(-num_candidates // rows) + 8 + n_mask)
-    top_values, top_tokens = torch.topk(lp, k_shallow, dim=1)
+    top_values, top_tokens = row_top(lp, k_shallow, normalize)
     raw_last = top_values[:, -1]
     if eos is not None:
         top_values = top_values.masked_fill(torch.isin(top_tokens, eos), float("-inf"))
@@ -46,7 +79,7 @@ def top_candidates(lp: torch.Tensor, running: torch.Tensor, num_candidates: int,
         # Rows whose last offered token still reaches the threshold may hold more of the best K.
         deep = torch.nonzero((raw_last + running) >= values[-1]).squeeze(1)
         if deep.numel():
-            deep_values, deep_tokens = torch.topk(lp.index_select(0, deep), k_full, dim=1)
+            deep_values, deep_tokens = row_top(lp.index_select(0, deep), k_full, normalize)
             if eos is not None:
                 deep_values = deep_values.masked_fill(torch.isin(deep_tokens, eos), float("-inf"))
             deep_sums = deep_values + running.index_select(0, deep)[:, None]

@@ -172,8 +172,11 @@ class BeamSearchState:
 
     def step(self, logprobs: torch.Tensor, mask_min_length_eos: bool = True,
              allowed: tuple[torch.Tensor, torch.Tensor] | None = None,
-             annotate: Annotate | None = None) -> StepResult:
+             annotate: Annotate | None = None, normalize: bool = False) -> StepResult:
         """Consume the live beams' next-token log-probs `[live beams, vocab]`; return the next live beams.
+
+        `normalize=True`: `logprobs` holds the raw logits instead; the step ranks their log-softmax
+        without writing it whole (beam/ranking.py), with the same choices and scores.
 
         `mask_min_length_eos=False` lets EOS through before `min_new_tokens` (a caller forcing EOS).
         `allowed` = (rows, tokens): the only (beam, token) pairs this step may take (a catalogue);
@@ -209,8 +212,10 @@ class BeamSearchState:
         eos = self._eos_on(device) if mask_eos else None
         if allowed is None:
             values, parent_rows, tokens, row_best = top_candidates(lp, running.to(device),
-                                                                   self._num_candidates, eos)
+                                                                   self._num_candidates, eos, normalize)
         else:
+            if normalize:
+                lp = torch.log_softmax(lp, dim=-1)
             values, parent_rows, tokens, row_best = top_allowed(lp, running.to(device),
                                                                 self._num_candidates, eos, *allowed)
         num_candidates = values.shape[0]

@@ -35,30 +35,46 @@ from widebeam.params import BeamSearchParams, SamplingParams
 from widebeam.sampling import verify_draft_token
 
 
-@dataclass(frozen=True)
 class RowScores:
-    """One request's rows of a step: logits and log-probs [rows, vocab] (float32), and for a
-    batched greedy request its argmax token and that token's log-prob, read once for the batch."""
+    """One request's rows of a step: logits [rows, vocab] (float32), their log-softmax when someone
+    reads it (computed once, on first read: a beam search without processors ranks the logits
+    themselves and never needs it whole), and for a batched greedy request its argmax token and
+    that token's log-prob, read once for the batch."""
 
-    logits: torch.Tensor
-    logprobs: torch.Tensor
-    greedy: tuple[int, float] | None = None
+    def __init__(self, logits: torch.Tensor, logprobs: torch.Tensor | None = None,
+                 greedy: tuple[int, float] | None = None):
+        self.logits = logits
+        self._logprobs = logprobs
+        self.greedy = greedy
+
+    @property
+    def logprobs(self) -> torch.Tensor:
+        if self._logprobs is None:
+            self._logprobs = torch.log_softmax(self.logits, dim=-1)
+        return self._logprobs
+
+    @property
+    def has_logprobs(self) -> bool:
+        """Whether the log-softmax was already computed (then ranking it costs no more than the logits)."""
+        return self._logprobs is not None
 
 
 class StepScores:
     """A step's float32 logits for every request, with what several decoders need computed once
-    over all rows: the log-softmax, and the argmax of every greedy request without logits
-    processors (one host read for all of them instead of one per request). Beam top-k stays per
-    request: widths and candidate counts differ, and one request's top-k already spans its beams."""
+    over all rows: the argmax of every greedy request without logits processors and its log-prob
+    (one host read for all of them instead of one per request). The log-softmax is per request and
+    only where read (`RowScores.logprobs`): its values per row are the whole tensor's, bit for bit.
+    Beam top-k stays per request: widths and candidate counts differ, and one request's top-k
+    already spans its beams."""
 
     def __init__(self, logits: torch.Tensor, greedy_rows: Sequence[int] = ()):
         self.logits = logits
-        self.logprobs = torch.log_softmax(logits, dim=-1)
         self.greedy: dict[int, tuple[int, float]] = {}
         if greedy_rows:
             rows = torch.tensor(list(greedy_rows), device=logits.device)
-            tokens = logits.index_select(0, rows).argmax(dim=-1)  # [num_greedy]
-            logprobs = self.logprobs.index_select(0, rows).gather(1, tokens[:, None])[:, 0]
+            greedy_logits = logits.index_select(0, rows)  # [num_greedy, vocab]
+            tokens = greedy_logits.argmax(dim=-1)
+            logprobs = torch.log_softmax(greedy_logits, dim=-1).gather(1, tokens[:, None])[:, 0]
             self.greedy = dict(zip(greedy_rows, zip(tokens.tolist(), logprobs.tolist())))
 
     def select(self, rows: Sequence[int]) -> RowScores:
@@ -66,11 +82,10 @@ class StepScores:
         are for a step without drafts."""
         start = rows[0]
         if list(rows) == list(range(start, start + len(rows))):
-            logits, logprobs = self.logits[start:start + len(rows)], self.logprobs[start:start + len(rows)]
+            logits = self.logits[start:start + len(rows)]
         else:
-            index = torch.tensor(list(rows), device=self.logits.device)
-            logits, logprobs = self.logits.index_select(0, index), self.logprobs.index_select(0, index)
-        return RowScores(logits, logprobs, self.greedy.get(start) if len(rows) == 1 else None)
+            logits = self.logits.index_select(0, torch.tensor(list(rows), device=self.logits.device))
+        return RowScores(logits, greedy=self.greedy.get(start) if len(rows) == 1 else None)
 
 
 def any_token_left(scores: torch.Tensor) -> list[bool]:
@@ -227,7 +242,7 @@ class BeamDecoder:
             annotate = lambda rows, tokens: token_logprobs(raw, rows, tokens, num_top)
         context = None
         if self.processors:
-            context = self.history.context(scores.logprobs.shape[0], num_generated, scores.logprobs.device)
+            context = self.history.context(scores.logits.shape[0], num_generated, scores.logits.device)
         allowed = allowed_pairs(self.processors, context) if context is not None else None
         if allowed is not None:
             # A processor alone offers the only pairs it allows (a catalogue): rank just those, no
@@ -236,19 +251,23 @@ class BeamDecoder:
         else:
             # HF's processors run after the log-softmax in beam search: no renormalisation. A forced
             # EOS (the last allowed token) overrides min_new_tokens' EOS ban, as in HF.
+            normalize = False
             if self.processors and self.params.beam_width == 1:
                 # W=1 is HF's greedy search, whose processors see the logits (a repetition penalty
                 # divides or multiplies those); the log-softmax after them leaves the choice HF's and
                 # makes the score the log-prob of the distribution chosen from, as SamplingDecoder's.
                 logits = apply_processors(self.processors, scores.logits.clone(), context)
                 # (a row with every token banned turns nan here: the search reads it as allowing nothing)
-                scores = torch.log_softmax(logits, dim=-1)
+                ranked = torch.log_softmax(logits, dim=-1)
             elif self.processors:
-                scores = apply_processors(self.processors, scores.logprobs.clone(), context)
-            else:
-                scores = scores.logprobs
+                ranked = apply_processors(self.processors, scores.logprobs.clone(), context)
+            elif scores.has_logprobs:  # already written (logprobs asked for): ranking it is free
+                ranked = scores.logprobs
+            else:  # the search ranks the logits' log-softmax without writing it whole
+                ranked, normalize = scores.logits, True
             forced = context is not None and forcing_eos(self.processors, context)
-            result = self.search.step(scores, mask_min_length_eos=not forced, annotate=annotate)
+            result = self.search.step(ranked, mask_min_length_eos=not forced, annotate=annotate,
+                                      normalize=normalize)
         if self.history is not None:  # the one history follows the beams
             self.history.move(result.parent_indices, result.token_ids)
         return Advance(list(result.parent_indices), list(result.token_ids))

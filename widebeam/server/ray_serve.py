@@ -25,12 +25,14 @@ class EngineServer:
         import torch
 
         from widebeam.engine import LLMEngine
+        from widebeam.heap import freeze_startup_heap
         from widebeam.server.api import create_app
 
         if not torch.cuda.is_available():
             torch.set_num_threads(num_threads)  # the replica's CPU slots, not the whole host
         self.engine = LLMEngine(model, **engine_kwargs)
         self.openai_app = create_app(self.engine, **app_kwargs)
+        freeze_startup_heap()  # a long-lived replica (widebeam/heap.py)
 
     def __serve_build_asgi_app__(self):
         return self.openai_app

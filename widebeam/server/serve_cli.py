@@ -162,6 +162,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return _fail(f"the server needs its extras ({exc.name} is missing): pip install 'widebeam[server]'")
     from widebeam.engine import LLMEngine
     from widebeam.errors import WidebeamError
+    from widebeam.heap import freeze_startup_heap
 
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     try:
@@ -185,6 +186,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # Ctrl+C while loading: nothing is served yet
         print("widebeam serve: interrupted while loading the model", file=sys.stderr)
         return EXIT_INTERRUPTED
+    freeze_startup_heap()  # a long-lived process: start-up's objects leave the collector's walk
     app = create_app(engine, **app_kwargs)
     if warning:
         log.warning(warning)
