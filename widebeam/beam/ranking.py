@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import torch
 
-# One chunk of log-softmax rows (bytes): half a core's L2 here, so the buffer and the logits it was
-# read from stay in cache between the normalisation and the top-k.
-CHUNK_BYTES = 1 << 20
+# One chunk of log-softmax rows (bytes): a core's L2 here (2 MiB), so the buffer and the logits it was
+# read from stay in cache between the normalisation and the top-k. Measured on this CPU (row_top, k = 10,
+# 49k vocabulary): W=256 18.0 ms at 1 MiB, 15.3 at 2 MiB, 14.8 at 4 MiB; W=1,024 71 / 55 / 56 ms; the
+# log-softmax written whole and its top-k 23.5 and 104 ms.
+CHUNK_BYTES = 2 << 20
 
 
 def row_top(x: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
