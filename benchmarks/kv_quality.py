@@ -319,6 +319,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                  "threads"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    import widebeam.defaults
+
+    allowed = getattr(widebeam.defaults, "KV_CACHE_DTYPES", None)  # the engine's own list, where it has one
+    unknown = [kv for kv in args.kv_cache_dtypes if allowed is not None and kv not in allowed]
+    if unknown:
+        ap.error(f"--kv-cache-dtypes: {', '.join(unknown)} not among {', '.join(allowed)}")
     if min(args.beam_widths) < 1 or args.beam_prompts < 0 or args.beam_prompts_overlap < 0:
         ap.error("beam widths must be >= 1 and prompt counts >= 0")
     return args

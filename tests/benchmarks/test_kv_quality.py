@@ -144,3 +144,11 @@ def test_genrec_overlap_of_the_float32_control_is_one():
     assert [row["kv_cache_dtype"] for row in rows] == candidates
     assert rows[0]["mean_top100_overlap"] == 1.0 and rows[0]["same_best_item"] == 2
     assert all(0.0 <= row["min_top100_overlap"] <= row["mean_top100_overlap"] <= 1.0 for row in rows)
+
+
+def test_knobs_are_checked():
+    args = bench.parse_args(["--genrec", "--kv-cache-dtypes", "float32", "int8"])
+    assert args.parts == ["kl", "beams", "best", "genrec"] and args.kv_cache_dtypes == ["float32", "int8"]
+    for bad in (["--kv-cache-dtypes", "float64"], ["--tokens", "0"], ["--beam-widths", "0"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
