@@ -236,6 +236,9 @@ def floors(llm: LLM, width: int, prompt_len: int, new_tokens: int, rate: float, 
     linear_params = sum(p.numel() for name, p in model.named_parameters()
                         if p.dim() == 2 and "embed" not in name and p is not model.lm_head.weight)
     layers, heads, kv_heads, d = arch.num_layers, arch.num_heads, arch.num_kv_heads, arch.head_dim
+    # bytes one token's K (or V) takes per layer in the pool: the KV dtype's, an int8 pool's scales included
+    spec = llm.engine.cache["self"].spec
+    kv_token_bytes = spec.bytes_per_token / (2 * spec.num_layers)
     own = (new_tokens + 1) / 2  # the average of each beam's own tokens over the steps
 
     def floor(flops: float, num_bytes: float) -> float:
@@ -247,9 +250,9 @@ def floors(llm: LLM, width: int, prompt_len: int, new_tokens: int, rate: float, 
         "linears": floor(2 * width * linear_params, 4 * linear_params),
         "lm_head": floor(2 * width * head_params, 4 * head_params),
         "attention: prompt": floor(4 * width * heads * prompt_len * d * layers,
-                                   2 * 4 * prompt_len * kv_heads * d * layers),
+                                   2 * kv_token_bytes * prompt_len * layers),
         "attention: own tokens": floor(4 * width * heads * own * d * layers,
-                                       2 * 4 * width * own * kv_heads * d * layers),
+                                       2 * kv_token_bytes * width * own * layers),
         "selection": floor(0, 3 * 4 * width * arch.vocab_size),
         # the elementwise parts: each tensor read once and written once at the bandwidth
         "K/V write": floor(0, 2 * 2 * 4 * rows * kv_heads * d * layers),
@@ -300,11 +303,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--kv-cache-memory", default="3GiB")
     parser.add_argument("--out", default="benchmarks/results/wide_step_breakdown.json")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="what the KV cache stores (auto: float32)")
     parser.add_argument("--no-freeze", action="store_true",
                         help="leave start-up's objects in the collector's walk (a library user's process)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     llm = LLM(max_beam_width=max(args.widths), kv_cache_memory=args.kv_cache_memory, device="cpu",
+              kv_cache_dtype=args.kv_cache_dtype,
               enable_prefix_caching=False, max_num_batched_tokens=args.prompt_len)
     if not args.no_freeze:
         freeze_startup_heap()  # as `serve`, `batch` and `generate` run (widebeam/heap.py)

@@ -16,6 +16,7 @@ from widebeam.defaults import (
     DEFAULT_MODEL,
     DEFAULT_TOKENS_PER_BLOCK,
     FLOAT_DTYPES,
+    KV_CACHE_DTYPES,
     LINEAR_BACKENDS,
     MAX_NUM_SPECULATIVE_TOKENS,
 )
@@ -48,8 +49,14 @@ class CacheConfig:
     enable_prefix_caching: bool = True  # computed prompt blocks stay cached for later requests
     # Prompts (text or token ids) computed at start-up whose blocks stay cached for good.
     pinned_prefixes: tuple[str | tuple[int, ...], ...] = ()
+    # What every pool stores: "auto" (the model's KV dtype), a float type, or int8 with scales (kv/spec.py)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidParameterError("kv_cache_dtype", "{kv_cache_dtype} must be one of "
+                                        f"{', '.join(KV_CACHE_DTYPES)}, got {{value!r}}",
+                                        value=self.kv_cache_dtype)
         if not 0 < self.kv_cache_fraction <= 1:
             raise InvalidParameterError("kv_cache_fraction",
                                         "{kv_cache_fraction} must be in (0, 1], got {value}",
@@ -152,7 +159,8 @@ class EngineConfig:
                     attention_backend: str | None = None, linear_backend: str = DEFAULT_LINEAR_BACKEND,
                     kv_cache_memory: int | str | None = None,
                     kv_cache_fraction: float = DEFAULT_KV_CACHE_FRACTION,
-                    tokens_per_block: int = DEFAULT_TOKENS_PER_BLOCK, max_seq_len: int | None = None,
+                    tokens_per_block: int = DEFAULT_TOKENS_PER_BLOCK, kv_cache_dtype: str = "auto",
+                    max_seq_len: int | None = None,
                     max_beam_width: int = DEFAULT_MAX_BEAM_WIDTH,
                     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                     speculative_model: str | None = None, num_speculative_tokens: int | None = None,
@@ -174,7 +182,7 @@ class EngineConfig:
         return cls(ModelConfig(model, dtype, device, attention_backend, linear_backend),
                    CacheConfig(kv_cache_memory, kv_cache_fraction, tokens_per_block,
                                bool(enable_prefix_caching),
-                               _pinned_prefixes(pinned_prefixes, enable_prefix_caching)),
+                               _pinned_prefixes(pinned_prefixes, enable_prefix_caching), kv_cache_dtype),
                    SchedulerConfig(max_num_batched_tokens, max_beam_width, max_seq_len, scheduling_policy,
                                    max_preemptions), speculative)
 

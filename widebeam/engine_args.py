@@ -28,7 +28,14 @@ from widebeam.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
-from widebeam.defaults import DEFAULT_MODEL, DTYPES, FLOAT_DTYPES, LINEAR_BACKENDS, MAX_NUM_SPECULATIVE_TOKENS
+from widebeam.defaults import (
+    DEFAULT_MODEL,
+    DTYPES,
+    FLOAT_DTYPES,
+    KV_CACHE_DTYPES,
+    LINEAR_BACKENDS,
+    MAX_NUM_SPECULATIVE_TOKENS,
+)
 
 _FROM_CONFIG = object()  # EngineOption.default: the config dataclass field's default
 
@@ -128,6 +135,10 @@ OPTIONS: dict[str, EngineOption] = {o.kwarg: o for o in (
                  "activations given to KV", type=fraction),
     EngineOption("tokens_per_block", _Cache, "KV block size T: smaller blocks share more of the beams' "
                  "common tokens", type=int_at_least(1)),
+    EngineOption("kv_cache_dtype", _Cache, "what the KV cache stores: auto (the model's dtype; float32 "
+                 "for int8 weights), bfloat16 or float16 (half float32's bytes), int8 (a byte a value and a "
+                 "float32 scale per token and KV head: 3.8x float32's tokens at head_dim 64)",
+                 choices=KV_CACHE_DTYPES),
     EngineOption("max_beam_width", _Sched, "widest beam search", type=int_at_least(1)),
     EngineOption("max_seq_len", _Sched, "prompt + generated tokens", type=int_at_least(2),
                  unset_help="the model's limit, bounded by the KV capacity"),

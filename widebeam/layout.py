@@ -34,13 +34,14 @@ def scoped_pool_name(prefix: str, local_name: str) -> str:
     return prefix if local_name == "self" else f"{prefix}/{local_name}"
 
 
-def scoped_specs(arch: ModelArch, dtype: str, prefix: str = TARGET_PREFIX) -> dict[str, PoolSpec]:
+def scoped_specs(arch: ModelArch, dtype: str, prefix: str = TARGET_PREFIX,
+                 kv_cache_dtype: str = "auto") -> dict[str, PoolSpec]:
     """A worker's pools: the model's pool name -> its spec under the engine's name. `dtype`: the
-    model's; int8 weights keep float KV (`kv_dtype`)."""
-    # a pool's name depends on the model alone, its spec on the dtype too
+    model's; int8 weights keep float KV, and `kv_cache_dtype` overrides both (`kv_dtype`)."""
+    # a pool's name depends on the model alone, its spec on the dtypes too
     names = {local_name: scoped_pool_name(prefix, local_name) for local_name in arch.layer_pool_names()}
     return {spec.name: spec if spec.name == names[spec.name] else replace(spec, name=names[spec.name])
-            for spec in arch.kv_pool_specs(kv_dtype(dtype))}
+            for spec in arch.kv_pool_specs(kv_dtype(dtype, kv_cache_dtype))}
 
 
 def activation_rows(max_beam_width: int, num_speculative_tokens: int = 0) -> int:
@@ -188,7 +189,7 @@ def compute_layout(config: EngineConfig, target: ModelArch, available_bytes: int
     chunk_tokens = config.scheduler.max_num_batched_tokens
     _check_pins(pinned_prefixes, target, t)
     # a draft model's pools are sized beside the target's, from the same budget
-    workers = [(worker, scoped_specs(arch, dtype, prefix))
+    workers = [(worker, scoped_specs(arch, dtype, prefix, config.cache.kv_cache_dtype))
                for worker, arch, dtype, prefix in worker_models(config, target, draft)]
     specs = [spec for _, worker_specs in workers for spec in worker_specs.values()]
     free_bytes = available_bytes - reserve.nbytes

@@ -52,6 +52,7 @@ class PlanInputs:
     tokens_per_block: int = DEFAULT_TOKENS_PER_BLOCK
     kv_cache_fraction: float = DEFAULT_KV_CACHE_FRACTION
     dtype: str = "bfloat16"
+    kv_cache_dtype: str = "auto"  # what the pools store (config.py: CacheConfig.kv_cache_dtype)
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     # Encoder-decoder models: E, the source tokens (default: prompt_len). The decoder's own prompt
     # is then its start token and a decoder prefix of `decoder_prefix_len` tokens (NLLB's language code).
@@ -72,7 +73,8 @@ class PlanInputs:
         """The engine this plan is for: its widest request is this one (max_beam_width = beam_width)."""
         return EngineConfig(ModelConfig(dtype=self.dtype),
                             CacheConfig(kv_cache_fraction=self.kv_cache_fraction,
-                                        tokens_per_block=self.tokens_per_block),
+                                        tokens_per_block=self.tokens_per_block,
+                                        kv_cache_dtype=self.kv_cache_dtype),
                             SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
                                             max_beam_width=self.beam_width),
                             self.speculative)
@@ -194,6 +196,7 @@ def plan(arch: ModelArch, inputs: PlanInputs, draft_arch: ModelArch | None = Non
     return {
         "model": arch.name,
         "dtype": inputs.dtype,
+        "kv_cache_dtype": layout.specs[0].dtype,  # what the pools store ("auto" resolved)
         "memory_bytes": inputs.memory_bytes,
         "weight_bytes": weight_bytes,
         "activation_reserve_bytes": layout.activation_bytes,

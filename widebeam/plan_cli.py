@@ -18,6 +18,7 @@ from widebeam.engine_args import (
     error_message,
     prefix_cache_kwargs,
 )
+from widebeam.kv.spec import kv_dtype
 from widebeam.units import format_bytes
 
 PLAN_MAX_NEW_TOKENS = 128
@@ -46,7 +47,7 @@ def add_plan_parser(sub, help_text: str) -> None:
                    help=f"generated tokens N (default {PLAN_MAX_NEW_TOKENS}; with a catalogue: its longest "
                         "item + 1)")
     # plan sizes a GPU deployment: bfloat16 by default, where the engine defaults to float32 for CPUs
-    add_engine_arguments(p, ["tokens_per_block", "max_num_batched_tokens", "dtype"],
+    add_engine_arguments(p, ["tokens_per_block", "max_num_batched_tokens", "dtype", "kv_cache_dtype"],
                          dtype={"default": "bfloat16"})
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--list-models", action="store_true", help="list the built-in model names and exit")
@@ -101,6 +102,7 @@ def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         tokens_per_block=args.tokens_per_block,
         kv_cache_fraction=args.kv_cache_fraction,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_num_batched_tokens=args.max_num_batched_tokens,
         encoder_len=args.encoder_len,
         decoder_prefix_len=args.decoder_prefix_len,
@@ -233,7 +235,10 @@ def _print_plan(result: dict) -> None:
     if not console.is_terminal:  # pipes get 80 columns by default, which wraps the pool table
         console = Console(width=120)
     req = result["request"]
-    sizing = Table(title=f"KV plan: {result['model']} ({result['dtype']})", show_header=False)
+    dtypes = result["dtype"]
+    if result["kv_cache_dtype"] != kv_dtype(result["dtype"]):  # a KV dtype of its own (--kv-cache-dtype)
+        dtypes += f", KV {result['kv_cache_dtype']}"
+    sizing = Table(title=f"KV plan: {result['model']} ({dtypes})", show_header=False)
     sizing.add_column("term")
     sizing.add_column("value", justify="right")
     sizing.add_row("memory", format_bytes(result["memory_bytes"]))

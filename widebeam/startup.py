@@ -51,11 +51,11 @@ def load_workers(config: EngineConfig, model: str, device: torch.device) -> Load
     source = resolve_model(model)
     target = load_model(source, config.model.dtype, device, config.model.linear_backend)
     tokenizer = load_tokenizer(source)
-    workers = [Worker("target", target, config.model.dtype)]
+    workers = [Worker("target", target, config.model.dtype, kv_cache_dtype=config.cache.kv_cache_dtype)]
     drafter = None
     if config.speculative is not None:
         drafter, draft_worker = start_drafter(config.speculative, target.arch, tokenizer, model,
-                                              config.model.dtype, device)
+                                              config.model.dtype, device, config.cache.kv_cache_dtype)
         if draft_worker is not None:
             workers.append(draft_worker)
     return LoadedWorkers(source, tokenizer, workers, drafter)
@@ -71,7 +71,8 @@ def lay_out_pools(config: EngineConfig, workers: list[Worker], device: torch.dev
         rows = config_activation_rows(config)
         t, chunk = config.cache.tokens_per_block, config.scheduler.max_num_batched_tokens
         peak_bytes = tuple(measure_activation_peak_bytes(worker.model, device, model_dtype(worker.model), t,
-                                                         chunk, rows) for worker in workers)
+                                                         chunk, rows, kv_cache_dtype=worker.kv_cache_dtype)
+                           for worker in workers)
         reserve = ActivationReserve(peak_bytes, rows, measured=True)
     else:
         reserve = estimate_activation_reserve(config, target, draft)

@@ -11,21 +11,23 @@ from __future__ import annotations
 import torch
 
 from widebeam.decoding.logprobs import PromptLogprobs
-from widebeam.kv.spec import PoolSpec
+from widebeam.kv.spec import PoolSpec, kv_dtype
 from widebeam.layout import scoped_specs
 from widebeam.model.loading.build import model_dtype
 from widebeam.model.runner import ModelRunner, SequenceInput
 
 
 class Worker:
-    def __init__(self, name: str, model: torch.nn.Module, dtype: str, prefix: str = ""):
+    def __init__(self, name: str, model: torch.nn.Module, dtype: str, prefix: str = "",
+                 kv_cache_dtype: str = "auto"):
         self.name = name
         self.model = model
         self.prefix = prefix
         self.arch = model.arch
         # Model pool name -> engine pool name, and each pool's spec under its engine name (the layout's
         # rule: the engine sizes these pools from a `StartupLayout` computed with the same names).
-        scoped = scoped_specs(self.arch, dtype, prefix)  # int8 weights keep float KV
+        scoped = scoped_specs(self.arch, dtype, prefix, kv_cache_dtype)  # int8 weights keep float KV
+        self.kv_cache_dtype = kv_dtype(dtype, kv_cache_dtype)  # what every pool of this worker stores
         self.specs: list[PoolSpec] = list(scoped.values())
         self.pool_names: dict[str, str] = {local: spec.name for local, spec in scoped.items()}
         self.runner: ModelRunner | None = None
@@ -35,7 +37,7 @@ class Worker:
         """Allocate the K/V tensors for the blocks sizing gave this worker's pools."""
         local_blocks = {local: blocks_per_pool[scoped] for local, scoped in self.pool_names.items()}
         self.runner = ModelRunner(self.model, local_blocks, tokens_per_block, device, model_dtype(self.model),
-                                  attention_backend)
+                                  attention_backend, kv_cache_dtype=self.kv_cache_dtype)
 
     def copy_blocks(self, copies_by_pool: dict[str, list[tuple[int, int, int]]]) -> None:
         for local, scoped in self.pool_names.items():

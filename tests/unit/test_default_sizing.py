@@ -28,7 +28,8 @@ def test_default_sizing_subtracts_the_measured_activation_peak(monkeypatch, tiny
     assert available < DEFAULT_CPU_KV_CACHE_BYTES
     calls = []
 
-    def measure(model, device, dtype, tokens_per_block, max_num_batched_tokens, max_beam_width):
+    def measure(model, device, dtype, tokens_per_block, max_num_batched_tokens, max_beam_width,
+                kv_cache_dtype=None):
         calls.append((tokens_per_block, max_num_batched_tokens, max_beam_width))
         return activation
 
@@ -60,7 +61,8 @@ def test_default_sizing_with_a_draft_model_reserves_both_workers_peaks(monkeypat
     peaks = [20 * MiB, 5 * MiB + 77]
     measured = []
 
-    def measure(model, device, dtype, tokens_per_block, max_num_batched_tokens, max_beam_width):
+    def measure(model, device, dtype, tokens_per_block, max_num_batched_tokens, max_beam_width,
+                kv_cache_dtype=None):
         measured.append((model, tokens_per_block, max_num_batched_tokens, max_beam_width))
         return peaks[len(measured) - 1]
 
@@ -93,7 +95,8 @@ def test_default_sizing_with_a_draft_model_agrees_with_plans_reserve(monkeypatch
     from widebeam.model.activation import estimate_activation_peak_bytes
     from widebeam.model.loading.arch import load_arch
 
-    def measure(model, device, dtype, tokens_per_block, max_num_batched_tokens, max_beam_width):
+    def measure(model, device, dtype, tokens_per_block, max_num_batched_tokens, max_beam_width,
+                kv_cache_dtype=None):
         return estimate_activation_peak_bytes(model.arch, max_num_batched_tokens, max_beam_width, "float32")
 
     monkeypatch.setattr(startup_module, "available_memory_bytes", lambda device: 48 * MiB)

@@ -28,7 +28,7 @@ KV_BYTES = 3 << 20  # about what the plan leaves the pools: small enough that a 
 
 def plan_and_engine(monkeypatch, model_dir, beam_width: int = 4, draft_dir=None,
                     num_speculative_tokens: int = 4, pins: list[list[int]] = (),
-                    catalogue_items: list[list[int]] | None = None):
+                    catalogue_items: list[list[int]] | None = None, kv_cache_dtype: str = "auto"):
     """(plan's JSON, the engine) for one setting, the engine started as plan assumes."""
     arch = load_arch(str(model_dir))
     draft_arch = load_arch(str(draft_dir)) if draft_dir is not None else None
@@ -41,7 +41,7 @@ def plan_and_engine(monkeypatch, model_dir, beam_width: int = 4, draft_dir=None,
 
     inputs = PlanInputs(memory_bytes=0, beam_width=beam_width, prompt_len=40, max_new_tokens=8,
                         tokens_per_block=T, dtype="float32", speculative=speculative, catalogue=catalogue,
-                        pinned_prefixes=tuple(tuple(ids) for ids in pins))
+                        pinned_prefixes=tuple(tuple(ids) for ids in pins), kv_cache_dtype=kv_cache_dtype)
     # --memory: the weights, the activation reserve and the catalogue, and KV_BYTES beside them
     weight_bytes = arch.weight_bytes("float32")
     weight_bytes += draft_arch.weight_bytes("float32") if draft_arch else 0
@@ -56,7 +56,8 @@ def plan_and_engine(monkeypatch, model_dir, beam_width: int = 4, draft_dir=None,
         if draft_dir else {}
     engine = LLMEngine(str(model_dir), catalogues={"items": catalogue_items} if catalogue_items else None,
                        device="cpu", dtype="float32", tokens_per_block=T, max_beam_width=beam_width,
-                       kv_cache_memory=memory_bytes, pinned_prefixes=pins, **kwargs)
+                       kv_cache_memory=memory_bytes, pinned_prefixes=pins, kv_cache_dtype=kv_cache_dtype,
+                       **kwargs)
     return result, engine
 
 
@@ -70,6 +71,43 @@ def assert_same_layout(result: dict, engine: LLMEngine) -> None:
     assert result["activation_rows"] == engine.layout.activation_rows
     assert result["activation_reserve_bytes"] == engine.layout.activation_bytes
     assert result["kv_cache_bytes"] == engine.layout.kv_cache_bytes
+
+
+def assert_pools_hold_their_bytes(engine: LLMEngine) -> None:
+    """Each pool's tensors (an int8 pool's scales included) hold exactly its blocks x the spec's bytes
+    per block: the accounting counts what is allocated, to the byte."""
+    specs = {spec.name: spec for spec in engine.layout.specs}
+    for worker in engine.workers:
+        runner = worker.runner
+        for local, scoped in worker.pool_names.items():
+            allocated = runner.kv_tensors[local].nbytes
+            if local in runner.kv_scales:
+                allocated += runner.kv_scales[local].nbytes
+            spec = specs[scoped]
+            assert allocated == engine.layout.blocks_per_pool[scoped] * spec.bytes_per_block(T), scoped
+
+
+@pytest.mark.parametrize("kv_cache_dtype, bytes_per_value", [("auto", 4), ("float32", 4), ("bfloat16", 2),
+                                                             ("float16", 2), ("int8", 1)])
+def test_each_kv_cache_dtype(monkeypatch, tiny_gemma3_dir, kv_cache_dtype, bytes_per_value):
+    """Sliding pools and a full one, every KV dtype: plan == engine per pool, the tensors hold the bytes
+    counted, and the pools' bytes per token are the dtype's (plus an int8 pool's float32 scales)."""
+    result, engine = plan_and_engine(monkeypatch, tiny_gemma3_dir, kv_cache_dtype=kv_cache_dtype)
+    assert_same_layout(result, engine)
+    assert_pools_hold_their_bytes(engine)
+    for spec in engine.layout.specs:
+        per_head = spec.head_dim * bytes_per_value + (4 if kv_cache_dtype == "int8" else 0)
+        assert spec.bytes_per_token == 2 * spec.num_layers * spec.num_kv_heads * per_head
+    assert result["kv_cache_dtype"] == ("float32" if kv_cache_dtype == "auto" else kv_cache_dtype)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "int8"])
+def test_a_draft_model_with_each_kv_cache_dtype(monkeypatch, tiny_llama_dir, kv_cache_dtype):
+    result, engine = plan_and_engine(monkeypatch, tiny_llama_dir, beam_width=16, draft_dir=tiny_llama_dir,
+                                     kv_cache_dtype=kv_cache_dtype)
+    assert_same_layout(result, engine)
+    assert_pools_hold_their_bytes(engine)
+    assert {spec.dtype for spec in engine.layout.specs} == {kv_cache_dtype}
 
 
 def test_a_plain_model(monkeypatch, tiny_llama_dir):

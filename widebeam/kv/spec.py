@@ -13,9 +13,10 @@ from typing import ClassVar
 # Weight-only dtypes: a model's linear weights in that type, its activations and KV in a float type.
 WEIGHT_ONLY_DTYPES = {"int8": "float32"}
 
-
-def kv_dtype(dtype: str) -> str:
-    """The KV (and activation) dtype of a model dtype: int8 weights keep float32 KV."""
+def kv_dtype(dtype: str, kv_cache_dtype: str = "auto") -> str:
+    """The KV dtype of a model `dtype` (int8 weights keep float32 KV), unless `kv_cache_dtype` names one."""
+    if kv_cache_dtype != "auto":
+        return kv_cache_dtype
     return WEIGHT_ONLY_DTYPES.get(dtype, dtype)
 
 
@@ -24,8 +25,13 @@ DTYPE_BYTES = {
     "float16": 2,
     "bfloat16": 2,
     "fp8": 1,
-    "int8": 1,  # weights only (WEIGHT_ONLY_DTYPES): a model's weight bytes, never a pool's
+    "int8": 1,  # int8 weights, or an int8 pool (with its scales: KV_SCALE_BYTES)
 }
+
+# Bytes a pool stores per token and KV head beside the values: an int8 pool's float32 scale, one for K
+# and one for V per layer. Counted in `bytes_per_token`, so the plan, the layout and the engine agree on
+# blocks per byte to the block.
+KV_SCALE_BYTES = {"int8": 4}
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -59,8 +65,9 @@ class PoolSpec:
 
     @property
     def bytes_per_token(self) -> int:
-        """K and V of every layer in the pool, for one token."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes(self.dtype)
+        """K and V of every layer in the pool, for one token (with an int8 pool's scales)."""
+        per_head = self.head_dim * dtype_bytes(self.dtype) + KV_SCALE_BYTES.get(self.dtype, 0)
+        return 2 * self.num_layers * self.num_kv_heads * per_head
 
     def bytes_per_block(self, tokens_per_block: int) -> int:
         return self.bytes_per_token * tokens_per_block

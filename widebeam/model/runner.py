@@ -17,9 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
+from widebeam.defaults import FLOAT_DTYPES, KV_CACHE_DTYPES
 from widebeam.model.attention.backends import get_attention_backend
 from widebeam.model.attention.cross import CrossAttentionMetadata
 from widebeam.model.attention.metadata import AttentionMetadata, tree_depths
+from widebeam.model.attention.quantized_kv import QuantizedKV
 from widebeam.model.families.arch import CROSS_POOL
 
 
@@ -45,7 +47,10 @@ class SequenceInput:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, pool_num_blocks: dict[str, int], tokens_per_block: int,
-                 device: torch.device, dtype: torch.dtype, attention_backend: str | None = None):
+                 device: torch.device, dtype: torch.dtype, attention_backend: str | None = None,
+                 kv_cache_dtype: str | None = None):
+        """`kv_cache_dtype`: what the pools store (a float type, or "int8" with scales, read back in
+        `dtype`: model/attention/quantized_kv.py); None or "auto": `dtype`."""
         self.model = model
         self.attention_backend = get_attention_backend(attention_backend)
         self.tokens_per_block = tokens_per_block
@@ -53,23 +58,41 @@ class ModelRunner:
         self.dtype = dtype
         arch = model.arch
         layer_pools = model.layer_pool_names
-        # One tensor per pool: [layers_in_pool, K/V, num_slots, kv_heads, head_dim]. Left
-        # uninitialised: only slots a sequence has written are ever read.
+        # One tensor per pool: [layers_in_pool, K/V, num_slots, kv_heads, head_dim]; an int8 pool has a
+        # second, its scales [layers_in_pool, K/V, num_slots, kv_heads, 1]. Left uninitialised: only
+        # slots a sequence has written are ever read.
+        quantized = kv_cache_dtype == "int8"
+        if quantized:
+            storage_dtype = torch.int8
+        elif kv_cache_dtype in (None, "auto"):
+            storage_dtype = dtype
+        elif kv_cache_dtype in FLOAT_DTYPES:
+            storage_dtype = getattr(torch, kv_cache_dtype)
+        else:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                             f"{kv_cache_dtype!r}")
         self.kv_tensors: dict[str, torch.Tensor] = {}
+        self.kv_scales: dict[str, torch.Tensor] = {}
         for pool_name, num_blocks in pool_num_blocks.items():
             num_layers = layer_pools.count(pool_name)
-            self.kv_tensors[pool_name] = torch.empty(
-                num_layers, 2, num_blocks * tokens_per_block, arch.num_kv_heads, arch.head_dim,
-                dtype=dtype, device=device,
-            )
+            shape = (num_layers, 2, num_blocks * tokens_per_block, arch.num_kv_heads)
+            self.kv_tensors[pool_name] = torch.empty(*shape, arch.head_dim, dtype=storage_dtype,
+                                                     device=device)
+            if quantized:
+                self.kv_scales[pool_name] = torch.empty(*shape, 1, dtype=torch.float32, device=device)
         # Windowed pools release blocks behind the window; their metadata says so.
         self.pool_windows = {name: window for name, window in zip(layer_pools, arch.layer_windows)}
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor] | tuple[QuantizedKV, QuantizedKV]] = []
         index_in_pool = {name: 0 for name in pool_num_blocks}
         for pool_name in layer_pools:
             tensor = self.kv_tensors[pool_name]
             j = index_in_pool[pool_name]
-            self.kv_caches.append((tensor[j, 0], tensor[j, 1]))
+            if quantized:
+                scales = self.kv_scales[pool_name]
+                self.kv_caches.append((QuantizedKV(tensor[j, 0], scales[j, 0], dtype),
+                                       QuantizedKV(tensor[j, 1], scales[j, 1], dtype)))
+            else:
+                self.kv_caches.append((tensor[j, 0], tensor[j, 1]))
             index_in_pool[pool_name] += 1
 
     def copy_blocks(self, pool_name: str, copies: Sequence[tuple[int, int, int]]) -> None:
@@ -84,9 +107,13 @@ class ModelRunner:
         written = offsets < num_tokens[:, None]  # [copies, t]: the slots each copy carries
         src = (src_blocks[:, None] * t + offsets)[written].to(self.device)
         dst = (dst_blocks[:, None] * t + offsets)[written].to(self.device)
-        tensor = self.kv_tensors[pool_name]
-        flat = tensor.view(tensor.shape[0] * 2, tensor.shape[2], -1)  # [layers x K/V, slots, kv_heads x d]
-        flat.index_copy_(1, dst, flat.index_select(1, src))
+        # an int8 pool's scales move with their values
+        for tensor in (self.kv_tensors[pool_name], self.kv_scales.get(pool_name)):
+            if tensor is None:
+                continue
+            # [layers x K/V, slots, kv_heads x d]
+            flat = tensor.view(tensor.shape[0] * 2, tensor.shape[2], -1)
+            flat.index_copy_(1, dst, flat.index_select(1, src))
 
     @torch.inference_mode()
     def execute(self, seqs: list[SequenceInput], all_logits: bool = False,

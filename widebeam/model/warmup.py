@@ -16,7 +16,7 @@ from widebeam.model.runner import ModelRunner, SequenceInput
 
 def measure_activation_peak_bytes(model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
                                   tokens_per_block: int, max_num_batched_tokens: int,
-                                  max_beam_width: int) -> int:
+                                  max_beam_width: int, kv_cache_dtype: str | None = None) -> int:
     """Peak memory above the resident model while running (1) one prefill chunk of
     `max_num_batched_tokens` tokens and (2) one decode step of `max_beam_width` sequences.
 
@@ -29,7 +29,7 @@ def measure_activation_peak_bytes(model: torch.nn.Module, device: torch.device, 
         max_num_batched_tokens = min(max_num_batched_tokens, arch.max_position_embeddings)
     prefill_blocks = -(-max_num_batched_tokens // t)
     pool_blocks = {name: prefill_blocks + max_beam_width for name in set(model.layer_pool_names)}
-    runner = ModelRunner(model, pool_blocks, t, device, dtype)
+    runner = ModelRunner(model, pool_blocks, t, device, dtype, kv_cache_dtype=kv_cache_dtype)
     self_pools = [name for name in pool_blocks if name != CROSS_POOL]
     cross = {}
     if CROSS_POOL in pool_blocks:

@@ -23,7 +23,7 @@ from fastapi import FastAPI
 from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from widebeam.defaults import DTYPES
+from widebeam.defaults import DTYPES, KV_CACHE_DTYPES
 from widebeam.server import schemas as s
 
 UI_DIR = Path(__file__).with_name("ui")
@@ -53,6 +53,7 @@ class PlanRequest(BaseModel):
     max_new_tokens: int = Field(64, ge=1, le=MAX_PLAN_TOKENS)
     dtype: Literal[DTYPES] = "bfloat16"  # type: ignore[valid-type]
     tokens_per_block: int | None = Field(None, ge=1, le=1024)
+    kv_cache_dtype: Literal[KV_CACHE_DTYPES] = "auto"  # type: ignore[valid-type]
 
 
 def _memory_bytes(memory: str | int) -> int:
@@ -106,7 +107,8 @@ def add_ui_routes(app: FastAPI, loop, *, model_name: str, plan_model: str | None
             raise s.invalid("model", f"model: {exc}") from None
         inputs = PlanInputs(memory_bytes=_memory_bytes(body.memory), beam_width=body.beam_width,
                             prompt_len=body.prompt_len, max_new_tokens=body.max_new_tokens, dtype=body.dtype,
-                            tokens_per_block=body.tokens_per_block or DEFAULT_TOKENS_PER_BLOCK)
+                            tokens_per_block=body.tokens_per_block or DEFAULT_TOKENS_PER_BLOCK,
+                            kv_cache_dtype=body.kv_cache_dtype)
         try:
             return plan(arch, inputs)
         except PlanError as exc:

@@ -15,7 +15,8 @@ from widebeam.worker import Worker
 
 
 def start_drafter(spec: SpeculativeConfig, target_arch, target_tokenizer, target_model_name: str,
-                  dtype: str, device: torch.device) -> tuple[ModelDrafter | NgramDrafter, Worker | None]:
+                  dtype: str, device: torch.device,
+                  kv_cache_dtype: str = "auto") -> tuple[ModelDrafter | NgramDrafter, Worker | None]:
     """(drafter, the draft model's worker or None); refuses an encoder-decoder target or draft and a
     draft whose token ids mean something else, naming the option."""
     if target_arch.is_encoder_decoder:
@@ -33,7 +34,8 @@ def start_drafter(spec: SpeculativeConfig, target_arch, target_tokenizer, target
     if draft_model.arch.is_encoder_decoder:
         raise InvalidParameterError("speculative_model", "{speculative_model} {value!r} must be a "
                                     "decoder-only model", value=spec.model)
-    worker = Worker("draft", draft_model, spec.dtype or dtype, prefix=DRAFT_PREFIX)
+    worker = Worker("draft", draft_model, spec.dtype or dtype, prefix=DRAFT_PREFIX,
+                    kv_cache_dtype=kv_cache_dtype)
     return ModelDrafter(worker, min(target_arch.vocab_size, draft_model.arch.vocab_size)), worker
 
 

@@ -33,12 +33,16 @@ from widebeam.model.attention.metadata import (
     build_decode_groups,
     sequence_keys,
 )
+from widebeam.model.attention.quantized_kv import QuantizedKV
 
 DEFAULT_ATTENTION_BACKEND = "sdpa"
 # Decode groups of at least this many query rows (beams x grouped heads) read the shared prefix through
 # the fused CPU kernel (A/B over 1,024 prompt tokens: W=64 0.96x, W=256 0.87x the time; W=16, 48 rows,
 # 1.02x: the plain products stay below it).
 FUSED_PREFIX_MIN_ROWS = 96
+# An int8 cache's shared prefix is dequantized and attended this many tokens at a time (a chunk's K and V
+# for 3 KV heads of 64 dims: 0.4 MB in float32, in cache), so no full-precision copy of the prompt is made.
+PREFIX_CHUNK_TOKENS = 512
 ATTENTION_BACKEND_ENV = "WIDEBEAM_ATTENTION_BACKEND"
 
 
@@ -96,6 +100,18 @@ def get_attention_backend(name: str | None = None) -> AttentionBackend:
         raise ValueError(f"unknown attention backend {name!r}; available: "
                          f"{', '.join(attention_backend_names())}")
     return _BACKENDS[name]()
+
+
+def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """PyTorch's fused attention in the cache's dtype: q (and a float mask) cast to k's, the output
+    back to q's. A cache narrower than the model (`kv_cache_dtype`) is read as it is stored, never
+    widened to the model's dtype."""
+    if q.dtype == k.dtype:
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    mask = kwargs.get("attn_mask")
+    if mask is not None and mask.dtype != torch.bool:
+        kwargs["attn_mask"] = mask.to(k.dtype)
+    return F.scaled_dot_product_attention(q.to(k.dtype), k, v, **kwargs).to(q.dtype)
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -159,7 +175,7 @@ class SdpaBackend(AttentionBackend):
             if position_bias is not None:  # the bias rides in the float mask: -inf where hidden
                 mask = _biased_mask(position_bias.sequence(seq), seq.mask, q.dtype)[None]
             # PyTorch's fused kernel (flash attention on CPU): no [H, Q, S] score tensor in memory.
-            out[seq.start:seq.end] = F.scaled_dot_product_attention(
+            out[seq.start:seq.end] = fused_attention(
                 q[seq.start:seq.end].transpose(0, 1)[None], k, v, attn_mask=mask, is_causal=causal,
                 scale=scale, enable_gqa=True,
             )[0].transpose(0, 1)
@@ -200,7 +216,7 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         if position_bias is not None:  # [H, B, S] -> [B, H, 1, S]
             mask = _biased_mask(position_bias.group_suffix(group).transpose(0, 1)[:, :, None, :], mask,
                                 q.dtype)
-        return F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask,
+        return fused_attention(q[:, :, None, :], k, v, attn_mask=mask,
                                               scale=scale, enable_gqa=True)[:, :, 0, :]
     # [KV, B*G, d]: the heads of one KV head, for every beam, as the rows of one matrix. The scale
     # goes on q (B x H x d numbers), not on the scores (B x H x (P + S)).
@@ -216,10 +232,12 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         suffix_scores = suffix_scores.float() + suffix_bias
     suffix_scores = (suffix_scores.float().masked_fill_(group.suffix_hidden, float("-inf"))
                      .view(num_kv_heads, rows, -1))
+    # an int8 cache always: its prefix is read in chunks (`_prefix_attention`), never dequantized whole
+    fused = isinstance(k_cache, QuantizedKV) or (k_cache.device.type == "cpu"
+                                                  and rows >= FUSED_PREFIX_MIN_ROWS)
+    if position_bias is None and fused:
+        return _merge_fused_prefix(q_rows, k_cache, v_cache, suffix_scores, group, q.shape, q.dtype)
     k_prefix = _prefix(k_cache, group)  # [P, KV, d]
-    if position_bias is None and k_cache.device.type == "cpu" and rows >= FUSED_PREFIX_MIN_ROWS:
-        return _merge_fused_prefix(q_rows, k_prefix, _prefix(v_cache, group), suffix_scores,
-                                   v_cache, group, q.shape, q.dtype)
     prefix_scores = torch.bmm(q_rows, k_prefix.permute(1, 2, 0)).float()  # [KV, B*G, P]
     if position_bias is not None:
         prefix_scores += _heads_as_rows(position_bias.group_prefix(group), num_kv_heads).reshape(
@@ -240,17 +258,41 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             .reshape(batch, num_heads, head_dim).to(q.dtype))
 
 
-def _prefix(cache: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
-    """The group's shared prefix keys (or values), [P, KV, d]: a view of the cache when its blocks are
-    one run of slots (no copy of P x KV x d numbers per layer), else gathered."""
+def _prefix(cache: torch.Tensor, group: DecodeGroup, start: int = 0, end: int | None = None) -> torch.Tensor:
+    """The group's shared prefix keys (or values), [P, KV, d] (tokens start..end of it): a view of the
+    cache when its blocks are one run of slots (no copy of P x KV x d numbers per layer), else gathered."""
+    end = group.prefix_tokens if end is None else end
     if group.prefix_start is not None:
-        return cache[group.prefix_start:group.prefix_start + group.prefix_tokens]
-    return _gather(cache, group.prefix_slots)
+        return cache[group.prefix_start + start:group.prefix_start + end]
+    return _gather(cache, group.prefix_slots[start:end])
 
 
-def _merge_fused_prefix(q_rows: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor,
-                        suffix_scores: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup,
-                        q_shape: torch.Size, q_dtype: torch.dtype) -> torch.Tensor:
+def _prefix_attention(q_rows: torch.Tensor, k_cache, v_cache, group: DecodeGroup) -> tuple[torch.Tensor,
+                                                                                          torch.Tensor]:
+    """q_rows [KV, B*G, d] (scaled) against the group's shared prefix through PyTorch's fused CPU kernel:
+    (out [KV, B*G, d], lse [KV, B*G, 1]), both float32. An int8 cache's prefix goes in chunks of
+    `PREFIX_CHUNK_TOKENS`, each dequantized on its own and merged by log-sum-exp, so no full-precision
+    copy of the prompt's K/V is made."""
+    num_tokens = group.prefix_tokens
+    chunk = PREFIX_CHUNK_TOKENS if isinstance(k_cache, QuantizedKV) else num_tokens
+    out = lse = None
+    for start in range(0, num_tokens, chunk):
+        end = min(start + chunk, num_tokens)
+        k, v = _prefix(k_cache, group, start, end), _prefix(v_cache, group, start, end)  # [n, KV, d]
+        part_out, part_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q_rows[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], 0.0, False, scale=1.0)[:2]
+        part_out, part_lse = part_out[0].float(), part_lse[0].float()[..., None]  # [KV, B*G, d], [.., 1]
+        if out is None:
+            out, lse = part_out, part_lse
+            continue
+        total = torch.logaddexp(lse, part_lse)
+        out = out.mul_((lse - total).exp_()).add_(part_out.mul_((part_lse - total).exp_()))
+        lse = total
+    return out, lse
+
+
+def _merge_fused_prefix(q_rows: torch.Tensor, k_cache, v_cache, suffix_scores: torch.Tensor,
+                        group: DecodeGroup, q_shape: torch.Size, q_dtype: torch.dtype) -> torch.Tensor:
     """The shared prefix through PyTorch's fused CPU kernel, which returns each row's log-sum-exp
     beside its output (no [KV, B*G, P] score tensor is written, exponentiated and read back), merged
     with the beams' own keys by log-sum-exp. q_rows [KV, B*G, d] is already scaled; suffix_scores
@@ -259,10 +301,7 @@ def _merge_fused_prefix(q_rows: torch.Tensor, k_prefix: torch.Tensor, v_prefix: 
     batch, num_heads, head_dim = q_shape
     num_kv_heads, rows, _ = q_rows.shape
     group_size = num_heads // num_kv_heads
-    prefix_out, prefix_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q_rows[None], k_prefix.transpose(0, 1)[None], v_prefix.transpose(0, 1)[None], 0.0, False,
-        scale=1.0)[:2]  # [1, KV, B*G, d], [1, KV, B*G]
-    prefix_out, prefix_lse = prefix_out[0].float(), prefix_lse[0].float()[..., None]
+    prefix_out, prefix_lse = _prefix_attention(q_rows, k_cache, v_cache, group)
     suffix_lse = torch.logsumexp(suffix_scores, dim=-1, keepdim=True)  # [KV, B*G, 1]
     total_lse = torch.logaddexp(prefix_lse, suffix_lse)
     v_suffix = _kv_major(_gather(v_cache, group.suffix_slots))  # [KV, B, S, d]
@@ -283,13 +322,13 @@ def _attend_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         first_slot, num_keys = key_ranges[0]
         k = k_cache[first_slot:first_slot + num_keys].transpose(0, 1)[None]  # [1, KV, S, d], a view
         v = v_cache[first_slot:first_slot + num_keys].transpose(0, 1)[None]
-        return F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, scale=scale,
+        return fused_attention(q.transpose(0, 1)[None], k, v, scale=scale,
                                               enable_gqa=True)[0].transpose(0, 1)
     out = torch.empty_like(q)
     for row, (first_slot, num_keys) in enumerate(key_ranges):
         k = k_cache[first_slot:first_slot + num_keys].transpose(0, 1)[None]  # [1, KV, S, d], a view
         v = v_cache[first_slot:first_slot + num_keys].transpose(0, 1)[None]
-        out[row] = F.scaled_dot_product_attention(q[row, :, None, :][None], k, v, scale=scale,
+        out[row] = fused_attention(q[row, :, None, :][None], k, v, scale=scale,
                                                   enable_gqa=True)[0, :, 0, :]
     return out
 

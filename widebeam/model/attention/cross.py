@@ -18,7 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from torch.nn import functional as F
+
+from widebeam.model.attention.backends import fused_attention
 
 
 @dataclass
@@ -71,7 +72,7 @@ class CrossGroup:
 def _attend_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q [n, H, d], k/v [E, KV, d] -> [n, H, d]: every query sees every key (PyTorch's fused kernel;
     the n queries of all beams are the rows of one product against the one K/V read)."""
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+    out = fused_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                          v.transpose(0, 1)[None],
                                          scale=scale, enable_gqa=True)  # [1, H, n, d]
     return out[0].transpose(0, 1)

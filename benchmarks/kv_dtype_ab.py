@@ -1,0 +1,77 @@
+"""KV cache dtypes side by side in one process: the same model, prompt and beams with each
+`--kv-cache-dtype`, against float32 KV (issue #44: "no width slower than float32 KV by more than 3%").
+
+    python benchmarks/kv_dtype_ab.py --widths 1 4 16 64 --kv-cache-dtypes float32 bfloat16 int8
+
+One engine per KV dtype, all in this process, prefix cache off (every run computes its prompt and reads it
+back from the dtype under test); each repeat runs every engine, the order reversed every other repeat, and
+each keeps its best time after a warm-up. Beam search with `min_new_tokens = N`: every beam runs the full
+length. Reports each dtype's time over float32's and whether its best beam equals float32's (not
+required: a quantized cache may part from float32 at a near tie; benchmarks/kv_quality.py measures how
+often). Writes benchmarks/results/kv_dtype_ab.json (--out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--widths", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--kv-cache-dtypes", nargs="+", default=["float32", "bfloat16", "int8"])
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--kv-cache-memory", default="1GiB")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/kv_dtype_ab.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from widebeam.heap import freeze_startup_heap
+    from widebeam.llm import LLM
+    from widebeam.params import BeamSearchParams
+
+    dtypes = ["float32", *(d for d in args.kv_cache_dtypes if d != "float32")]
+    engines = {d: LLM(kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=False,
+                      max_beam_width=max(args.widths), kv_cache_dtype=d) for d in dtypes}
+    freeze_startup_heap()
+    prompt = {"prompt_token_ids": [(i * 7919) % 40000 + 100 for i in range(args.prompt_len)]}
+    rows = []
+    for width in args.widths:
+        params = BeamSearchParams(beam_width=width, max_new_tokens=args.max_new_tokens,
+                                  min_new_tokens=args.max_new_tokens)
+        best = dict.fromkeys(engines, float("inf"))
+        beams = {}
+        for repeat in range(args.repeats + 1):  # repeat 0 warms every engine up
+            order = list(engines.items()) if repeat % 2 == 0 else list(reversed(engines.items()))
+            for name, llm in order:
+                start = time.perf_counter()
+                out = llm.generate(prompt, params, use_tqdm=False)
+                elapsed = time.perf_counter() - start
+                if repeat:
+                    best[name] = min(best[name], elapsed)
+                beams[name] = out[0].outputs[0].token_ids
+        row = {"beam_width": width, "float32_s": round(best["float32"], 3)}
+        for name in dtypes[1:]:
+            row[f"{name}_s"] = round(best[name], 3)
+            row[f"{name}_over_float32"] = round(best[name] / best["float32"], 3)
+            row[f"{name}_same_best_beam"] = beams[name] == beams["float32"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens,
+                                    "repeats": args.repeats, "threads": args.threads, "rows": rows},
+                                   indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""The int8 KV cache (model/attention/quantized_kv.py) on its own and through the engine: the
+quantization's error bound, a shared prefix read in chunks equal to one read whole, and a prefix-cache
+hit reading back what the first request wrote (scales included)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from widebeam.llm import LLM
+from widebeam.model.attention import backends
+from widebeam.model.attention.quantized_kv import QuantizedKV, dequantize, quantize
+from widebeam.params import BeamSearchParams
+
+
+def test_quantization_error_is_at_most_half_a_step():
+    torch.manual_seed(0)
+    x = torch.randn(50, 3, 64) * torch.logspace(-3, 3, 50)[:, None, None]  # heads of every magnitude
+    x[7, 1] = 0.0  # an all-zero head
+    values, scales = quantize(x)
+    assert values.dtype == torch.int8 and scales.dtype == torch.float32 and scales.shape == (50, 3, 1)
+    back = dequantize(values, scales, torch.float32)
+    assert torch.all((back - x).abs() <= scales / 2 * (1 + 1e-6))
+    assert torch.equal(back[7, 1], torch.zeros(64))
+    # each head's largest magnitude is a whole step count: it comes back to rounding
+    assert torch.allclose(back.abs().amax(-1), x.abs().amax(-1), rtol=1e-6)
+
+
+def test_a_quantized_cache_reads_back_what_was_written():
+    cache = QuantizedKV(torch.zeros(16, 2, 8, dtype=torch.int8), torch.zeros(16, 2, 1), torch.float32)
+    x = torch.randn(3, 2, 8)
+    slots = torch.tensor([9, 2, 14])
+    cache.write(slots, x)
+    assert torch.allclose(cache.index_select(0, slots), x, atol=x.abs().max().item() / 127)
+    assert torch.equal(cache[2:3], cache.index_select(0, torch.tensor([2])))
+    assert cache.dtype == torch.float32 and cache.shape == (16, 2, 8)
+
+
+def beams(llm, prompt, width=4):
+    params = BeamSearchParams(beam_width=width, max_new_tokens=6, num_return_sequences=width)
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    return out
+
+
+def test_a_shared_prefix_read_in_chunks_equals_one_read(monkeypatch, tiny_llama_dir):
+    """W=4 over a 60-token prompt: the beams' shared prefix dequantized 8 tokens at a time (8 chunks,
+    the last one short) attends as one 512-token chunk does."""
+    llm = LLM(str(tiny_llama_dir), device="cpu", kv_cache_memory="2MiB", tokens_per_block=4,
+              enable_prefix_caching=False, kv_cache_dtype="int8")
+    prompt = [(i * 17 + 5) % 120 + 3 for i in range(60)]
+    whole = beams(llm, prompt)
+    monkeypatch.setattr(backends, "PREFIX_CHUNK_TOKENS", 8)
+    chunked = beams(llm, prompt)
+    assert [b.token_ids for b in chunked.outputs] == [b.token_ids for b in whole.outputs]
+    for a, b in zip(chunked.outputs, whole.outputs):
+        assert a.score == pytest.approx(b.score, abs=1e-5)
+
+
+def test_a_prefix_cache_hit_reads_back_the_first_requests_kv(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), device="cpu", kv_cache_memory="2MiB", tokens_per_block=4,
+              kv_cache_dtype="int8")
+    prompt = [(i * 13 + 1) % 120 + 3 for i in range(41)]
+    first, second = beams(llm, prompt), beams(llm, prompt)
+    assert second.num_cached_tokens >= 40 - 4  # whole blocks of the prompt came from the cache
+    assert [b.token_ids for b in second.outputs] == [b.token_ids for b in first.outputs]
+    for a, b in zip(second.outputs, first.outputs):  # the last prompt token alone: another kernel call
+        assert a.score == pytest.approx(b.score, abs=1e-5)
