@@ -20,7 +20,7 @@ DEFAULT_CPU_KV_CACHE_BYTES = 2 * 2**30
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 DTYPES = (*FLOAT_DTYPES, "int8")
 # What a KV pool may store (`kv_cache_dtype`): "auto" is the model's KV dtype (kv/spec.py: `kv_dtype`);
-# int8 holds each token's K and V per KV head as int8 with one float32 scale.
+# int8 holds each token's K and V per KV head as int8, a float16 scale per group of >= 32 values.
 KV_CACHE_DTYPES = ("auto", *FLOAT_DTYPES, "int8")
 DEFAULT_DTYPE = "float32"
 MAX_NUM_SPECULATIVE_TOKENS = 64  # SpeculativeConfig's bound on D, drafted tokens per sequence and round

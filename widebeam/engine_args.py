@@ -137,7 +137,7 @@ OPTIONS: dict[str, EngineOption] = {o.kwarg: o for o in (
                  "common tokens", type=int_at_least(1)),
     EngineOption("kv_cache_dtype", _Cache, "what the KV cache stores: auto (the model's dtype; float32 "
                  "for int8 weights), bfloat16 or float16 (half float32's bytes), int8 (a byte a value and a "
-                 "float32 scale per token and KV head: 3.8x float32's tokens at head_dim 64)",
+                 "float16 scale per 32 values, as llama.cpp's q8_0: 3.8x float32's tokens at head_dim 64)",
                  choices=KV_CACHE_DTYPES),
     EngineOption("max_beam_width", _Sched, "widest beam search", type=int_at_least(1)),
     EngineOption("max_seq_len", _Sched, "prompt + generated tokens", type=int_at_least(2),

@@ -1,21 +1,25 @@
-"""`kv_cache_dtype` against transformers whose cache stores K/V the same way, written out here from its
-definition with plain torch ops (no widebeam code): `DefinitionCache` rounds every K and V it is given
-(after RoPE, as both engines store them) to bfloat16 / float16, or quantizes it to int8 per token and KV
-head (scale max|x| / 127 over head_dim, round half to even, clamp to [-127, 127], dequantized in float32),
-then attends in float32 as usual. Both engines run the tiny float32 Llama.
+"""`kv_cache_dtype` against transformers whose cache stores K/V the same way and whose attention computes
+in the dtype widebeam reads them back as, both written out here from their definitions with plain torch
+ops (no widebeam code):
 
-- int8: widebeam stores int8 + scale and reads back float32 (chunk by chunk for a shared prefix):
-  greedy tokens and every beam's sequence equal the reference's, log-probs and beam scores within 2e-3.
-  Not 1e-4 as in float32: quantization is a step function, so the 1e-7 by which the fused attention
-  kernel differs from transformers' upstream can move a K or V value across a rounding boundary, one
-  quantization step (max|x| / 127) away (the "reference" attention backend, closer to transformers'
-  arithmetic, agrees to 2e-6 on these prompts).
-- bfloat16 / float16: widebeam also computes attention in the cache's dtype (q rounded to it; PyTorch's
-  fused kernel accumulates in float32); the reference keeps q in float32, so log-probs agree to 2e-2
-  (tiny model) and greedy tokens are equal on these prompts. Beam searches may part at a near tie
-  (bfloat16 keeps 8 bits of mantissa, and this random model's logits are peaky): each of widebeam's beams
-  is checked instead by the reference teacher-forced on it (its cumulative log-prob within 1e-2 a token),
-  and widebeam's best scores no worse than the reference's best, less 5e-2.
+- `DefinitionCache` rounds every K and V it is given (after RoPE, as both engines store them) to
+  bfloat16 / float16, or quantizes it to int8 per token, KV head and group of 32 values (llama.cpp's
+  q8_0: scale max|x| / 127 over the group, rounded to float16; value round_half_even(x / scale)
+  clamped to [-127, 127]; dequantized in float32).
+- The "compute_dtype_sdpa" attention casts q, K and V to the compute dtype, runs transformers' own SDPA
+  attention there and casts the output back: the cache's dtype for bfloat16 / float16, and for int8 what
+  widebeam reads it as (bfloat16 on a CPU with native bfloat16 products, such as this one's AMX; float32
+  elsewhere: `QuantizedKV.read_dtype`, asked of the engine). The int8 path is also checked read as
+  float32 (`int8_read_dtype` patched).
+
+Both engines run a tiny float32 Llama with head_dim 64 (two scale groups a head). Greedy tokens must be
+equal. With float32 attention (int8 read as float32): log-probs and every beam's score within 2e-3 and
+every beam's sequence equal; not 1e-4 as for float32 KV: quantization is a step function, so the 1e-7
+by which the fused kernels differ from transformers' upstream can move a value across a rounding
+boundary, one step away. With 16-bit attention: log-probs within 2e-2 (two kernels accumulating
+rounded products in different orders); beam searches may part at a near tie, so each of widebeam's
+beams is teacher-forced through the reference instead (its cumulative log-prob within 1e-2 a token)
+and widebeam's best may be no worse than the reference's, less 2e-2.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import widebeam.model.runner as runner_module
 from widebeam.llm import LLM
 from widebeam.params import BeamSearchParams, SamplingParams
 
@@ -33,9 +38,24 @@ KV_DTYPES = ["int8", "bfloat16", "float16"]
 def stored_by_definition(x: torch.Tensor, kv_cache_dtype: str) -> torch.Tensor:
     """x [batch, kv_heads, tokens, head_dim] as the cache gives it back."""
     if kv_cache_dtype == "int8":
-        scale = (x.abs().amax(dim=-1, keepdim=True) / 127.0).clamp_min(1e-12)
-        return torch.round(x / scale).clamp(-127, 127) * scale
+        groups = x.reshape(*x.shape[:-1], -1, 32)  # head_dim 64: two groups of 32
+        scale = (groups.abs().amax(dim=-1, keepdim=True) / 127.0).to(torch.float16).float()
+        return (torch.round(groups / scale).clamp(-127, 127) * scale).reshape(x.shape)
     return x.to(getattr(torch, kv_cache_dtype)).to(x.dtype)
+
+
+COMPUTE_DTYPE = {"dtype": torch.float32}  # what "compute_dtype_sdpa" computes in, set per test
+
+
+def compute_dtype_sdpa(module, query, key, value, attention_mask, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    dtype = COMPUTE_DTYPE["dtype"]
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        attention_mask = attention_mask.to(dtype)
+    out, weights = sdpa_attention_forward(module, query.to(dtype), key.to(dtype), value.to(dtype),
+                                          attention_mask, **kwargs)
+    return out.to(query.dtype), weights
 
 
 def definition_cache(kv_cache_dtype: str):
@@ -52,26 +72,44 @@ def definition_cache(kv_cache_dtype: str):
 
 def teacher_forced_logprob(hf, prompt: list[int], token_ids: list[int], kv_cache_dtype: str) -> float:
     """The reference's log-prob of `token_ids` after `prompt`, one forward over both."""
-    ids = torch.tensor([prompt + token_ids])
     with torch.no_grad():
-        logits = hf(ids, past_key_values=definition_cache(kv_cache_dtype)).logits[0].float()
+        logits = hf(torch.tensor([prompt + token_ids]),
+                    past_key_values=definition_cache(kv_cache_dtype)).logits[0].float()
     logprobs = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
     return float(logprobs.gather(1, torch.tensor(token_ids)[:, None]).sum())
 
 
 @pytest.fixture(scope="module")
-def hf(tiny_llama_dir):
-    from transformers import AutoModelForCausalLM
+def model_dir(tmp_path_factory):
+    from tiny_models import save_tiny_model
 
-    return AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
+    path = tmp_path_factory.mktemp("tiny-llama-d64")
+    save_tiny_model(path, "llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+    return path
 
 
-@pytest.fixture(scope="module", params=KV_DTYPES)
-def llm(request, tiny_llama_dir):
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    AttentionInterface.register("compute_dtype_sdpa", compute_dtype_sdpa)
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
+                                                attn_implementation="compute_dtype_sdpa").eval()
+
+
+@pytest.fixture(scope="module", params=[*KV_DTYPES, "int8 read as float32"])
+def llm(request, model_dir):
     # 4-token blocks: the beams' shared prefix spans several blocks, the prefix cache off so every
     # prompt is computed and read back from the dtype under test
-    return LLM(str(tiny_llama_dir), device="cpu", kv_cache_memory="2MiB", tokens_per_block=4,
-               enable_prefix_caching=False, kv_cache_dtype=request.param), request.param
+    kv_cache_dtype = request.param.split()[0]
+    with pytest.MonkeyPatch.context() as patch:
+        if request.param == "int8 read as float32":
+            patch.setattr(runner_module, "int8_read_dtype", lambda model_dtype, device: torch.float32)
+        llm = LLM(str(model_dir), device="cpu", kv_cache_memory="2MiB", tokens_per_block=4,
+                  enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
+    k_cache = llm.engine.workers[0].runner.kv_caches[0][0]
+    COMPUTE_DTYPE["dtype"] = k_cache.dtype  # the cache's own dtype, or what an int8 one is read as
+    return llm, kv_cache_dtype
 
 
 def hf_generate(hf, prompt, kv_cache_dtype, **kwargs):
@@ -98,7 +136,7 @@ def test_logits_match_the_definition(llm, hf, prompt):
     expected = hf_generate(hf, prompt, kv_cache_dtype, max_new_tokens=8, eos_token_id=None,
                            output_logits=True, return_dict_in_generate=True)
     assert out.outputs[0].token_ids == expected.sequences[0, len(prompt):].tolist()
-    tolerance = 2e-3 if kv_cache_dtype == "int8" else 2e-2
+    tolerance = 2e-3 if COMPUTE_DTYPE["dtype"] == torch.float32 else 2e-2
     for token, entry, logits in zip(out.outputs[0].token_ids, out.outputs[0].logprobs, expected.logits):
         reference = torch.log_softmax(logits[0].float(), dim=-1)[token].item()
         assert abs(entry[token].logprob - reference) <= tolerance, kv_cache_dtype
@@ -113,16 +151,17 @@ def test_beam_search_matches_the_definition(llm, hf, prompt):
                            num_return_sequences=4, eos_token_id=2, output_scores=True,
                            return_dict_in_generate=True)
     assert len(out.outputs) == 4
-    if kv_cache_dtype != "int8":
-        # attention in bfloat16 / float16 on one side only: the two searches may part at a near tie.
-        # Each of widebeam's beams is then a real hypothesis scored right: the reference, teacher-forced
-        # on it, gives its cumulative log-prob; and the best is no worse than the reference's best.
-        for beam in out.outputs:
-            reference = teacher_forced_logprob(hf, prompt, beam.token_ids, kv_cache_dtype)
-            assert abs(beam.cumulative_logprob - reference) < 1e-2 * len(beam.token_ids), kv_cache_dtype
-        assert out.outputs[0].score >= float(expected.sequences_scores[0]) - 5e-2
+    if COMPUTE_DTYPE["dtype"] == torch.float32:
+        for rank, beam in enumerate(out.outputs):
+            hf_sequence = expected.sequences[rank, len(prompt):].tolist()
+            assert beam.token_ids == hf_sequence[:len(beam.token_ids)], (kv_cache_dtype, rank)
+            assert abs(beam.score - float(expected.sequences_scores[rank])) < 2e-3, (kv_cache_dtype, rank)
         return
-    for rank, beam in enumerate(out.outputs):
-        hf_sequence = expected.sequences[rank, len(prompt):].tolist()
-        assert beam.token_ids == hf_sequence[:len(beam.token_ids)], rank
-        assert abs(beam.score - float(expected.sequences_scores[rank])) < 2e-3, rank
+    # 16-bit attention: two searches whose per-token log-probs differ by rounding part at near ties, so
+    # their hypotheses may differ. Each of widebeam's is then checked as a hypothesis of the reference:
+    # teacher-forced on it, the reference gives its cumulative log-prob (within 1e-2 a token); and
+    # widebeam's best scores no worse than the reference's best, less 2e-2.
+    for beam in out.outputs:
+        reference = teacher_forced_logprob(hf, prompt, beam.token_ids, kv_cache_dtype)
+        assert abs(beam.cumulative_logprob - reference) < 1e-2 * len(beam.token_ids), kv_cache_dtype
+    assert out.outputs[0].score >= float(expected.sequences_scores[0]) - 2e-2, kv_cache_dtype

@@ -91,12 +91,14 @@ def assert_pools_hold_their_bytes(engine: LLMEngine) -> None:
                                                              ("float16", 2), ("int8", 1)])
 def test_each_kv_cache_dtype(monkeypatch, tiny_gemma3_dir, kv_cache_dtype, bytes_per_value):
     """Sliding pools and a full one, every KV dtype: plan == engine per pool, the tensors hold the bytes
-    counted, and the pools' bytes per token are the dtype's (plus an int8 pool's float32 scales)."""
+    counted, and the pools' bytes per token are the dtype's (plus an int8 pool's float16 scales)."""
     result, engine = plan_and_engine(monkeypatch, tiny_gemma3_dir, kv_cache_dtype=kv_cache_dtype)
     assert_same_layout(result, engine)
     assert_pools_hold_their_bytes(engine)
     for spec in engine.layout.specs:
-        per_head = spec.head_dim * bytes_per_value + (4 if kv_cache_dtype == "int8" else 0)
+        # an int8 pool: a float16 scale per group of >= 32 values (one group below 64 values)
+        groups = max(spec.head_dim // 32, 1)
+        per_head = spec.head_dim * bytes_per_value + (2 * groups if kv_cache_dtype == "int8" else 0)
         assert spec.bytes_per_token == 2 * spec.num_layers * spec.num_kv_heads * per_head
     assert result["kv_cache_dtype"] == ("float32" if kv_cache_dtype == "auto" else kv_cache_dtype)
 

@@ -18,10 +18,11 @@ from dataclasses import dataclass
 import torch
 
 from widebeam.defaults import FLOAT_DTYPES, KV_CACHE_DTYPES
+from widebeam.kv.spec import int8_scale_groups
 from widebeam.model.attention.backends import get_attention_backend
 from widebeam.model.attention.cross import CrossAttentionMetadata
 from widebeam.model.attention.metadata import AttentionMetadata, tree_depths
-from widebeam.model.attention.quantized_kv import QuantizedKV
+from widebeam.model.attention.quantized_kv import SCALE_DTYPE, QuantizedKV, int8_read_dtype
 from widebeam.model.families.arch import CROSS_POOL
 
 
@@ -59,7 +60,7 @@ class ModelRunner:
         arch = model.arch
         layer_pools = model.layer_pool_names
         # One tensor per pool: [layers_in_pool, K/V, num_slots, kv_heads, head_dim]; an int8 pool has a
-        # second, its scales [layers_in_pool, K/V, num_slots, kv_heads, 1]. Left uninitialised: only
+        # second, its scales [layers_in_pool, K/V, num_slots, kv_heads, groups]. Left uninitialised: only
         # slots a sequence has written are ever read.
         quantized = kv_cache_dtype == "int8"
         if quantized:
@@ -79,7 +80,8 @@ class ModelRunner:
             self.kv_tensors[pool_name] = torch.empty(*shape, arch.head_dim, dtype=storage_dtype,
                                                      device=device)
             if quantized:
-                self.kv_scales[pool_name] = torch.empty(*shape, 1, dtype=torch.float32, device=device)
+                self.kv_scales[pool_name] = torch.empty(*shape, int8_scale_groups(arch.head_dim),
+                                                        dtype=SCALE_DTYPE, device=device)
         # Windowed pools release blocks behind the window; their metadata says so.
         self.pool_windows = {name: window for name, window in zip(layer_pools, arch.layer_windows)}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor] | tuple[QuantizedKV, QuantizedKV]] = []
@@ -89,8 +91,9 @@ class ModelRunner:
             j = index_in_pool[pool_name]
             if quantized:
                 scales = self.kv_scales[pool_name]
-                self.kv_caches.append((QuantizedKV(tensor[j, 0], scales[j, 0], dtype),
-                                       QuantizedKV(tensor[j, 1], scales[j, 1], dtype)))
+                read_dtype = int8_read_dtype(dtype, device)
+                self.kv_caches.append((QuantizedKV(tensor[j, 0], scales[j, 0], read_dtype),
+                                       QuantizedKV(tensor[j, 1], scales[j, 1], read_dtype)))
             else:
                 self.kv_caches.append((tensor[j, 0], tensor[j, 1]))
             index_in_pool[pool_name] += 1
