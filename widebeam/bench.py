@@ -52,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-kv-limit", type=byte_size, default=byte_size("4GiB"),
                         help="skip transformers when its W x (P+N) KV would exceed this (default 4GiB; "
                              "transformers also copies it every step, so its peak is about twice that)")
-    add_engine_arguments(parser, ["kv_cache_memory", "tokens_per_block", "dtype", "linear_backend", "device"],
+    add_engine_arguments(parser, ["kv_cache_memory", "tokens_per_block", "dtype", "linear_backend", "device",
+                                  "kv_cache_dtype"],
                          kv_cache_memory={"default": "2GiB"},
                          dtype={"choices": BENCH_DTYPES,
                                 "help": "int8: int8 linear weights (widebeam and transformers alike), "

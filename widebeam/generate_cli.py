@@ -21,7 +21,8 @@ GENERATE_MAX_NEW_TOKENS = 32
 GENERATE_CATALOGUE_BEAM_WIDTH = 8
 CLI_CATALOGUE = "cli"  # the name `generate --catalogue` registers its file under
 # generate's engine options besides --model and the grouped ones; its beam width sets max_beam_width
-GENERATE_ENGINE_OPTIONS = ("dtype", "linear_backend", "device", "kv_cache_memory", "tokens_per_block")
+GENERATE_ENGINE_OPTIONS = ("dtype", "linear_backend", "device", "kv_cache_memory", "tokens_per_block",
+                           "kv_cache_dtype")
 
 
 def add_generate_parser(sub, help_text: str) -> None:

@@ -9,7 +9,14 @@ import torch
 
 from widebeam.llm import LLM
 from widebeam.model.attention import backends
-from widebeam.model.attention.quantized_kv import QuantizedKV, dequantize, quantize
+from widebeam.model.attention.quantized_kv import (
+    QuantizedKV,
+    dequantize,
+    is_pair,
+    quantize,
+    read_pair,
+    write_pair,
+)
 from widebeam.params import BeamSearchParams
 
 
@@ -29,15 +36,22 @@ def test_quantization_error_is_at_most_half_a_step():
     assert torch.equal(back[:, :, :32], quiet)  # a louder group does not coarsen a quieter one
 
 
-def test_a_quantized_cache_reads_back_what_was_written():
-    cache = QuantizedKV(torch.zeros(16, 2, 8, dtype=torch.int8), torch.zeros(16, 2, 1, dtype=torch.float16),
-                        torch.float32)
-    x = torch.randn(3, 2, 8)
+def test_a_layers_k_and_v_read_back_what_was_written():
+    k_cache, v_cache = QuantizedKV.pair(torch.zeros(2, 16, 2, 8, dtype=torch.int8),
+                                        torch.zeros(2, 16, 2, 1, dtype=torch.float16), torch.float32)
+    assert is_pair(k_cache, v_cache) and not is_pair(k_cache, k_cache.values)
+    k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8) * 5
     slots = torch.tensor([9, 2, 14])
-    cache.write(slots, x)
-    assert torch.allclose(cache.index_select(0, slots), x, atol=x.abs().max().item() / 127)
-    assert torch.equal(cache[2:3], cache.index_select(0, torch.tensor([2])))
-    assert cache.dtype == torch.float32 and cache.shape == (16, 2, 8)
+    write_pair(k_cache, v_cache, slots, k, v)
+    assert torch.allclose(k_cache.index_select(0, slots), k, atol=k.abs().max().item() / 127)
+    assert torch.allclose(v_cache.index_select(0, slots), v, atol=v.abs().max().item() / 127)
+    assert torch.equal(k_cache[2:3], k_cache.index_select(0, torch.tensor([2])))
+    pair_k, pair_v = read_pair(k_cache, v_cache, index=slots)  # one pass: the same as two
+    assert torch.equal(pair_k, k_cache.index_select(0, slots))
+    assert torch.equal(pair_v, v_cache.index_select(0, slots))
+    range_k, range_v = read_pair(k_cache, v_cache, 2, 10)
+    assert torch.equal(range_k, k_cache[2:10]) and torch.equal(range_v, v_cache[2:10])
+    assert k_cache.dtype == torch.float32 and k_cache.shape == (16, 2, 8)
 
 
 def beams(llm, prompt, width=4):

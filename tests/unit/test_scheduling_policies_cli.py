@@ -128,3 +128,25 @@ def test_bench_takes_the_linear_backend():
     assert build_parser().parse_args(["bench", "--linear-backend", "onednn"]).linear_backend == "onednn"
     with pytest.raises(InvalidParameterError, match="linear_backend"):
         EngineConfig.from_kwargs(linear_backend="fast")
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_kv_cache_dtype_reaches_the_engine(command, recorded, tmp_path):
+    """`--kv-cache-dtype` (#44) on serve, generate and batch; `auto` when not given."""
+    argv = [command, *COMMANDS[command]]
+    if command == "batch":
+        (tmp_path / "in.jsonl").write_text('{"prompt": "a"}\n')
+        argv = [command, str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl")]
+    for flags, expected in (([], "auto"), (["--kv-cache-dtype", "int8"], "int8")):
+        recorded.clear()
+        with pytest.raises(SystemExit) if command == "generate" else contextlib.nullcontext():
+            main([*argv, *flags])
+        assert recorded["kv_cache_dtype"] == expected, recorded
+
+
+def test_a_kv_cache_dtype_the_engine_lacks_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "a prompt", "--kv-cache-dtype", "int4"])
+    assert "--kv-cache-dtype" in capsys.readouterr().err
+    with pytest.raises(InvalidParameterError, match="kv_cache_dtype"):
+        EngineConfig.from_kwargs(kv_cache_dtype="int4")

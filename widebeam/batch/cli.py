@@ -25,7 +25,7 @@ from widebeam.engine_args import (
 
 # the engine options of every replica besides --model and the grouped ones (prefix cache, scheduling)
 BATCH_ENGINE_OPTIONS = ("dtype", "linear_backend", "device", "kv_cache_memory", "tokens_per_block",
-                        "max_beam_width", "max_num_batched_tokens")
+                        "max_beam_width", "max_num_batched_tokens", "kv_cache_dtype")
 
 
 def add_batch_parser(sub, help_text: str) -> argparse.ArgumentParser:

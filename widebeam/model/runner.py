@@ -92,8 +92,7 @@ class ModelRunner:
             if quantized:
                 scales = self.kv_scales[pool_name]
                 read_dtype = int8_read_dtype(dtype, device)
-                self.kv_caches.append((QuantizedKV(tensor[j, 0], scales[j, 0], read_dtype),
-                                       QuantizedKV(tensor[j, 1], scales[j, 1], read_dtype)))
+                self.kv_caches.append(QuantizedKV.pair(tensor[j], scales[j], read_dtype))
             else:
                 self.kv_caches.append((tensor[j, 0], tensor[j, 1]))
             index_in_pool[pool_name] += 1

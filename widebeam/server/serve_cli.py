@@ -37,7 +37,8 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 EXIT_INTERRUPTED = 130
 # the engine options besides --model and the grouped ones (speculative, prefix cache, scheduling)
 SERVE_ENGINE_OPTIONS = ("kv_cache_memory", "kv_cache_fraction", "max_beam_width", "max_seq_len",
-                        "tokens_per_block", "dtype", "linear_backend", "device", "max_num_batched_tokens")
+                        "tokens_per_block", "dtype", "linear_backend", "device", "max_num_batched_tokens",
+                        "kv_cache_dtype")
 
 log = logging.getLogger("widebeam.server")
 

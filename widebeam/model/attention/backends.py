@@ -33,7 +33,7 @@ from widebeam.model.attention.metadata import (
     build_decode_groups,
     sequence_keys,
 )
-from widebeam.model.attention.quantized_kv import QuantizedKV
+from widebeam.model.attention.quantized_kv import QuantizedKV, is_pair, read_pair
 
 DEFAULT_ATTENTION_BACKEND = "sdpa"
 # Decode groups of at least this many query rows (beams x grouped heads) read the shared prefix through
@@ -119,6 +119,22 @@ def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
 
 
+def _gather_kv(k_cache, v_cache, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k_cache[slots], v_cache[slots]); an int8 layer's K and V dequantized in one pass."""
+    if is_pair(k_cache, v_cache):
+        k, v = read_pair(k_cache, v_cache, index=slots.reshape(-1))
+        return k.view(*slots.shape, *k.shape[1:]), v.view(*slots.shape, *v.shape[1:])
+    return _gather(k_cache, slots), _gather(v_cache, slots)
+
+
+def _range_kv(k_cache, v_cache, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k_cache[start:end], v_cache[start:end]): views of a float cache; an int8 layer's K and V
+    dequantized in one pass."""
+    if is_pair(k_cache, v_cache):
+        return read_pair(k_cache, v_cache, start, end)
+    return k_cache[start:end], v_cache[start:end]
+
+
 @register_attention_backend
 class ReferenceBackend(AttentionBackend):
     """One sequence at a time, plain float32 matmuls, every head of a KV group spelled out."""
@@ -168,8 +184,8 @@ class SdpaBackend(AttentionBackend):
             out.index_copy_(0, group.token_index,
                             _attend_group(rows, k_cache, v_cache, group, scale, position_bias))
         for seq in meta.sequences:
-            k = _gather(k_cache, seq.key_slots).transpose(0, 1)[None]  # [1, KV, S, d]
-            v = _gather(v_cache, seq.key_slots).transpose(0, 1)[None]
+            k, v = _gather_kv(k_cache, v_cache, seq.key_slots)
+            k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, KV, S, d]
             causal = seq.causal and position_bias is None
             mask = None if causal else seq.mask[None, None]
             if position_bias is not None:  # the bias rides in the float mask: -inf where hidden
@@ -210,8 +226,8 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return _attend_in_place(q, k_cache, v_cache, group.key_ranges, scale)
     if not group.prefix_tokens:
         # Nothing shared: each row attends its own keys, which PyTorch's fused kernel does best.
-        k = _gather(k_cache, group.suffix_slots).transpose(1, 2)  # [B, KV, S, d]
-        v = _gather(v_cache, group.suffix_slots).transpose(1, 2)
+        k, v = _gather_kv(k_cache, v_cache, group.suffix_slots)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, KV, S, d]
         mask = group.suffix_mask[:, None, None, :]
         if position_bias is not None:  # [H, B, S] -> [B, H, 1, S]
             mask = _biased_mask(position_bias.group_suffix(group).transpose(0, 1)[:, :, None, :], mask,
@@ -267,6 +283,14 @@ def _prefix(cache: torch.Tensor, group: DecodeGroup, start: int = 0, end: int | 
     return _gather(cache, group.prefix_slots[start:end])
 
 
+def _prefix_kv(k_cache, v_cache, group: DecodeGroup, start: int,
+               end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_prefix` of K and V (an int8 layer's both in one pass)."""
+    if group.prefix_start is not None:
+        return _range_kv(k_cache, v_cache, group.prefix_start + start, group.prefix_start + end)
+    return _gather_kv(k_cache, v_cache, group.prefix_slots[start:end])
+
+
 def _prefix_attention(q_rows: torch.Tensor, k_cache, v_cache, group: DecodeGroup) -> tuple[torch.Tensor,
                                                                                           torch.Tensor]:
     """q_rows [KV, B*G, d] (scaled) against the group's shared prefix through PyTorch's fused CPU kernel:
@@ -278,7 +302,7 @@ def _prefix_attention(q_rows: torch.Tensor, k_cache, v_cache, group: DecodeGroup
     out = lse = None
     for start in range(0, num_tokens, chunk):
         end = min(start + chunk, num_tokens)
-        k, v = _prefix(k_cache, group, start, end), _prefix(v_cache, group, start, end)  # [n, KV, d]
+        k, v = _prefix_kv(k_cache, v_cache, group, start, end)  # [n, KV, d]
         part_out, part_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q_rows[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], 0.0, False, scale=1.0)[:2]
         part_out, part_lse = part_out[0].float(), part_lse[0].float()[..., None]  # [KV, B*G, d], [.., 1]
@@ -320,14 +344,14 @@ def _attend_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     (1.8x faster than the gathered batch for one row of 544 keys: no copy of its K/V per layer)."""
     if len(key_ranges) == 1:  # width 1: the kernel's output is the answer, no copy into `out`
         first_slot, num_keys = key_ranges[0]
-        k = k_cache[first_slot:first_slot + num_keys].transpose(0, 1)[None]  # [1, KV, S, d], a view
-        v = v_cache[first_slot:first_slot + num_keys].transpose(0, 1)[None]
+        k, v = _range_kv(k_cache, v_cache, first_slot, first_slot + num_keys)
+        k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, KV, S, d], views of a float cache
         return fused_attention(q.transpose(0, 1)[None], k, v, scale=scale,
                                               enable_gqa=True)[0].transpose(0, 1)
     out = torch.empty_like(q)
     for row, (first_slot, num_keys) in enumerate(key_ranges):
-        k = k_cache[first_slot:first_slot + num_keys].transpose(0, 1)[None]  # [1, KV, S, d], a view
-        v = v_cache[first_slot:first_slot + num_keys].transpose(0, 1)[None]
+        k, v = _range_kv(k_cache, v_cache, first_slot, first_slot + num_keys)
+        k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, KV, S, d], views of a float cache
         out[row] = fused_attention(q[row, :, None, :][None], k, v, scale=scale,
                                                   enable_gqa=True)[0, :, 0, :]
     return out

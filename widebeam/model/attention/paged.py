@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from widebeam.model.attention.metadata import AttentionMetadata, PositionBias
-from widebeam.model.attention.quantized_kv import QuantizedKV
+from widebeam.model.attention.quantized_kv import QuantizedKV, write_pair
 
 
 def write_kv(k_cache: torch.Tensor | QuantizedKV, v_cache: torch.Tensor | QuantizedKV, k: torch.Tensor,
@@ -20,8 +20,7 @@ def write_kv(k_cache: torch.Tensor | QuantizedKV, v_cache: torch.Tensor | Quanti
     """Store the new tokens' K/V ([num_tokens, kv_heads, head_dim]) at their slots (an int8 cache
     quantizes them there)."""
     if isinstance(k_cache, QuantizedKV):
-        k_cache.write(slot_mapping, k)
-        v_cache.write(slot_mapping, v)
+        write_pair(k_cache, v_cache, slot_mapping, k, v)
         return
     k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))

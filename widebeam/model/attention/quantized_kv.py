@@ -67,12 +67,24 @@ def int8_read_dtype(model_dtype: torch.dtype, device: torch.device) -> torch.dty
 
 class QuantizedKV:
     """One layer's K (or V): `values` int8 [num_slots, kv_heads, head_dim] and `scales` float16
-    [num_slots, kv_heads, groups] (views of the runner's pool tensors). Reads come back in `read_dtype`."""
+    [num_slots, kv_heads, groups]. Reads come back in `read_dtype`.
 
-    def __init__(self, values: torch.Tensor, scales: torch.Tensor, read_dtype: torch.dtype):
-        self.values = values
-        self.scales = scales
+    A layer's K and V are one pair (`QuantizedKV.pair`): `pair_values` [2, num_slots, kv_heads,
+    head_dim] and `pair_scales` (the runner's pool tensors at the layer), K at 0 and V at 1, so a write
+    quantizes both in one pass and `read_pair` dequantizes both at once: half the kernel launches of
+    the step's K/V work, which at one beam is most of what an int8 cache adds."""
+
+    def __init__(self, pair_values: torch.Tensor, pair_scales: torch.Tensor, index: int,
+                 read_dtype: torch.dtype):
+        self.pair_values, self.pair_scales = pair_values, pair_scales
+        self.values, self.scales = pair_values[index], pair_scales[index]
         self.read_dtype = read_dtype
+
+    @classmethod
+    def pair(cls, values: torch.Tensor, scales: torch.Tensor,
+             read_dtype: torch.dtype) -> tuple[QuantizedKV, QuantizedKV]:
+        """(K, V) over one layer's [2, num_slots, ...] values and scales."""
+        return cls(values, scales, 0, read_dtype), cls(values, scales, 1, read_dtype)
 
     @property
     def shape(self) -> torch.Size:
@@ -100,8 +112,28 @@ class QuantizedKV:
             raise TypeError("a quantized KV cache is read by slot ranges or index_select")
         return dequantize(self.values[key], self.scales[key], self.read_dtype)
 
-    def write(self, slots: torch.Tensor, x: torch.Tensor) -> None:
-        """Quantize x [tokens, kv_heads, head_dim] into `slots`."""
-        values, scales = quantize(x)
-        self.values.index_copy_(0, slots, values)
-        self.scales.index_copy_(0, slots, scales)
+
+def is_pair(k_cache, v_cache) -> bool:
+    """Whether (k_cache, v_cache) are one layer's int8 K and V."""
+    return isinstance(k_cache, QuantizedKV) and k_cache.pair_values is getattr(v_cache, "pair_values", None)
+
+
+def write_pair(k_cache: QuantizedKV, v_cache: QuantizedKV, slots: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> None:
+    """Quantize k and v [tokens, kv_heads, head_dim] into `slots`, both in one pass."""
+    num_tokens = k.shape[0]
+    values, scales = quantize(torch.cat((k, v)))  # [2 x tokens, kv_heads, ...]: K's tokens, then V's
+    k_cache.pair_values.index_copy_(1, slots, values.view(2, num_tokens, *values.shape[1:]))
+    k_cache.pair_scales.index_copy_(1, slots, scales.view(2, num_tokens, *scales.shape[1:]))
+
+
+def read_pair(k_cache: QuantizedKV, v_cache: QuantizedKV, start: int | None = None, end: int | None = None,
+              index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(K, V) of slots start..end, or of the slots `index`, dequantized in one pass."""
+    if index is not None:
+        values = k_cache.pair_values.index_select(1, index)
+        scales = k_cache.pair_scales.index_select(1, index)
+    else:
+        values, scales = k_cache.pair_values[:, start:end], k_cache.pair_scales[:, start:end]
+    k, v = dequantize(values, scales, k_cache.read_dtype).unbind(0)
+    return k, v
