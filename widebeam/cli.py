@@ -62,7 +62,9 @@ def _add_batch(sub, help_text: str) -> None:
 def _add_bench(sub, help_text: str) -> None:
     from widebeam import bench
 
-    b = sub.add_parser("bench", help=help_text)
+    b = sub.add_parser("bench", help=help_text,
+                       description=f"{help_text}. `widebeam bench serve --help`: load against a running "
+                                   "server (open loop, vLLM's conventions).")
     bench.add_arguments(b)
     b.set_defaults(func=_cmd_bench)
 
@@ -81,6 +83,10 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:2] == ["bench", "serve"]:  # the load generator: a client with its own flags, no engine
+        from widebeam.bench_serve.cli import main as bench_serve_main
+
+        return bench_serve_main(argv[2:])
     parser = build_parser(argv[0] if argv and argv[0] in COMMANDS else None)
     args = parser.parse_args(argv)
     subparser = parser._subparsers._group_actions[0].choices[args.command]  # type: ignore[union-attr]
