@@ -83,8 +83,18 @@ class SchedulerConfig:
     # max_utilization: a request preempted this many times next runs under the guaranteed policy's
     # reservation (never preempted again), before any newer request is admitted
     max_preemptions: int = DEFAULT_MAX_PREEMPTIONS
+    # The waiting queue's bounds (None: unbounded, as offline batches queue every prompt at once): past
+    # either, add_request raises QueueFullError (a server's 429) instead of queueing. Blocks: the waiting
+    # requests' reservations summed, per pool.
+    max_waiting_requests: int | None = None
+    max_waiting_blocks: int | None = None
 
     def __post_init__(self) -> None:
+        for name in ("max_waiting_requests", "max_waiting_blocks"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise InvalidParameterError(name, f"{{{name}}} must be an integer >= 1, got {{value!r}}",
+                                            value=value)
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise InvalidParameterError("scheduling_policy", "{scheduling_policy} must be one of "
                                         f"{', '.join(SCHEDULING_POLICIES)}, got {{value!r}}",
@@ -167,7 +177,8 @@ class EngineConfig:
                     speculative_method: str | None = None, speculative_dtype: str | None = None,
                     speculative_adaptive: bool = True, enable_prefix_caching: bool = True,
                     pinned_prefixes=(), scheduling_policy: str = "guaranteed_no_evict",
-                    max_preemptions: int = DEFAULT_MAX_PREEMPTIONS) -> EngineConfig:
+                    max_preemptions: int = DEFAULT_MAX_PREEMPTIONS, max_waiting_requests: int | None = None,
+                    max_waiting_blocks: int | None = None) -> EngineConfig:
         """The flat keyword arguments `LLMEngine` and `LLM` take, grouped. Speculation is on when
         `speculative_model` or `speculative_method` is given (the method defaults to "draft" with a
         model, and D to 4)."""
@@ -184,7 +195,7 @@ class EngineConfig:
                                bool(enable_prefix_caching),
                                _pinned_prefixes(pinned_prefixes, enable_prefix_caching), kv_cache_dtype),
                    SchedulerConfig(max_num_batched_tokens, max_beam_width, max_seq_len, scheduling_policy,
-                                   max_preemptions), speculative)
+                                   max_preemptions, max_waiting_requests, max_waiting_blocks), speculative)
 
 
 def _pinned_prefixes(prefixes, enable_prefix_caching: bool) -> tuple[str | tuple[int, ...], ...]:

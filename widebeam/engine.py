@@ -41,6 +41,7 @@ from widebeam.request import Request
 from widebeam.request_checks import check_request
 from widebeam.sched.admission import admit_check
 from widebeam.sched.preemption import make_scheduler
+from widebeam.sched.queue_bound import WaitingQueueBound
 from widebeam.score_params import ScoreParams
 from widebeam.speculative.drafting import Drafting
 from widebeam.speculative.round import SequenceRound, number_verify_rows
@@ -99,6 +100,9 @@ class LLMEngine:
                                         self.drafting.num_draft_tokens)
         self._requests: dict[str, Request] = {}
         self._num_rejected = 0
+        # the waiting queue's bound (None: unbounded): past it a request is refused, not queued
+        self.queue_bound = WaitingQueueBound(sched_config.max_waiting_requests,
+                                             sched_config.max_waiting_blocks)
         # The last finished requests' KV blocks per pool, required (admission's bound) vs peak (held at
         # once): `stats()["recent_requests"]`, drawn by the web page's capacity panel.
         self._recent_requests: deque[dict] = deque(maxlen=RECENT_REQUESTS)
@@ -148,6 +152,9 @@ class LLMEngine:
             if request_id not in self._requests:  # a request id in use is no rejected request
                 self._num_rejected += 1
             raise
+        # a valid request the queue has no room for: refused before anything of it is held
+        self.queue_bound.check((r.admission.required_blocks for r in self.scheduler.waiting),
+                               admission.required_blocks)
         if scoring:  # forced rows along the continuations, raw log-probs: no processor, no forced token
             decoder = ScoringDecoder(params)
         else:
@@ -199,6 +206,9 @@ class LLMEngine:
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "rejected": self._num_rejected,
+            "queue": {"max_waiting_requests": self.queue_bound.max_waiting_requests,
+                      "max_waiting_blocks": self.queue_bound.max_waiting_blocks,
+                      "refused": self.queue_bound.num_refused},
             "scheduling": self.scheduler.stats(),  # policy, preemptions, recomputed_tokens
             "recent_requests": list(self._recent_requests),
             "prefix_cache": {"enabled": cache.enable_prefix_caching,
@@ -285,6 +295,7 @@ class LLMEngine:
                                           "required_blocks": dict(delta.output.required_blocks),
                                           "peak_blocks": dict(delta.output.peak_blocks)})
         if delta.finished:
+            self.queue_bound.record_finish()
             self.scheduler.remove(request)
             del self._requests[request.request_id]
         deltas.append(delta)

@@ -153,6 +153,17 @@ class RequestTooLargeError(_TemplatedError, ValueError):
         return msg
 
 
+class QueueFullError(WidebeamError, RuntimeError):
+    """The engine's waiting queue is at its bound (`max_waiting_requests`, `max_waiting_blocks`): the request
+    was not queued (nothing of it is held). `retry_after_s`: when the queue should have room, estimated from
+    the recent rate of finished requests (the server's 429 `Retry-After`)."""
+
+    def __init__(self, message: str, retry_after_s: int, setting: str):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.setting = setting
+
+
 class CacheTooSmallError(WidebeamError, ValueError):
     """Start-up sizing cannot honour a setting (e.g. max_seq_len larger than the pool's token capacity)."""
 

@@ -14,6 +14,7 @@ from widebeam.cli import build_parser
 from widebeam.config import EngineConfig
 from widebeam.defaults import DTYPES, FLOAT_DTYPES
 from widebeam.engine_args import OPTIONS, engine_config, engine_kwargs
+from widebeam.server.serve_cli import SERVE_MAX_WAITING_REQUESTS
 
 COMMANDS = {"serve": [], "generate": ["a prompt"], "batch": ["in.jsonl", "out.jsonl"], "plan": [],
             "bench": []}
@@ -50,8 +51,9 @@ def test_parsed_options_become_the_engines_config():
         "bfloat16", 3 * 2**30, 99)
     assert (config.speculative.method, config.speculative.num_speculative_tokens) == ("ngram", 6)
     assert config.cache.enable_prefix_caching is False and "pinned_prefixes" not in engine_kwargs(args)
-    # nothing given: the config's own defaults
-    assert engine_config(build_parser().parse_args(["serve"])) == EngineConfig.from_kwargs(args.model)
+    # nothing given: the config's own defaults, but a server bounds its waiting queue
+    assert engine_config(build_parser().parse_args(["serve"])) == EngineConfig.from_kwargs(
+        args.model, max_waiting_requests=SERVE_MAX_WAITING_REQUESTS)
 
 
 def test_a_front_end_default_overrides_the_configs():
@@ -59,6 +61,8 @@ def test_a_front_end_default_overrides_the_configs():
     assert parser.parse_args(["generate", "hi"]).kv_cache_memory == 2**30
     assert parser.parse_args(["bench"]).kv_cache_memory == 2 * 2**30
     assert parser.parse_args(["serve"]).kv_cache_memory is None
+    assert parser.parse_args(["serve"]).max_waiting_requests == SERVE_MAX_WAITING_REQUESTS
+    assert EngineConfig.from_kwargs().scheduler.max_waiting_requests is None  # offline: unbounded
     assert parser.parse_args(["plan"]).dtype == "bfloat16"
     assert OPTIONS["speculative_dtype"].choices == FLOAT_DTYPES
 

@@ -120,7 +120,7 @@ async def _send_error(send, status: int, message: str, code: str | None = None, 
 
 
 def _error_response(error: s.ApiError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status_code)
+    return JSONResponse(error.body(), status_code=error.status_code, headers=error.headers)
 
 
 def _validation_message(errors) -> tuple[str, str | None]:

@@ -25,6 +25,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from widebeam.errors import QueueFullError
 from widebeam.outputs import RequestDelta
 from widebeam.response_format import GRAMMAR_COMPILE_TIMEOUT_S
 from widebeam.server import schemas as s
@@ -257,6 +258,9 @@ class EngineLoop:
                 self.engine.abort(request_id)
             if isinstance(exc, ValueError):
                 return exc
+            if isinstance(exc, QueueFullError):  # the bounded queue: a 429 naming what is full, never a wait
+                return s.ApiError(429, str(exc), param=exc.setting, code="queue_full",
+                                  type="rate_limit_error", headers={"Retry-After": str(exc.retry_after_s)})
             log.exception("add_request failed")
             return s.ApiError(500, f"internal error while admitting the request: {exc}", type="server_error")
         return num_prompt_tokens

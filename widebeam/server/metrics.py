@@ -47,7 +47,10 @@ class _EngineCollector:
             free.add_metric([pool], s["free_blocks"])
             evictable.add_metric([pool], s.get("evictable_blocks", 0))
             pinned.add_metric([pool], s.get("pinned_blocks", 0))
-        yield from (running, waiting, rejected, total, free, evictable, pinned)
+        refused = CounterMetricFamily("widebeam_requests_queue_full",
+                                      "Requests refused with 429: the waiting queue at its bound")
+        refused.add_metric([], stats.get("queue", {}).get("refused", 0))
+        yield from (running, waiting, rejected, refused, total, free, evictable, pinned)
         if "prefix_cache" in stats:
             yield from _prefix_cache_metrics(stats["prefix_cache"])
         if "speculative" in stats:

@@ -37,13 +37,14 @@ class ApiError(Exception):
     """An error answered as an OpenAI error object: {"error": {message, type, param, code}}."""
 
     def __init__(self, status_code: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error"):
+                 type: str = "invalid_request_error", headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status_code = status_code
         self.message = message
         self.param = param
         self.code = code
         self.type = type
+        self.headers = headers  # e.g. a 429's Retry-After
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)

@@ -22,6 +22,7 @@ from widebeam.argtypes import byte_size as _byte_size
 from widebeam.argtypes import int_at_least as _int_at_least
 from widebeam.engine_args import (
     PREFIX_CACHE,
+    QUEUE_BOUNDS,
     SCHEDULING,
     SPECULATIVE,
     add_engine_arguments,
@@ -36,6 +37,7 @@ API_KEY_ENV = "WIDEBEAM_API_KEY"
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 EXIT_INTERRUPTED = 130
 # the engine options besides --model and the grouped ones (speculative, prefix cache, scheduling)
+SERVE_MAX_WAITING_REQUESTS = 256  # the waiting queue's default bound under `serve` (unbounded offline)
 SERVE_ENGINE_OPTIONS = ("kv_cache_memory", "kv_cache_fraction", "max_beam_width", "max_seq_len",
                         "tokens_per_block", "dtype", "linear_backend", "device", "max_num_batched_tokens",
                         "kv_cache_dtype")
@@ -114,7 +116,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    metavar="NAME:SUBSET=PATH",
                    help="a named subset of catalogue NAME's item indices (.npy, or integers in a text or "
                         "JSON file): requests send \"catalogue_subset\": SUBSET (repeatable)")
-    add_engine_arguments(p, [*SPECULATIVE, *PREFIX_CACHE, *SCHEDULING])
+    # a server bounds its queue (sched/queue_bound.py): overload is answered with 429, never a silent wait
+    add_engine_arguments(p, [*SPECULATIVE, *PREFIX_CACHE, *SCHEDULING, *QUEUE_BOUNDS],
+                         max_waiting_requests={"default": SERVE_MAX_WAITING_REQUESTS})
     r = p.add_argument_group("replicas on Ray Serve (pip install 'widebeam[ray]')")
     r.add_argument("--replicas", type=_int_at_least(1), default=None,
                    help="serve N engine replicas behind Ray Serve (one GPU each where there are GPUs)")
