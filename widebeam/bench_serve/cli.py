@@ -176,6 +176,8 @@ def print_summary(result: dict) -> None:
                        ("Beams per second:", "beams_per_s"), ("Items per second:", "items_per_s"),
                        ("Invalid items:", "invalid_items")]:
         value = result[key]
+        if key in ("beams_per_s", "items_per_s") and not value:
+            continue  # no beam or catalogue requests in this workload
         if value is not None:
             print(f"{label:<40}{value:.2f}" if isinstance(value, float) else f"{label:<40}{value}")
     causes = (("rejected", result["rejected_by_status"]), ("failed", result["failed_by_reason"]))

@@ -39,11 +39,13 @@ def plot_sweep(runs: list[dict], path: Path, percentiles: list[float]) -> Path |
                       key=lambda r: positions[r["request_rate"]])
         xs = [positions[r["request_rate"]] for r in rows]
         tag = f" {server}" if len(servers) > 1 else ""
-        for metric in ("ttft", "e2el"):
+        # a beam answer's TTFT is its e2el (it arrives whole): distinct markers keep both visible
+        for metric, marker in (("ttft", "s"), ("e2el", "o")):
             for key, style in [("median", ":"), *((percentile_key(p), "-") for p in percentiles)]:
                 ys = [r.get(f"{key}_{metric}_ms") for r in rows]
                 if any(y is not None for y in ys):
-                    latency_ax.plot(xs, [math.nan if y is None else y for y in ys], style, marker="o",
+                    latency_ax.plot(xs, [math.nan if y is None else y for y in ys], style, marker=marker,
+                                    fillstyle="none" if metric == "ttft" else "full",
                                     label=f"{key} {metric}{tag}")
         rate_ax.plot(xs, [r["request_throughput"] for r in rows], "-", marker="o", label=f"completed/s{tag}")
         if any(r.get("request_goodput") is not None for r in rows):
