@@ -148,6 +148,7 @@ def test_rejected_and_failed_are_told_apart(fake):
                                           "stream_error": 1}
     assert outcome.duration_s < 3, "the timed-out request was not cut at its timeout"
     assert any("scripted 429" in e for e in result["errors"])
+    assert result["rejected_429_without_retry_after"] == 0  # the fake sends Retry-After
 
 
 def test_warmups_are_sent_first_and_left_out(fake):

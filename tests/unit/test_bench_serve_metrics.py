@@ -34,6 +34,8 @@ def records() -> list[RequestRecord]:
         RequestRecord(GENREC, done, latency_s=2.0, ttft_s=2.0, num_text_chunks=1, output_tokens=12,
                       num_choices=4, choice_texts=["a", " b", "z", "a"]),
         RequestRecord(CHAT, Outcome.REJECTED, latency_s=0.01, http_status=429, reason="429", error="full"),
+        RequestRecord(CHAT, Outcome.REJECTED, latency_s=0.01, http_status=429, reason="429", error="full",
+                      retry_after="2"),
         RequestRecord(GENREC, Outcome.REJECTED, latency_s=0.01, http_status=400, reason="400", error="never"),
         RequestRecord(CHAT, Outcome.FAILED, latency_s=0.3, http_status=500, reason="500", error="boom"),
         RequestRecord(CHAT, Outcome.FAILED, latency_s=3.0, reason="timeout", error="slow"),
@@ -48,10 +50,11 @@ def test_vllm_keys_are_there():
 
 def test_counts_rejected_apart_from_failed():
     result = compute_result(records(), DURATION_S)
-    assert (result["completed"], result["rejected"], result["failed"]) == (3, 2, 2)
-    assert result["rejected_by_status"] == {"400": 1, "429": 1}
+    assert (result["completed"], result["rejected"], result["failed"]) == (3, 3, 2)
+    assert result["rejected_by_status"] == {"400": 1, "429": 2}
+    assert result["rejected_429_without_retry_after"] == 1
     assert result["failed_by_reason"] == {"500": 1, "timeout": 1}
-    assert sorted(result["errors"]) == ["boom", "full", "never", "slow"]
+    assert sorted(result["errors"]) == ["boom", "full", "full", "never", "slow"]
 
 
 def test_latency_statistics_by_hand():

@@ -184,6 +184,8 @@ def print_summary(result: dict) -> None:
     for bucket, counts in causes:
         if counts:
             print(f"{bucket + ' by cause:':<40}{counts}")
+    if result["rejected_429_without_retry_after"]:
+        print(f"{'429s without Retry-After:':<40}{result['rejected_429_without_retry_after']}")
     for metric, title in (("ttft", "Time to first token"), ("tpot", "Time per output token (excl. 1st)"),
                           ("itl", "Inter-token latency"), ("e2el", "End-to-end latency")):
         keys = [k for k in result if k.endswith(f"_{metric}_ms") and result[k] is not None

@@ -53,8 +53,8 @@ def _fail(record: RequestRecord, reason: str, error: str) -> None:
     record.outcome, record.reason, record.error = Outcome.FAILED, reason, error[:MAX_ERROR_CHARS]
 
 
-def _http_error(record: RequestRecord, status: int, text: str) -> None:
-    record.http_status = status
+def _http_error(record: RequestRecord, status: int, text: str, headers: httpx.Headers) -> None:
+    record.http_status, record.retry_after = status, headers.get("retry-after")
     try:
         message = json.loads(text)["error"]["message"]
     except (ValueError, KeyError, TypeError):
@@ -81,7 +81,7 @@ async def _whole(client: httpx.AsyncClient, spec: RequestSpec, record: RequestRe
     response = await client.post(spec.endpoint, json=spec.body)
     record.http_status = response.status_code
     if response.status_code != 200:
-        _http_error(record, response.status_code, response.text)
+        _http_error(record, response.status_code, response.text, response.headers)
         return
     body = response.json()
     texts = [_choice_text(c) for c in body.get("choices", ())]
@@ -98,7 +98,8 @@ async def _streamed(client: httpx.AsyncClient, spec: RequestSpec, record: Reques
     async with client.stream("POST", spec.endpoint, json=spec.body) as response:
         record.http_status = response.status_code
         if response.status_code != 200:
-            _http_error(record, response.status_code, (await response.aread()).decode(errors="replace"))
+            text = (await response.aread()).decode(errors="replace")
+            _http_error(record, response.status_code, text, response.headers)
             return
         async for line in response.aiter_lines():
             if not line.startswith("data:"):

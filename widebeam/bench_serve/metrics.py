@@ -14,7 +14,8 @@ Conventions (the same as vLLM's unless said):
   to a request without a TPOT), per second; null without `--goodput`.
 - `failed` (5xx, timeouts, connection errors, cut or errored streams) is counted apart from `rejected`
   (HTTP 4xx, 429 included: refused at admission, the client was told); `failed_by_reason` and
-  `rejected_by_status` break them down. vLLM's `failed` counts both.
+  `rejected_by_status` break them down (`rejected_429_without_retry_after`: 429s that did not say when
+  to come back). vLLM's `failed` counts both.
 - `invalid_items`: returned catalogue choices whose text is not an item of `--catalogue-path` (null when
   no catalogue file was given: the client cannot tell).
 """
@@ -103,6 +104,9 @@ def compute_result(records: Sequence[RequestRecord], duration_s: float, *,
         "failed": len(failed),
         "rejected": len(rejected),
         "rejected_by_status": dict(sorted(Counter(r.reason for r in rejected).items())),
+        # a 429 should say when to come back; one that does not leaves the client guessing
+        "rejected_429_without_retry_after": sum(r.http_status == 429 and r.retry_after is None
+                                                for r in rejected),
         "failed_by_reason": dict(sorted(Counter(r.reason for r in failed).items())),
         "total_input_tokens": input_tokens,
         "total_output_tokens": output_tokens,

@@ -42,6 +42,7 @@ class RequestRecord:
     num_choices: int = 0
     choice_texts: list[str] = field(default_factory=list)
     http_status: int | None = None
+    retry_after: str | None = None  # a refusal's Retry-After header: when to come back
     reason: str = ""  # why it was rejected or failed: the HTTP status, "timeout", "stream_cut", ...
     error: str = ""  # the server's message or the exception, for the result's `errors`
 
