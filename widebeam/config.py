@@ -88,6 +88,9 @@ class SchedulerConfig:
     # requests' reservations summed, per pool.
     max_waiting_requests: int | None = None
     max_waiting_blocks: int | None = None
+    # A queue head that does not fit preempts running requests of a lower priority (sched/scheduler.py);
+    # admission then counts every request's re-feed after a preemption.
+    priority_preemption: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_waiting_requests", "max_waiting_blocks"):
@@ -178,7 +181,7 @@ class EngineConfig:
                     speculative_adaptive: bool = True, enable_prefix_caching: bool = True,
                     pinned_prefixes=(), scheduling_policy: str = "guaranteed_no_evict",
                     max_preemptions: int = DEFAULT_MAX_PREEMPTIONS, max_waiting_requests: int | None = None,
-                    max_waiting_blocks: int | None = None) -> EngineConfig:
+                    max_waiting_blocks: int | None = None, priority_preemption: bool = False) -> EngineConfig:
         """The flat keyword arguments `LLMEngine` and `LLM` take, grouped. Speculation is on when
         `speculative_model` or `speculative_method` is given (the method defaults to "draft" with a
         model, and D to 4)."""
@@ -195,7 +198,8 @@ class EngineConfig:
                                bool(enable_prefix_caching),
                                _pinned_prefixes(pinned_prefixes, enable_prefix_caching), kv_cache_dtype),
                    SchedulerConfig(max_num_batched_tokens, max_beam_width, max_seq_len, scheduling_policy,
-                                   max_preemptions, max_waiting_requests, max_waiting_blocks), speculative)
+                                   max_preemptions, max_waiting_requests, max_waiting_blocks,
+                                   bool(priority_preemption)), speculative)
 
 
 def _pinned_prefixes(prefixes, enable_prefix_caching: bool) -> tuple[str | tuple[int, ...], ...]:

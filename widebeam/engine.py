@@ -66,7 +66,8 @@ class LLMEngine:
         cache_config, sched_config = config.cache, config.scheduler
         self.max_beam_width = sched_config.max_beam_width
         # a preempted request re-feeds each beam into blocks of its own: a schedule's bound counts that
-        self._preempts = sched_config.scheduling_policy == "max_utilization"
+        self._preempts = (sched_config.scheduling_policy == "max_utilization"
+                          or sched_config.priority_preemption)
         self.device = torch.device(config.model.device) if config.model.device else default_device()
         self.dtype = config.model.dtype
         loaded = load_workers(config, model, self.device)
@@ -97,7 +98,7 @@ class LLMEngine:
         self.drafting = Drafting(config, loaded.drafter, self.cache)
         self.scheduler = make_scheduler(sched_config.scheduling_policy, self.cache,
                                         sched_config.max_num_batched_tokens, sched_config.max_preemptions,
-                                        self.drafting.num_draft_tokens)
+                                        self.drafting.num_draft_tokens, sched_config.priority_preemption)
         self._requests: dict[str, Request] = {}
         self._num_rejected = 0
         # the waiting queue's bound (None: unbounded): past it a request is refused, not queued

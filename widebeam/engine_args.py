@@ -174,6 +174,10 @@ OPTIONS: dict[str, EngineOption] = {o.kwarg: o for o in (
     EngineOption("max_waiting_blocks", _Sched, "KV blocks the waiting requests may reserve in any one pool "
                  "(their worst cases summed); past it a request is refused (HTTP 429)", type=int_at_least(1),
                  metavar="B", default=None, unset_help="unbounded", group=SCHEDULING_GROUP),
+    EngineOption("priority_preemption", _Sched, "a queued request that does not fit preempts running "
+                 "requests of a lower priority (the request field `priority`, lower first); admission then "
+                 "counts each request's re-feed after a preemption", flag="--priority-preemption",
+                 action="store_true", default=False, group=SCHEDULING_GROUP),
     EngineOption("enable_prefix_caching", _Cache, "recompute every prompt", flag="--no-prefix-caching",
                  action="store_true", default=False, to_kwarg=lambda off: not off, group=PREFIX_CACHE_GROUP),
     EngineOption("pinned_prefixes", _Cache, "a prefix computed at start-up and never evicted (a system "
@@ -184,7 +188,7 @@ OPTIONS: dict[str, EngineOption] = {o.kwarg: o for o in (
 
 SPECULATIVE = ("speculative_model", "num_speculative_tokens", "speculative_method", "speculative_dtype")
 SCHEDULING = ("scheduling_policy", "max_preemptions")
-QUEUE_BOUNDS = ("max_waiting_requests", "max_waiting_blocks")
+QUEUE_BOUNDS = ("max_waiting_requests", "max_waiting_blocks", "priority_preemption")
 PREFIX_CACHE = ("enable_prefix_caching", "pinned_prefixes")
 # The engine's parameter names as the command line spells them, for the errors the start-up settings raise
 # (SpeculativeConfig, CacheConfig, pinning); other errors keep the engine's names.

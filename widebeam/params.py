@@ -79,10 +79,15 @@ class DecodingParams:
     # Structured output: OpenAI's response_format (widebeam/structured/: JSON mode, JSON schema); with
     # beams, every beam stays inside the grammar, its matcher forked with the beam.
     response_format: object = field(default=None, compare=False)
+    # Scheduling priority, vLLM's semantics: lower is served first (ties in arrival order); a request may
+    # be overtaken only so often (sched/scheduler.py: MAX_OVERTAKES). It changes when a request runs, never
+    # what it outputs.
+    priority: int = 0
 
     def __post_init__(self) -> None:
         as_tuple(self, "stop", str)
         as_tuple(self, "stop_token_ids", int)
+        require(is_int(self.priority), "priority", "must be an integer, got {value!r}", value=self.priority)
 
     def replace(self, **changes) -> Self:
         """A copy with `changes` applied, checked as a new one."""

@@ -40,6 +40,7 @@ class Request:
         self.decoder = decoder
         self.stream = stream
         self.params = decoder.params
+        self.priority: int = getattr(self.params, "priority", 0)  # lower runs first (sched/scheduler.py)
         self.encoder_token_ids = encoder_token_ids
         self.draft = draft  # its drafting (speculative/request_draft.py); None: the engine does not speculate
         self.catalogue = catalogue  # the catalogue its search is constrained to (catalogue/), or None

@@ -33,7 +33,7 @@ LAYERS = [
     ("widebeam.cli", 5), ("widebeam.generate_cli", 5), ("widebeam.__main__", 5), ("widebeam.bench", 5),
     ("widebeam.plan_cli", 5),
     ("widebeam.server", 5),
-    ("widebeam.batch", 5), ("widebeam.bench_ct2", 5),
+    ("widebeam.batch", 5), ("widebeam.bench_ct2", 5), ("widebeam.bench_serve", 5),
 ]
 
 

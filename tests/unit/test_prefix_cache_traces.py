@@ -45,6 +45,7 @@ class SimRequest:
 
     def __init__(self, request_id, cache, prompt, max_new_tokens, beam_width, rng, max_seq_len=10_000):
         self.request_id = request_id
+        self.priority = 0  # one priority: first come, first served
         self.prompt = prompt
         self.beam_width = beam_width
         self.key = cache.prefix_key(prompt)

@@ -28,13 +28,14 @@ from widebeam.sched.scheduler import SchedulableRequest, ScheduledRequest, Sched
 
 
 def make_scheduler(policy: str, cache: KVCache, max_num_batched_tokens: int, max_preemptions: int,
-                   num_draft_tokens: int = 0) -> Scheduler:
+                   num_draft_tokens: int = 0, priority_preemption: bool = False) -> Scheduler:
     """The scheduler of a capacity `policy` (config.py: SCHEDULING_POLICIES)."""
     if policy == MaxUtilizationScheduler.policy:
-        return MaxUtilizationScheduler(cache, max_num_batched_tokens, max_preemptions, num_draft_tokens)
+        return MaxUtilizationScheduler(cache, max_num_batched_tokens, max_preemptions, num_draft_tokens,
+                                       priority_preemption)
     if policy != Scheduler.policy:
         raise ValueError(f"unknown scheduling policy {policy!r}")
-    return Scheduler(cache, max_num_batched_tokens, num_draft_tokens)
+    return Scheduler(cache, max_num_batched_tokens, num_draft_tokens, priority_preemption, max_preemptions)
 
 
 def _fits(need: dict[str, int], free: dict[str, int]) -> bool:
@@ -45,11 +46,11 @@ class MaxUtilizationScheduler(Scheduler):
     policy = "max_utilization"
 
     def __init__(self, cache: KVCache, max_num_batched_tokens: int, max_preemptions: int,
-                 num_draft_tokens: int = 0):
-        super().__init__(cache, max_num_batched_tokens, num_draft_tokens)
+                 num_draft_tokens: int = 0, priority_preemption: bool = False):
+        super().__init__(cache, max_num_batched_tokens, num_draft_tokens, priority_preemption,
+                         max_preemptions)
         if max_preemptions < 0:
             raise ValueError(f"max_preemptions must be >= 0, got {max_preemptions}")
-        self.max_preemptions = max_preemptions
         self.guaranteed: set[SchedulableRequest] = set()  # running under their worst-case reservation
         self.num_guaranteed_admissions = 0
 
@@ -112,18 +113,20 @@ class MaxUtilizationScheduler(Scheduler):
         out.scheduled = [item for item in out.scheduled if item.request is not victim]
 
     def _victim(self) -> SchedulableRequest | None:
-        """The most recently admitted running request that is not guaranteed."""
-        for request in reversed(self.running):
-            if request not in self.guaranteed:
-                return request
-        return None
+        """The running request that is not guaranteed of the lowest priority, the most recently
+        admitted among equals (with one priority: the most recently admitted)."""
+        candidates = [request for request in reversed(self.running) if request not in self.guaranteed]
+        return max(candidates, key=lambda request: request.priority) if candidates else None
+
+    def _make_room_for_head(self) -> None:
+        """max_utilization makes room for the head its own way (`_fit_running`, the starving head)."""
 
     def _starving(self, request: SchedulableRequest) -> bool:
         return request.num_preemptions >= self.max_preemptions
 
-    def _requeue_index(self) -> int:
-        """At the head of the queue, behind the starving requests already there."""
-        index = 0
+    def _requeue_index(self, request: SchedulableRequest) -> int:
+        """At the head of its priority, behind the starving requests already there."""
+        index = super()._requeue_index(request)
         while index < len(self.waiting) and self._starving(self.waiting[index]):
             index += 1
         return index

@@ -13,8 +13,16 @@ does not fit; it is never skipped, never dropped, and never spins: requests that
 rejected at admission, before they are queued.
 
 This is the `guaranteed_no_evict` policy; `max_utilization` (sched/preemption.py) builds on it. Under
-either, `preempt` takes a running request's blocks back: it waits at the head of the queue and
-resumes by recomputation (`Request.preempt`), its outputs unchanged.
+either, `preempt` takes a running request's blocks back: it waits at the head of its priority in the
+queue and resumes by recomputation (`Request.preempt`), its outputs unchanged.
+
+Priorities (vLLM's semantics: `params.priority`, lower first): the queue is kept in priority order,
+arrival order within one. The starvation guard: a waiting request is overtaken by later arrivals of
+a higher priority at most `MAX_OVERTAKES` times; after that nothing newer goes ahead of it. With
+`priority_preemption` on, a queue head that does not fit preempts running requests of a lower
+priority (the lowest first, the most recently admitted among equals) until it fits; a request is
+preempted so at most `max_preemptions` times, then runs to its end. Admission then counts the
+re-feed a preempted request needs (`refeeds_after_preemption`), so a resumed request always fits.
 """
 
 from __future__ import annotations
@@ -28,6 +36,9 @@ from widebeam.kv.prefix import PrefixHit
 from widebeam.kv.request_kv import RequestKV
 from widebeam.sched.admission import Admission
 
+# A waiting request lets at most this many later arrivals of a higher priority go ahead of it.
+MAX_OVERTAKES = 32
+
 
 class SchedulableRequest(Protocol):
     """What the scheduler reads of a request (widebeam/request.py's `Request` is one). Its blocks
@@ -35,6 +46,7 @@ class SchedulableRequest(Protocol):
     request's own lifecycle."""
 
     request_id: str
+    priority: int  # lower is served first
     admission: Admission
     kv: RequestKV
     num_preemptions: int  # times the scheduler took its blocks back
@@ -76,13 +88,17 @@ class SchedulerOutput:
 class Scheduler:
     policy = "guaranteed_no_evict"
 
-    def __init__(self, cache: KVCache, max_num_batched_tokens: int, num_draft_tokens: int = 0):
+    def __init__(self, cache: KVCache, max_num_batched_tokens: int, num_draft_tokens: int = 0,
+                 priority_preemption: bool = False, max_preemptions: int = 3):
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         self.cache = cache
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_draft_tokens = num_draft_tokens  # D drafted tokens per sequence each speculative step
+        self.priority_preemption = priority_preemption
+        self.max_preemptions = max_preemptions
         self.waiting: deque[SchedulableRequest] = deque()
+        self._overtakes: dict[str, int] = {}  # request id -> later arrivals let ahead of it
         self.running: list[SchedulableRequest] = []  # in the order they were admitted
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0  # tokens computed again by preempted requests (prefix hits excepted)
@@ -91,9 +107,21 @@ class Scheduler:
         self.max_refeed_tokens = cache.max_refeed_tokens(max_num_batched_tokens)
 
     def add(self, request: SchedulableRequest) -> None:
-        self.waiting.append(request)
+        """Queue a new request behind every waiting one of the same or a higher priority, and behind any
+        that was overtaken MAX_OVERTAKES times (the starvation guard)."""
+        index = len(self.waiting)
+        while index > 0:
+            before = self.waiting[index - 1]
+            guarded = self._overtakes.get(before.request_id, 0) >= MAX_OVERTAKES
+            if before.priority <= request.priority or guarded:
+                break
+            index -= 1
+        for overtaken in list(self.waiting)[index:]:
+            self._overtakes[overtaken.request_id] = self._overtakes.get(overtaken.request_id, 0) + 1
+        self.waiting.insert(index, request)
 
     def remove(self, request: SchedulableRequest) -> None:
+        self._overtakes.pop(request.request_id, None)
         if request in self.waiting:
             self.waiting.remove(request)
         if request in self.running:
@@ -120,13 +148,33 @@ class Scheduler:
         self.running.remove(request)
         self.num_recomputed_tokens += request.preempt(self.max_refeed_tokens)
         self.num_preemptions += 1
-        self.waiting.insert(self._requeue_index(), request)
+        self.waiting.insert(self._requeue_index(request), request)
 
-    def _requeue_index(self) -> int:
-        """Where a preempted request waits: at the head of the queue."""
-        return 0
+    def _requeue_index(self, request: SchedulableRequest) -> int:
+        """Where a preempted request waits: at the head of its priority (behind higher ones)."""
+        index = 0
+        while index < len(self.waiting) and self.waiting[index].priority < request.priority:
+            index += 1
+        return index
+
+    def _make_room_for_head(self) -> None:
+        """`priority_preemption`: preempt running requests of a lower priority than the queue's head,
+        the lowest first, until the head's reservation fits (or none is left to preempt)."""
+        while self.priority_preemption and self.waiting:
+            head = self.waiting[0]
+            free = self._unreserved_blocks()
+            need = self._reservation(head, head.kv.find_hit())
+            if all(blocks <= free[pool] for pool, blocks in need.items()):
+                return
+            victims = [r for r in self.running if r.priority > head.priority
+                       and r.num_preemptions < self.max_preemptions]
+            if not victims:
+                return
+            # the lowest priority; among equals the most recently admitted (the last in `running`)
+            self._preempt(max(reversed(victims), key=lambda r: r.priority))
 
     def schedule(self) -> SchedulerOutput:
+        self._make_room_for_head()
         out = SchedulerOutput()
         budget = self._schedule_running(out)
         free = self._unreserved_blocks()
@@ -160,6 +208,7 @@ class Scheduler:
         """Move the queue's head to the running requests with its prefix `hit` and schedule its
         first prompt chunk; returns the chunk's tokens."""
         head = self.waiting.popleft()
+        self._overtakes.pop(head.request_id, None)
         head.take_prefix_hit(hit)
         self.cache.record_lookup(head.kv.key, hit)  # the hit rate counts admitted requests
         if head.num_preemptions:

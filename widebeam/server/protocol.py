@@ -122,7 +122,7 @@ def plan_request(req: _GenerationFields) -> Plan:
     extra = {"logprobs": num_top, "prompt_logprobs": num_prompt_top, "response_format": req.response_format,
              "decoder_prefix": req.decoder_prefix or (), "forced_bos_token_id": req.forced_bos_token_id,
              "no_repeat_ngram_size": req.no_repeat_ngram_size or 0, "bad_words_ids": req.bad_words_ids or (),
-             "max_input_length": req.max_input_length}
+             "max_input_length": req.max_input_length, "priority": req.priority}
     if req.use_beam_search:
         plan = _beam_plan(req, max_tokens, stop, stop_token_ids, max_tokens_name, extra)
     else:

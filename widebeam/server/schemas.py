@@ -94,6 +94,8 @@ class _GenerationFields(BaseModel):
                                                            description="beam search only; default false")
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
+    priority: int = Field(0, description="scheduling priority, vLLM's: lower is served first (ties in "
+                                         "arrival order); changes when a request runs, never its output")
     catalogue: str | None = Field(None, description="beam search only: constrain every beam to the items of "
                                                     "this registered catalogue (widebeam serve --catalogue "
                                                     "NAME=PATH); each choice is one item")
