@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 
 import torch
@@ -207,7 +207,9 @@ class LLMEngine:
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "rejected": self._num_rejected,
-            "queue": {"max_waiting_requests": self.queue_bound.max_waiting_requests,
+            "queue": {"waiting_by_priority": dict(sorted(Counter(r.priority for r in self.scheduler.waiting)
+                                                          .items())),
+                      "max_waiting_requests": self.queue_bound.max_waiting_requests,
                       "max_waiting_blocks": self.queue_bound.max_waiting_blocks,
                       "refused": self.queue_bound.num_refused},
             "scheduling": self.scheduler.stats(),  # policy, preemptions, recomputed_tokens

@@ -51,6 +51,7 @@ def test_the_queue_is_served_in_priority_order(tiny_llama_dir):
     engine.add_request("high", prompt(3), BeamSearchParams(**WIDE, priority=-1))
     engine.add_request("low-3", prompt(4), BeamSearchParams(**WIDE, priority=5))
     assert [r.request_id for r in engine.scheduler.waiting] == ["high", "low-2", "low-3"]
+    assert engine.stats()["queue"]["waiting_by_priority"] == {-1: 1, 5: 2}
     order, _ = run(engine)
     assert order == ["low-1", "high", "low-2", "low-3"]  # no preemption by default: low-1 finishes first
 

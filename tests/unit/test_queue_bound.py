@@ -59,7 +59,8 @@ def test_unbounded_by_default(tiny_llama_dir):
     engine = LLMEngine(str(tiny_llama_dir), device="cpu", kv_cache_memory="2MiB")
     for i in range(50):
         engine.add_request(f"r{i}", {"prompt_token_ids": [5 + i % 7, 6]}, GREEDY)
-    assert engine.stats()["queue"] == {"max_waiting_requests": None, "max_waiting_blocks": None, "refused": 0}
+    assert engine.stats()["queue"] == {"waiting_by_priority": {0: 50}, "max_waiting_requests": None,
+                                       "max_waiting_blocks": None, "refused": 0}
     assert len(run_all(engine)) == 50
 
 
@@ -75,3 +76,15 @@ def test_retry_after_is_the_drain_time_at_the_recent_finish_rate(finish_times_s,
     for t in finish_times_s:
         bound.record_finish(t)
     assert bound.retry_after_s(num_waiting) == expected_s
+
+
+def test_metrics_show_the_queue_by_priority_and_the_refusals():
+    from widebeam.server.metrics import _EngineCollector
+
+    stats = {"running": 1, "waiting": 3, "pools": {},
+             "queue": {"waiting_by_priority": {-1: 1, 5: 2}, "refused": 4}}
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in _EngineCollector(lambda: stats).collect() for s in family.samples}
+    assert samples[("widebeam_requests_waiting_by_priority", (("priority", "-1"),))] == 1
+    assert samples[("widebeam_requests_waiting_by_priority", (("priority", "5"),))] == 2
+    assert samples[("widebeam_requests_queue_full_total", ())] == 4

@@ -50,7 +50,12 @@ class _EngineCollector:
         refused = CounterMetricFamily("widebeam_requests_queue_full",
                                       "Requests refused with 429: the waiting queue at its bound")
         refused.add_metric([], stats.get("queue", {}).get("refused", 0))
-        yield from (running, waiting, rejected, refused, total, free, evictable, pinned)
+        by_priority = GaugeMetricFamily("widebeam_requests_waiting_by_priority",
+                                        "Engine requests waiting, by their priority (lower runs first)",
+                                        labels=["priority"])
+        for priority, count in stats.get("queue", {}).get("waiting_by_priority", {}).items():
+            by_priority.add_metric([str(priority)], count)
+        yield from (running, waiting, by_priority, rejected, refused, total, free, evictable, pinned)
         if "prefix_cache" in stats:
             yield from _prefix_cache_metrics(stats["prefix_cache"])
         if "speculative" in stats:
