@@ -89,3 +89,16 @@ def test_a_prefix_cache_hit_reads_back_the_first_requests_kv(tiny_llama_dir):
     assert [b.token_ids for b in second.outputs] == [b.token_ids for b in first.outputs]
     for a, b in zip(second.outputs, first.outputs):  # the last prompt token alone: another kernel call
         assert a.score == pytest.approx(b.score, abs=1e-5)
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_a_chunk_attends_the_same_through_the_fused_kernel_and_the_plain_products(dtype, tolerance):
+    """The plain products are what an int8 cache's prefix chunks take off the CPU (a GPU has no flash
+    kernel returning the log-sum-exp); on the CPU both must agree."""
+    torch.manual_seed(0)
+    q = (torch.randn(3, 12, 64) / 8).to(dtype)
+    k, v = torch.randn(40, 3, 64).to(dtype), torch.randn(40, 3, 64).to(dtype)
+    fused_out, fused_lse = backends.chunk_attention(q, k, v, fused=True)
+    plain_out, plain_lse = backends.chunk_attention(q, k, v, fused=False)
+    assert torch.allclose(fused_out, plain_out, atol=tolerance) and torch.allclose(fused_lse, plain_lse,
+                                                                                   atol=tolerance)

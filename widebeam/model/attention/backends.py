@@ -303,15 +303,28 @@ def _prefix_attention(q_rows: torch.Tensor, k_cache, v_cache, group: DecodeGroup
     for start in range(0, num_tokens, chunk):
         end = min(start + chunk, num_tokens)
         k, v = _prefix_kv(k_cache, v_cache, group, start, end)  # [n, KV, d]
-        part_out, part_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q_rows[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], 0.0, False, scale=1.0)[:2]
-        part_out, part_lse = part_out[0].float(), part_lse[0].float()[..., None]  # [KV, B*G, d], [.., 1]
+        part_out, part_lse = chunk_attention(q_rows, k, v, fused=q_rows.device.type == "cpu")
         if out is None:
             out, lse = part_out, part_lse
             continue
         total = torch.logaddexp(lse, part_lse)
         out = out.mul_((lse - total).exp_()).add_(part_out.mul_((part_lse - total).exp_()))
         lse = total
+    return out, lse
+
+
+def chunk_attention(q_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """q_rows [KV, R, d] (scaled) against k, v [n, KV, d]: (out [KV, R, d], lse [KV, R, 1]), float32.
+    `fused`: PyTorch's flash kernel for CPU, which returns the log-sum-exp beside the output; else (an
+    int8 cache on a GPU, whose prefix also goes in chunks) the plain products, on any device."""
+    if fused:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q_rows[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], 0.0, False, scale=1.0)[:2]
+        return out[0].float(), lse[0].float()[..., None]
+    scores = torch.bmm(q_rows, k.permute(1, 2, 0)).float()  # [KV, R, n]
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    out = torch.bmm((scores - lse).exp_().to(v.dtype), v.transpose(0, 1)).float()  # [KV, R, d]
     return out, lse
 
 
