@@ -20,10 +20,10 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+from interleaved import best_times
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -67,19 +67,13 @@ def main() -> None:
         prompt = {"prompt_token_ids": [(i * 7919) % 40000 + 100 for i in range(args.prompt_len)]}
         rows = []
         for width in args.widths:
-            best = dict.fromkeys(engines, float("inf"))
-            beams = {}
-            for repeat in range(args.repeats + 1):  # repeat 0 warms both up
-                order = list(engines.items()) if repeat % 2 == 0 else list(reversed(engines.items()))
-                for name, (llm, params_class) in order:
-                    params = params_class(beam_width=width, max_new_tokens=args.max_new_tokens,
-                                          min_new_tokens=args.max_new_tokens)
-                    start = time.perf_counter()
-                    out = llm.generate(prompt, params, use_tqdm=False)
-                    elapsed = time.perf_counter() - start
-                    if repeat:
-                        best[name] = min(best[name], elapsed)
-                    beams[name] = out[0].outputs[0].token_ids
+            runs = {}
+            for name, (llm, params_class) in engines.items():
+                params = params_class(beam_width=width, max_new_tokens=args.max_new_tokens,
+                                      min_new_tokens=args.max_new_tokens)
+                runs[name] = lambda llm=llm, params=params: llm.generate(prompt, params, use_tqdm=False)
+            best, outputs = best_times(runs, args.repeats)
+            beams = {name: out[0].outputs[0].token_ids for name, out in outputs.items()}
             row = {"beam_width": width, "base_s": round(best["base"], 3), "new_s": round(best["new"], 3),
                    "new_over_base": round(best["new"] / best["base"], 3),
                    "same_best_beam": beams["base"] == beams["new"]}

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
+from interleaved import best_times
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -49,17 +49,10 @@ def main() -> None:
     for width in args.widths:
         params = BeamSearchParams(beam_width=width, max_new_tokens=args.max_new_tokens,
                                   min_new_tokens=args.max_new_tokens)
-        best = dict.fromkeys(engines, float("inf"))
-        beams = {}
-        for repeat in range(args.repeats + 1):  # repeat 0 warms every engine up
-            order = list(engines.items()) if repeat % 2 == 0 else list(reversed(engines.items()))
-            for name, llm in order:
-                start = time.perf_counter()
-                out = llm.generate(prompt, params, use_tqdm=False)
-                elapsed = time.perf_counter() - start
-                if repeat:
-                    best[name] = min(best[name], elapsed)
-                beams[name] = out[0].outputs[0].token_ids
+        runs = {name: (lambda llm=llm, params=params: llm.generate(prompt, params, use_tqdm=False))
+                for name, llm in engines.items()}
+        best, outputs = best_times(runs, args.repeats)
+        beams = {name: out[0].outputs[0].token_ids for name, out in outputs.items()}
         row = {"beam_width": width, "float32_s": round(best["float32"], 3)}
         for name in dtypes[1:]:
             row[f"{name}_s"] = round(best[name], 3)

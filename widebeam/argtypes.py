@@ -4,6 +4,7 @@ one-line parser and value types whose errors name the allowed range."""
 from __future__ import annotations
 
 import argparse
+import math
 
 from widebeam.units import parse_bytes
 
@@ -25,6 +26,22 @@ def int_at_least(minimum: int):
             raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def positive_float(allow_inf: bool = False):
+    """An argparse type: a number > 0, finite unless `allow_inf` (`inf` then means "without limit")."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number > 0{' (or inf)' if allow_inf else ''}, "
+                                             f"got {text!r}") from None
+        if not value > 0 or not (allow_inf or math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"must be a {'' if allow_inf else 'finite '}number > 0, "
+                                             f"got {text!r}")
         return value
 
     return parse

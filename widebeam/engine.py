@@ -154,8 +154,7 @@ class LLMEngine:
                 self._num_rejected += 1
             raise
         # a valid request the queue has no room for: refused before anything of it is held
-        self.queue_bound.check((r.admission.required_blocks for r in self.scheduler.waiting),
-                               admission.required_blocks)
+        self.queue_bound.check(self.scheduler.waiting, admission.required_blocks)
         if scoring:  # forced rows along the continuations, raw log-probs: no processor, no forced token
             decoder = ScoringDecoder(params)
         else:

@@ -64,12 +64,17 @@ def test_bad_values_are_usage_errors(flags, capsys):
     assert flags[0] in capsys.readouterr().err
 
 
+def command_argv(command: str, tmp_path) -> list[str]:
+    """`command` with its positional arguments (batch: a real one-row input file)."""
+    if command != "batch":
+        return [command, *COMMANDS[command]]
+    (tmp_path / "in.jsonl").write_text('{"prompt": "a"}\n')
+    return [command, str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl")]
+
+
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_the_flags_reach_the_engine(command, recorded, tmp_path, capsys):
-    argv = [command, *COMMANDS[command]]
-    if command == "batch":
-        (tmp_path / "in.jsonl").write_text('{"prompt": "a"}\n')
-        argv = [command, str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl")]
+    argv = command_argv(command, tmp_path)
     with pytest.raises(SystemExit) if command == "generate" else contextlib.nullcontext():
         main([*argv, "--scheduling-policy", "max_utilization", "--max-preemptions", "5"])  # the fake stops it
     assert (recorded["scheduling_policy"], recorded["max_preemptions"]) == ("max_utilization", 5), recorded
@@ -113,10 +118,7 @@ def test_llm_takes_the_policy(tiny_llama_dir):
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_linear_backend_reaches_the_engine(command, recorded, tmp_path):
-    argv = [command, *COMMANDS[command]]
-    if command == "batch":
-        (tmp_path / "in.jsonl").write_text('{"prompt": "a"}\n')
-        argv = [command, str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl")]
+    argv = command_argv(command, tmp_path)
     for flags, expected in (([], DEFAULT_LINEAR_BACKEND), (["--linear-backend", "auto"], "auto")):
         recorded.clear()
         with pytest.raises(SystemExit) if command == "generate" else contextlib.nullcontext():
@@ -133,10 +135,7 @@ def test_bench_takes_the_linear_backend():
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_kv_cache_dtype_reaches_the_engine(command, recorded, tmp_path):
     """`--kv-cache-dtype` (#44) on serve, generate and batch; `auto` when not given."""
-    argv = [command, *COMMANDS[command]]
-    if command == "batch":
-        (tmp_path / "in.jsonl").write_text('{"prompt": "a"}\n')
-        argv = [command, str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl")]
+    argv = command_argv(command, tmp_path)
     for flags, expected in (([], "auto"), (["--kv-cache-dtype", "int8"], "int8")):
         recorded.clear()
         with pytest.raises(SystemExit) if command == "generate" else contextlib.nullcontext():

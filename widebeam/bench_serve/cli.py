@@ -19,32 +19,11 @@ from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 
-from widebeam.argtypes import OneLineParser, fraction, int_at_least
+from widebeam.argtypes import OneLineParser, fraction, int_at_least, positive_float
 from widebeam.bench_serve import metrics as m
 from widebeam.bench_serve import workloads as w
 
 PROG = "widebeam bench serve"
-
-
-def _rate(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected requests per second (a number > 0, or inf), got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 (inf: all at once), got {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
-    return value
 
 
 def _checked(parse):
@@ -71,13 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
     env_key = os.environ.get("OPENAI_API_KEY") or os.environ.get("WIDEBEAM_API_KEY")
     server.add_argument("--api-key", default=env_key,
                         help="bearer token (default $OPENAI_API_KEY or $WIDEBEAM_API_KEY)")
-    server.add_argument("--request-timeout-s", type=_positive_float, default=600.0,
+    server.add_argument("--request-timeout-s", type=positive_float(), default=600.0,
                         help="a request with no complete answer by then counts as failed (default 600)")
     load = p.add_argument_group("load")
     load.add_argument("--num-prompts", type=int_at_least(1), default=200, help="requests measured per run")
-    load.add_argument("--request-rate", type=_rate, nargs="+", default=[float("inf")],
+    load.add_argument("--request-rate", type=positive_float(allow_inf=True), nargs="+",
+                      default=[float("inf")],
                       help="requests per second (inf: all at once); several values: a sweep")
-    load.add_argument("--burstiness", type=_positive_float, default=1.0,
+    load.add_argument("--burstiness", type=positive_float(), default=1.0,
                       help="gamma shape of the gaps between arrivals (1: Poisson; < 1 burstier); mean gap "
                            "stays 1/rate")
     load.add_argument("--max-concurrency", type=int_at_least(1), default=None,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping, Sequence
 
 from widebeam.errors import QueueFullError
 
@@ -43,11 +43,12 @@ class WaitingQueueBound:
         rate_per_s = (len(times) - 1) / (times[-1] - times[0])
         return max(1, min(MAX_RETRY_AFTER_S, math.ceil(num_waiting / rate_per_s)))
 
-    def check(self, waiting_required_blocks: Iterable[Mapping[str, int]],
-              required_blocks: Mapping[str, int]) -> None:
+    def check(self, waiting: Sequence, required_blocks: Mapping[str, int]) -> None:
         """Raise `QueueFullError` if queueing a request that will reserve `required_blocks` would pass a
-        bound, given the waiting requests' reservations (one mapping per waiting request)."""
-        waiting = list(waiting_required_blocks)
+        bound, given the waiting requests (each with its `admission.required_blocks`). Unbounded, it
+        reads nothing: an offline batch queues every prompt at once."""
+        if self.max_waiting_requests is None and self.max_waiting_blocks is None:
+            return
         message = setting = None
         if self.max_waiting_requests is not None and len(waiting) >= self.max_waiting_requests:
             setting = "max_waiting_requests"
@@ -55,7 +56,7 @@ class WaitingQueueBound:
                        f"(max_waiting_requests={self.max_waiting_requests})")
         elif self.max_waiting_blocks is not None:
             for pool, blocks in required_blocks.items():
-                queued = sum(r.get(pool, 0) for r in waiting)
+                queued = sum(r.admission.required_blocks.get(pool, 0) for r in waiting)
                 if queued and queued + blocks > self.max_waiting_blocks:
                     setting = "max_waiting_blocks"
                     message = (f"the waiting queue is full: its requests will reserve {queued} blocks of "
