@@ -27,22 +27,19 @@ from widebeam.defaults import DEFAULT_MODEL
 from widebeam.device import default_device
 from widebeam.model.runner import SequenceInput
 from widebeam.outputs import RequestDelta
-from widebeam.param_checks import check_bans_leave_a_token
 from widebeam.params import BeamSearchParams, SamplingParams
 from widebeam.pinning import pin_prefixes, pin_token_ids
 from widebeam.prompts import (
     PromptRules,
     chat_prompt,
-    prepare_prompt,
     read_generation_settings,
     tokenize_prompt,
 )
 from widebeam.request import Request
-from widebeam.request_checks import check_request
-from widebeam.sched.admission import admit_check
 from widebeam.sched.preemption import make_scheduler
 from widebeam.sched.queue_bound import WaitingQueueBound
 from widebeam.score_params import ScoreParams
+from widebeam.sizing import RequestSizer
 from widebeam.speculative.drafting import Drafting
 from widebeam.speculative.round import SequenceRound, number_verify_rows
 from widebeam.startup import allocate_pools, lay_out_pools, load_workers
@@ -96,6 +93,11 @@ class LLMEngine:
         self.forced_eos_token_id = generation.forced_eos_token_id
         # speculative decoding (`config` None: none): the drafter, its policy's memory, each step's timing
         self.drafting = Drafting(config, loaded.drafter, self.cache)
+        # what a request needs, read before anything is queued (sizing.py; the router's ingress sizes with
+        # a copy)
+        self.sizer = RequestSizer(self.cache, self.prompt_rules, self.eos_token_ids, self.suppress_token_ids,
+                                  self.max_seq_len, self.max_encoder_tokens, self.max_beam_width,
+                                  self.drafting.num_draft_tokens, self._preempts, self.catalogues.fit_request)
         self.scheduler = make_scheduler(sched_config.scheduling_policy, self.cache,
                                         sched_config.max_num_batched_tokens, sched_config.max_preemptions,
                                         self.drafting.num_draft_tokens, sched_config.priority_preemption)
@@ -129,30 +131,14 @@ class LLMEngine:
         params = params or SamplingParams()
         scoring = isinstance(params, ScoreParams)
         try:
-            params = check_request(request_id, params, logits_processors, ids_in_use=self._requests,
-                                   max_beam_width=self.max_beam_width, tokenizer=self.tokenizer,
-                                   speculative=bool(self.drafting.config), vocab_size=self.arch.vocab_size)
-            catalogue, params = self.catalogues.fit_request(params)
-            prepared = prepare_prompt(prompt, params, self.prompt_rules)
-            if not scoring:  # bans that leave the first step no token: a 400, not an empty answer
-                check_bans_leave_a_token(params, self.arch.vocab_size, self.eos_token_ids,
-                                         self.suppress_token_ids)
-            token_ids, encoder_token_ids = prepared.token_ids, prepared.encoder_token_ids
-            # prompt log-probs compute every token: no prefix reuse for them
-            schedule = getattr(params, "beam_width_schedule", None) or ()
-            caching = self.cache.enable_prefix_caching and params.prompt_logprobs is None
-            key = self.cache.prefix_key(token_ids, encoder_token_ids) if caching else None
-            admission = admit_check(self.cache, self.max_seq_len, len(token_ids), params.max_new_tokens,
-                                    params.beam_width, encoder_tokens=len(encoder_token_ids or ()),
-                                    max_encoder_tokens=self.max_encoder_tokens,
-                                    extra_tokens=self.drafting.num_draft_tokens,
-                                    refeed_tokens=self.drafting.num_draft_tokens,
-                                    key=key, beam_width_schedule=schedule,
-                                    refeeds_after_preemption=self._preempts)
+            sized = self.sizer.size(request_id, prompt, params, logits_processors, ids_in_use=self._requests)
         except ValueError:
             if request_id not in self._requests:  # a request id in use is no rejected request
                 self._num_rejected += 1
             raise
+        params, prepared, admission = sized.params, sized.prepared, sized.admission
+        catalogue = sized.catalogue
+        token_ids, encoder_token_ids = prepared.token_ids, prepared.encoder_token_ids
         # a valid request the queue has no room for: refused before anything of it is held
         self.queue_bound.check(self.scheduler.waiting, admission.required_blocks)
         if scoring:  # forced rows along the continuations, raw log-probs: no processor, no forced token
@@ -168,7 +154,7 @@ class LLMEngine:
                                             soft_prefix=prepared.soft_prefix)
         draft = self.drafting.new_request(params.beam_width, admission.max_new_tokens, scoring,
                                           sum(r.params.beam_width for r in self._requests.values()))
-        kv = self.cache.new_request(key, len(encoder_token_ids or ()))
+        kv = self.cache.new_request(sized.key, len(encoder_token_ids or ()))
         request = Request(request_id, prepared.text, token_ids, admission, kv, decoder,
                           output_stream(decoder, self.tokenizer), encoder_token_ids, draft, catalogue)
         self._requests[request_id] = request
@@ -212,6 +198,9 @@ class LLMEngine:
                       "max_waiting_blocks": self.queue_bound.max_waiting_blocks,
                       "refused": self.queue_bound.num_refused},
             "scheduling": self.scheduler.stats(),  # policy, preemptions, recomputed_tokens
+            # what a new request could reserve now, per pool: the exact-fit router's report (ray_router.py)
+            "routing": {"capacity_blocks": {name: m.capacity_blocks() for name, m in cache.managers.items()},
+                        "headroom_blocks": self.scheduler.headroom_blocks(), "taken_at_s": time.time()},
             "recent_requests": list(self._recent_requests),
             "prefix_cache": {"enabled": cache.enable_prefix_caching,
                              "queried_tokens": cache.num_queried_tokens, "hit_tokens": cache.num_hit_tokens,

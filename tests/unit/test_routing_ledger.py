@@ -77,16 +77,6 @@ def test_choice_table():
         assert two_replicas(capacity_a, capacity_b).choose(need) == chosen, (capacity_a, capacity_b, need)
 
 
-def test_never_fits_anywhere_is_told_apart_from_not_now():
-    ledger = two_replicas({"self": 100, "cross": 8}, {"self": 40, "cross": 20})
-    ledger.place("r1", "a", {"self": 100}, now_s=1.0)
-    ledger.place("r2", "b", {"self": 40}, now_s=1.0)
-    assert ledger.choose({"self": 60}) is None and ledger.fits_anywhere({"self": 60})
-    assert not ledger.fits_anywhere({"self": 101})
-    assert not ledger.fits_anywhere({"self": 60, "cross": 10})  # a's self, b's cross: no one replica
-    assert PlacementLedger().fits_anywhere({"self": 1}) is False  # no replica has reported yet
-
-
 def test_a_dead_replica_drops_its_placements_and_gets_nothing_new():
     ledger = two_replicas({"self": 100})
     ledger.place("r1", "a", {"self": 10}, now_s=1.0)
@@ -135,7 +125,8 @@ def test_placements_through_choose_never_over_commit_a_pool(trace):
             name = "ab"[pick % 2]
             held = sum(p.need["self"] for p in ledger.placements.values()
                        if p.replica_id == name and p.placed_at_s <= clock - 0.25)
-            ledger.report(name, report({"self": capacity[name]}, {"self": capacity[name] - held}, at=clock - 0.25))
+            ledger.report(name, report({"self": capacity[name]}, {"self": capacity[name] - held},
+                                       at=clock - 0.25))
         for name, blocks in capacity.items():
             placed = sum(p.need["self"] for p in ledger.placements.values() if p.replica_id == name)
             assert placed <= blocks
@@ -143,3 +134,22 @@ def test_placements_through_choose_never_over_commit_a_pool(trace):
             assert room <= blocks - placed
             if op == "report" and name == "ab"[pick % 2]:
                 assert room == blocks - placed  # a fresh report: the count is tight
+
+
+def test_a_call_of_many_requests_books_at_most_the_largest_pool():
+    ledger = two_replicas({"self": 100, "cross": 10}, {"self": 60, "cross": 40})
+    assert ledger.clip_to_capacity({"self": 150, "cross": 5}) == {"self": 100, "cross": 5}
+    assert ledger.choose(ledger.clip_to_capacity({"self": 150})) == "a"
+
+
+def test_a_replica_that_has_not_reported_is_counted_with_the_shared_pools():
+    ledger = PlacementLedger()
+    ledger.set_replicas(["a", "b"])
+    ledger.report("a", report({"self": 100}))
+    assert ledger.choose({"self": 10}) == "a"  # b unknown: not placed on
+    ledger.default_capacity_blocks = {"self": 100}
+    ledger.place("r1", "a", {"self": 10}, now_s=1.0)
+    assert ledger.choose({"self": 10}) == "b"
+    ledger.place("r2", "b", {"self": 95}, now_s=1.0)
+    assert ledger.headroom_blocks("b") == {"self": 5}  # the ledger alone counts it
+    assert ledger.choose({"self": 6}) == "a"

@@ -175,6 +175,10 @@ class BlockPool:
         self._evictable.clear()
         return num_evicted
 
+    def pinned_hashes(self) -> list[bytes]:
+        """The names of the pinned blocks (a pinned block is always a registered prompt block)."""
+        return [self._block_to_hash[b] for b in sorted(self._pinned)]
+
     def is_pinned(self, block_id: int) -> bool:
         return block_id in self._pinned
 

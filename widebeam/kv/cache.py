@@ -192,6 +192,16 @@ class KVCache:
                 pool.pin(block_id)
                 pool.dec_ref(block_id)  # the pin's reference stays
 
+    def counting_copy(self) -> KVCache:
+        """The same pools, empty but for the pinned prefixes (held under their names, as here): it bounds
+        and refuses requests as this cache does, for a process with no K/V (the router's ingress)."""
+        chunk_tokens = next(iter(self.managers.values())).prefill_chunk_tokens if self.managers else None
+        copy = KVCache([(m.spec, m.pool.num_blocks) for m in self.managers.values()], self.tokens_per_block,
+                       chunk_tokens, self.enable_prefix_caching)
+        copy.hold_pinned_blocks({name: m.pool.pinned_hashes() for name, m in self.managers.items()
+                                 if m.pool.num_pinned_blocks})
+        return copy
+
     def pinned_hit(self, key: PrefixKey | None) -> PrefixHit:
         """What pinned prefixes alone guarantee a request with `key`: always cached, so admission
         may count on them (its prefill starts after them; the blocks it shares count as held)."""

@@ -15,7 +15,7 @@ room two ways, taking the smaller:
 
 Two requests placed between two reports are both in the ledger, so they are never counted against the
 same free blocks. A request that fits no replica now waits at the router (the caller holds it; see
-`num_held`); one that no replica could ever hold is refused before it reaches one (`fits_anywhere`).
+`num_held`); one that no replica could ever hold is refused before it reaches one (by the ingress's sizer).
 Pure Python, no Ray: the Ray Serve router (server/ray_router.py) drives it.
 """
 
@@ -32,13 +32,15 @@ class ReplicaReport:
     capacity_blocks: Mapping[str, int]
     headroom_blocks: Mapping[str, int]
     taken_at_s: float  # the replica's time.time() when it counted
+    metrics_text: str = ""  # the replica's Prometheus text, for the router's /metrics
 
     @classmethod
     def from_stats(cls, stats: Mapping) -> ReplicaReport | None:
         """A report from a replica's routing stats (`record_routing_stats`), None when it has none yet."""
         if not stats or "capacity_blocks" not in stats:
             return None
-        return cls(dict(stats["capacity_blocks"]), dict(stats["headroom_blocks"]), float(stats["taken_at_s"]))
+        return cls(dict(stats["capacity_blocks"]), dict(stats["headroom_blocks"]), float(stats["taken_at_s"]),
+                   stats.get("metrics_text", ""))
 
 
 @dataclass
@@ -54,6 +56,9 @@ class PlacementLedger:
     reports: dict[str, ReplicaReport] = field(default_factory=dict)
     placements: dict[str, Placement] = field(default_factory=dict)  # request id -> where it went
     held: set[str] = field(default_factory=set)  # requests waiting at the router for room
+    # The pools of a replica that has not reported yet (replicas share one configuration; the ingress
+    # sets it from a replica's sizer): a new replica is placed on at once, counted by the ledger alone.
+    default_capacity_blocks: dict[str, int] | None = None
     # the router's loop and the ingress's share the ledger
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
@@ -92,10 +97,16 @@ class PlacementLedger:
     def _placed_on(self, replica_id: str) -> list[Placement]:
         return [p for p in self.placements.values() if p.replica_id == replica_id]
 
+    def _report_of(self, replica_id: str) -> ReplicaReport | None:
+        report = self.reports.get(replica_id)
+        if report is None and self.default_capacity_blocks is not None and replica_id in self.replica_ids:
+            return ReplicaReport(self.default_capacity_blocks, self.default_capacity_blocks, 0.0)
+        return report
+
     def headroom_blocks(self, replica_id: str) -> dict[str, int]:
         """Per pool, what a new request could reserve on the replica now (the smaller of the two counts)."""
         with self.lock:
-            report = self.reports[replica_id]
+            report = self._report_of(replica_id)
             placed = self._placed_on(replica_id)
             room = {}
             for pool, capacity in report.capacity_blocks.items():
@@ -105,11 +116,16 @@ class PlacementLedger:
                 room[pool] = min(by_ledger, by_report)
             return room
 
-    def fits_anywhere(self, need: Mapping[str, int]) -> bool:
-        """Whether some reporting replica's pools could ever hold `need` (with nothing else running)."""
+    def clip_to_capacity(self, need: Mapping[str, int]) -> dict[str, int]:
+        """A call of several engine requests, each of which fits a replica, may need more than any one
+        replica holds: it is placed whole on one, where its requests queue for each other as on a single
+        server, so it books at most the largest capacity of each pool."""
         with self.lock:
-            return any(all(need.get(pool, 0) <= capacity for pool, capacity in r.capacity_blocks.items())
-                       for r in self.reports.values())
+            largest: dict[str, int] = {}
+            for report in self.reports.values():
+                for pool, capacity in report.capacity_blocks.items():
+                    largest[pool] = max(largest.get(pool, 0), capacity)
+            return {pool: min(blocks, largest.get(pool, blocks)) for pool, blocks in need.items()}
 
     def choose(self, need: Mapping[str, int] | None, among: Iterable[str] | None = None) -> str | None:
         """The replica to place `need` on now: of those where it fits in every pool, the one left with
@@ -117,11 +133,12 @@ class PlacementLedger:
         placed. `need` None (a request the caller could not size): the replica with the most room.
         None when it fits nowhere now."""
         with self.lock:
-            candidates = [r for r in (self.replica_ids if among is None else among) if r in self.reports]
+            candidates = [r for r in (self.replica_ids if among is None else among)
+                          if self._report_of(r) is not None]
             best, best_key = None, None
             for replica_id in candidates:
                 room = self.headroom_blocks(replica_id)
-                capacity = self.reports[replica_id].capacity_blocks
+                capacity = self._report_of(replica_id).capacity_blocks
                 left = {pool: room[pool] - (need or {}).get(pool, 0) for pool in room}
                 if need is not None and any(blocks < 0 for blocks in left.values()):
                     continue
@@ -157,3 +174,14 @@ class PlacementLedger:
         """The request finished (or failed) at its replica: its blocks are the replica's again."""
         with self.lock:
             return self.placements.pop(request_id, None)
+
+
+_LEDGERS: dict[str, PlacementLedger] = {}
+_LEDGERS_LOCK = threading.Lock()
+
+
+def shared_ledger(deployment_name: str) -> PlacementLedger:
+    """The ledger of a deployment in this process: the ingress (holds, releases) and the router
+    (places) share it."""
+    with _LEDGERS_LOCK:
+        return _LEDGERS.setdefault(deployment_name, PlacementLedger())

@@ -244,6 +244,15 @@ class Scheduler:
             budget -= chunk
         return budget
 
+    def headroom_blocks(self) -> dict[str, int]:
+        """Per pool, what a request arriving now could count on: the unreserved blocks less what every
+        waiting request will reserve when admitted (the exact-fit router's report)."""
+        room = self._unreserved_blocks()
+        for request in self.waiting:
+            for pool, blocks in request.admission.required_blocks.items():
+                room[pool] -= blocks
+        return room
+
     def _unreserved_blocks(self) -> dict[str, int]:
         """Blocks not in use per pool (free and cached-evictable: taking one evicts it) minus what
         running requests may still take (their required blocks minus the distinct blocks they hold,

@@ -169,6 +169,7 @@ def create_app(engine, *, model_name: str, api_key: str | None = None,
     app = FastAPI(title="widebeam", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible server with beam search at any width.")
     app.state.engine_loop = loop
+    app.state.metrics = metrics  # the router's ingress reads each replica's text (router_replica.py)
     app.add_middleware(GuardMiddleware, api_key=api_key, max_request_bytes=max_request_bytes)
 
     @app.exception_handler(s.ApiError)

@@ -32,6 +32,7 @@ from widebeam.engine_args import (
     catalogues_kwargs,
 )
 from widebeam.engine_args import engine_kwargs as engine_kwargs_from
+from widebeam.server.ray_serve import ROUTERS
 
 API_KEY_ENV = "WIDEBEAM_API_KEY"
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
@@ -130,6 +131,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="join this Ray cluster (default: a local Ray instance)")
     r.add_argument("--cpus-per-replica", type=_int_at_least(1), default=1,
                    help="CPU slots per replica without GPUs")
+    r.add_argument("--router", choices=ROUTERS, default="exact-fit",
+                   help="exact-fit: place each request by its exact KV block need against each replica's "
+                        "room, refuse at the door what no replica can hold; serve: Ray Serve's default "
+                        "router (power of two choices on queue length)")
     return p
 
 
@@ -221,7 +226,10 @@ def _serve_on_ray(args: argparse.Namespace, engine_kwargs: dict, app_kwargs: dic
     return ray_serve.serve_forever(model=args.model, engine_kwargs=engine_kwargs, app_kwargs=app_kwargs,
                                    host=args.host, port=args.port, replicas=args.replicas or 1,
                                    min_replicas=args.min_replicas, max_replicas=args.max_replicas,
-                                   ray_address=args.ray_address, cpus_per_replica=args.cpus_per_replica)
+                                   ray_address=args.ray_address, cpus_per_replica=args.cpus_per_replica,
+                                   router=args.router,
+                                   max_waiting_requests=engine_kwargs.get("max_waiting_requests")
+                                   or SERVE_MAX_WAITING_REQUESTS)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,139 @@
+"""Exact-fit routing against Ray Serve's default router: the same open-loop load on two replicas.
+
+    python benchmarks/router_ab.py --rounds 2 --request-rate 1.5 --num-prompts 60 \
+        --width-mix 1:0.4,16:0.3,64:0.2,256:0.1 --goodput e2el:20000
+
+Each round starts `widebeam serve --replicas 2 --router R` (one CPU slot per replica, a small KV pool
+each) for R in both orders (exact-fit first in odd rounds), sends the same `widebeam bench serve` genrec
+load (same seed: the same requests at the same times) and stops it, so the two routers alternate on the
+same machine. Per router: requests that met the objective per second (goodput), p99 end-to-end
+latency, completed / rejected / failed, and, behind the exact-fit router, how many requests the
+replicas themselves refused (never-fit requests refused at the door never reach one). Writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+ROUTERS = ("exact-fit", "serve")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(router: str, args, log_path: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    command = [sys.executable, "-m", "widebeam", "serve", "--host", "127.0.0.1", "--port", str(port),
+               "--model", args.model, "--replicas", "2", "--router", router, "--cpus-per-replica", "1",
+               "--kv-cache-memory", args.kv_cache_memory, "--max-beam-width", str(args.max_beam_width),
+               "--dtype", args.dtype, "--log-level", "warning", *args.server_args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+    proc = subprocess.Popen(command, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, env=env)  # noqa: SIM115
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited:\n{log_path.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("server not ready")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def replica_rejections(url: str) -> float | None:
+    """Requests the replicas refused themselves (the exact-fit router's /metrics sums them)."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    match = re.search(r'^widebeam_requests_rejected_total\{replica="all"\} (\S+)$', text, re.MULTILINE)
+    return float(match.group(1)) if match else None
+
+
+def run_load(url: str, args, out_dir: Path, name: str) -> dict:
+    command = [sys.executable, "-m", "widebeam", "bench", "serve", "--base-url", url, "--workload", "genrec",
+               "--width-mix", args.width_mix, "--num-prompts", str(args.num_prompts), "--request-rate",
+               str(args.request_rate), "--seed", str(args.seed), "--num-warmups", "2", "--disable-tqdm",
+               "--output-len", str(args.output_len), "--prefix-words", str(args.prefix_words),
+               "--goodput", *args.goodput, "--save-result", "--result-dir", str(out_dir),
+               "--result-filename", f"{name}.json", *args.load_args]
+    subprocess.run(command, check=True, cwd=ROOT)
+    return json.loads((out_dir / f"{name}.json").read_text())["runs"][0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--kv-cache-memory", default="192MiB", help="per replica")
+    parser.add_argument("--max-beam-width", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--request-rate", type=float, default=1.0)
+    parser.add_argument("--num-prompts", type=int, default=60)
+    parser.add_argument("--width-mix", default="1:0.4,16:0.3,64:0.2,256:0.1")
+    parser.add_argument("--output-len", type=int, default=4)
+    parser.add_argument("--prefix-words", type=int, default=100)
+    parser.add_argument("--goodput", nargs="+", default=["e2el:20000"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--server-args", nargs=argparse.REMAINDER, default=[])
+    parser.add_argument("--load-args", nargs="*", default=[])
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/router_ab.json")
+    args = parser.parse_args()
+
+    runs: dict[str, list[dict]] = {router: [] for router in ROUTERS}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp_dir = Path(tmp)
+        for round_index in range(args.rounds):
+            order = ROUTERS if round_index % 2 == 0 else ROUTERS[::-1]
+            for router in order:
+                proc, url = start_server(router, args, tmp_dir / f"{router}-{round_index}.log")
+                try:
+                    result = run_load(url, args, tmp_dir, f"{router}-{round_index}")
+                    result["replica_rejections"] = replica_rejections(url) if router == "exact-fit" else None
+                finally:
+                    stop_server(proc)
+                keep = {k: result[k] for k in ("completed", "failed", "rejected", "rejected_by_status",
+                                               "duration",
+                                               "request_throughput", "request_goodput", "p99_e2el_ms",
+                                               "median_e2el_ms", "mean_e2el_ms", "beams_per_s",
+                                               "replica_rejections")}
+                runs[router].append({"round": round_index, **keep})
+                print(router, round_index, json.dumps(keep), flush=True)
+    summary = {router: {"goodput_median": statistics.median(r["request_goodput"] for r in rs),
+                        "p99_e2el_ms_median": statistics.median(r["p99_e2el_ms"] for r in rs)}
+               for router, rs in runs.items()}
+    baseline = max(summary["serve"]["goodput_median"], 1e-9)
+    summary["goodput_ratio"] = summary["exact-fit"]["goodput_median"] / baseline
+    out = {"command": " ".join(sys.argv), "settings": {k: v for k, v in vars(args).items() if k != "out"},
+           "runs": runs, "summary": summary}
+    args.out.write_text(json.dumps(out, indent=2, default=str))
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
