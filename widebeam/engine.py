@@ -36,10 +36,10 @@ from widebeam.prompts import (
     tokenize_prompt,
 )
 from widebeam.request import Request
+from widebeam.request_sizer import RequestSizer
 from widebeam.sched.preemption import make_scheduler
 from widebeam.sched.queue_bound import WaitingQueueBound
 from widebeam.score_params import ScoreParams
-from widebeam.sizing import RequestSizer
 from widebeam.speculative.drafting import Drafting
 from widebeam.speculative.round import SequenceRound, number_verify_rows
 from widebeam.startup import allocate_pools, lay_out_pools, load_workers
@@ -93,8 +93,8 @@ class LLMEngine:
         self.forced_eos_token_id = generation.forced_eos_token_id
         # speculative decoding (`config` None: none): the drafter, its policy's memory, each step's timing
         self.drafting = Drafting(config, loaded.drafter, self.cache)
-        # what a request needs, read before anything is queued (sizing.py; the router's ingress sizes with
-        # a copy)
+        # what a request needs, read before anything is queued (request_sizer.py; the router's ingress
+        # sizes with a copy)
         self.sizer = RequestSizer(self.cache, self.prompt_rules, self.eos_token_ids, self.suppress_token_ids,
                                   self.max_seq_len, self.max_encoder_tokens, self.max_beam_width,
                                   self.drafting.num_draft_tokens, self._preempts, self.catalogues.fit_request)

@@ -12,7 +12,7 @@ import pytest
 from widebeam.engine import LLMEngine
 from widebeam.errors import RequestTooLargeError
 from widebeam.params import BeamSearchParams, SamplingParams
-from widebeam.sizing import UnsizedRequestError
+from widebeam.request_sizer import UnsizedRequestError
 
 REQUESTS = [  # (prompt, params)
     ([3, 9, 27, 4, 5], SamplingParams(max_new_tokens=5)),

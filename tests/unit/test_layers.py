@@ -30,7 +30,7 @@ LAYERS = [
     ("widebeam.engine", 4), ("widebeam.llm", 4), ("widebeam.plan", 4), ("widebeam.pinning", 4),
     ("widebeam.device", 4),
     ("widebeam.layout", 4), ("widebeam.prompts", 4), ("widebeam.startup", 4), ("widebeam.scoring", 4),
-    ("widebeam.sizing", 4),
+    ("widebeam.request_sizer", 4),
     ("widebeam.cli", 5), ("widebeam.generate_cli", 5), ("widebeam.__main__", 5), ("widebeam.bench", 5),
     ("widebeam.plan_cli", 5),
     ("widebeam.server", 5),

@@ -2,7 +2,7 @@
 `RequestRouter` interface.
 
 Serve builds the router inside the process that holds the handle (the ingress), on a loop of its own.
-The ingress sizes each request (sizing.py) and calls the engine deployment with `need` (blocks per
+The ingress sizes each request (request_sizer.py) and calls the engine deployment with `need` (blocks per
 pool, None when it could not size it) and `routed_id`; `choose_replicas` places it on the replica the
 ledger picks and records the placement at once, so concurrent routing tasks never count the same
 free blocks twice. When no replica has room now it waits here, woken by a finish, a report or a

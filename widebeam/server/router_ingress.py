@@ -3,7 +3,7 @@ engine replica with room for it.
 
 For /v1/completions and /v1/chat/completions the ingress reads the call as the replica's handler does
 (protocol.py: the params of each choice, the prompts, chat templates applied) and sizes every engine
-request with the replica's own sizer (sizing.py, over a copy of its pools: the same exact bounds the
+request with the replica's own sizer (request_sizer.py, over a copy of its pools: the same exact bounds the
 engine admits with). A call no replica could ever hold gets the engine's 400 word for word, here;
 one that fits no replica now waits at the router (ray_router.py), at most `max_waiting_requests` of
 them, past which a 429 with `Retry-After` as a single server gives. Everything else (other routes,
