@@ -83,7 +83,8 @@ def run_load(url: str, args, out_dir: Path, name: str) -> dict:
                "--goodput", *args.goodput, "--save-result", "--result-dir", str(out_dir),
                "--result-filename", f"{name}.json", *args.load_args]
     subprocess.run(command, check=True, cwd=ROOT)
-    return json.loads((out_dir / f"{name}.json").read_text())["runs"][0]
+    data = json.loads((out_dir / f"{name}.json").read_text())
+    return data["runs"][0] if "runs" in data else data  # one run: vLLM's flat result
 
 
 def main() -> None:

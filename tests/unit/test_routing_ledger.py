@@ -120,7 +120,7 @@ def test_placements_through_choose_never_over_commit_a_pool(trace):
                 ledger.place(f"r{k}", where, {"self": blocks}, now_s=clock)
                 open_ids.append(f"r{k}")
         elif op == "release" and open_ids:
-            ledger.release(open_ids.pop(pick % len(open_ids)))
+            ledger.release(open_ids.pop(pick % len(open_ids)), now_s=clock)
         elif op == "report":  # a lagging report that already counts some of the placements
             name = "ab"[pick % 2]
             held = sum(p.need["self"] for p in ledger.placements.values()
@@ -153,3 +153,30 @@ def test_a_replica_that_has_not_reported_is_counted_with_the_shared_pools():
     ledger.place("r2", "b", {"self": 95}, now_s=1.0)
     assert ledger.headroom_blocks("b") == {"self": 5}  # the ledger alone counts it
     assert ledger.choose({"self": 6}) == "a"
+
+
+def test_a_finish_after_the_report_gives_its_blocks_back_at_once():
+    ledger = two_replicas({"self": 100})
+    ledger.place("r1", "a", {"self": 60}, now_s=1.0)
+    ledger.report("a", report({"self": 100}, {"self": 40}, at=2.0))  # counts r1
+    ledger.release("r1", now_s=3.0)  # before a's next report
+    assert ledger.headroom_blocks("a") == {"self": 100}
+    ledger.report("a", report({"self": 100}, {"self": 100}, at=4.0))
+    ledger.report("b", report({"self": 100}, {"self": 100}, at=4.0))
+    assert ledger.released == [] and ledger.headroom_blocks("a") == {"self": 100}
+
+
+def test_the_starvation_guard_lets_an_old_held_request_be_overtaken_only_so_often():
+    from widebeam.sched.scheduler import MAX_OVERTAKES
+
+    ledger = two_replicas({"self": 100})
+    ledger.hold("wide")  # waits for room
+    for k in range(MAX_OVERTAKES):
+        ledger.hold(f"small{k}")
+        assert ledger.may_place(f"small{k}")
+        ledger.place(f"small{k}", "a", {"self": 1}, held_id=f"small{k}")
+    assert ledger.held == {"wide": MAX_OVERTAKES}
+    ledger.hold("late")
+    assert not ledger.may_place("late") and ledger.may_place("wide")
+    ledger.place("wide", "b", {"self": 90}, held_id="wide")
+    assert ledger.may_place("late")

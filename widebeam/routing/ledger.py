@@ -26,6 +26,8 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from widebeam.sched.scheduler import MAX_OVERTAKES
+
 
 @dataclass(frozen=True)
 class ReplicaReport:
@@ -48,6 +50,7 @@ class Placement:
     replica_id: str
     need: Mapping[str, int]  # {} for a request the ingress could not size
     placed_at_s: float
+    released_at_s: float | None = None
 
 
 @dataclass
@@ -55,7 +58,10 @@ class PlacementLedger:
     replica_ids: list[str] = field(default_factory=list)
     reports: dict[str, ReplicaReport] = field(default_factory=dict)
     placements: dict[str, Placement] = field(default_factory=dict)  # request id -> where it went
-    held: set[str] = field(default_factory=set)  # requests waiting at the router for room
+    # requests waiting at the router for room, oldest first, with how often a newer one went ahead
+    held: dict[str, int] = field(default_factory=dict)
+    # finished placements a replica's last report may still count (kept until a later report)
+    released: list[Placement] = field(default_factory=list)
     # The pools of a replica that has not reported yet (replicas share one configuration; the ingress
     # sets it from a replica's sizer): a new replica is placed on at once, counted by the ledger alone.
     default_capacity_blocks: dict[str, int] | None = None
@@ -80,6 +86,8 @@ class PlacementLedger:
             last = self.reports.get(replica_id)
             if last is None or report.taken_at_s >= last.taken_at_s:  # reports can arrive out of order
                 self.reports[replica_id] = report
+                oldest = min((r.taken_at_s for r in self.reports.values()), default=0.0)
+                self.released = [p for p in self.released if p.released_at_s > oldest]
 
     def remove_replica(self, replica_id: str) -> list[str]:
         """A replica died: forget its report and drop its placements (their requests end with an error
@@ -109,10 +117,14 @@ class PlacementLedger:
             report = self._report_of(replica_id)
             placed = self._placed_on(replica_id)
             room = {}
+            # finished since the report, placed before it: the report still counts their blocks
+            freed = [p for p in self.released if p.replica_id == replica_id
+                     and p.placed_at_s <= report.taken_at_s < p.released_at_s]
             for pool, capacity in report.capacity_blocks.items():
                 by_ledger = capacity - sum(p.need.get(pool, 0) for p in placed)
-                by_report = report.headroom_blocks.get(pool, capacity) - sum(
-                    p.need.get(pool, 0) for p in placed if p.placed_at_s > report.taken_at_s)
+                by_report = (report.headroom_blocks.get(pool, capacity)
+                             - sum(p.need.get(pool, 0) for p in placed if p.placed_at_s > report.taken_at_s)
+                             + sum(p.need.get(pool, 0) for p in freed))
                 room[pool] = min(by_ledger, by_report)
             return room
 
@@ -151,11 +163,22 @@ class PlacementLedger:
     # -- the requests ------------------------------------------------------------------------------
     def hold(self, request_id: str) -> None:
         with self.lock:
-            self.held.add(request_id)
+            self.held.setdefault(request_id, 0)
 
     def unhold(self, request_id: str) -> None:
         with self.lock:
-            self.held.discard(request_id)
+            self.held.pop(request_id, None)
+
+    def may_place(self, request_id: str) -> bool:
+        """The starvation guard, the engine's own (sched/scheduler.py: MAX_OVERTAKES): a held request may
+        go ahead of older held ones, each of which only so often; then nothing newer goes ahead of it."""
+        with self.lock:
+            for older, overtakes in self.held.items():
+                if older == request_id:
+                    return True
+                if overtakes >= MAX_OVERTAKES:
+                    return False
+            return True
 
     @property
     def num_held(self) -> int:
@@ -167,13 +190,21 @@ class PlacementLedger:
         with self.lock:
             self.placements[request_id] = Placement(replica_id, dict(need or {}),
                                                     time.time() if now_s is None else now_s)
-            if held_id is not None:
-                self.held.discard(held_id)
+            if held_id is not None and held_id in self.held:
+                for older in self.held:  # each older held request was overtaken once more
+                    if older == held_id:
+                        break
+                    self.held[older] += 1
+                del self.held[held_id]
 
-    def release(self, request_id: str) -> Placement | None:
+    def release(self, request_id: str, now_s: float | None = None) -> Placement | None:
         """The request finished (or failed) at its replica: its blocks are the replica's again."""
         with self.lock:
-            return self.placements.pop(request_id, None)
+            placement = self.placements.pop(request_id, None)
+            if placement is not None:
+                placement.released_at_s = time.time() if now_s is None else now_s
+                self.released.append(placement)
+            return placement
 
 
 _LEDGERS: dict[str, PlacementLedger] = {}

@@ -25,12 +25,21 @@ from widebeam.routing.ledger import ReplicaReport, shared_ledger
 
 ROUTING_STATS_PERIOD_S = 0.5  # the floor is once a second
 WAIT_FLOOR_S = 0.5  # a held request looks again at least this often, whatever wakes it
+MAX_ROUTING_TASKS = 512  # above the ingress's default bound on held requests (256)
 
 def replica_key(replica_id: ReplicaID) -> str:
     return replica_id.unique_id
 
 
 class ExactFitRequestRouter(RequestRouter):
+    @property
+    def max_num_routing_tasks(self) -> int:
+        # Serve runs at most 2 routing tasks per replica, each routing the oldest request it can get:
+        # requests waiting here for room would block every smaller one behind them. One task per
+        # held request (the ingress bounds how many) lets a request that fits go ahead, within the
+        # ledger's starvation guard (`PlacementLedger.may_place`).
+        return max(2 * len(self._replicas), MAX_ROUTING_TASKS)
+
     def initialize_state(self, **kwargs: Any) -> None:
         self.ledger = shared_ledger(self._deployment_id.name)
         self._changed: asyncio.Event | None = None
@@ -77,10 +86,11 @@ class ExactFitRequestRouter(RequestRouter):
         while True:
             self._read_reports(candidate_replicas)
             self._changed.clear()
-            chosen = self.ledger.choose(need, among=by_key)
+            chosen = self.ledger.choose(need, among=by_key) if self.ledger.may_place(routed_id) else None
             if chosen is not None:
                 self.ledger.place(routed_id, chosen, need, held_id=routed_id)
                 self._request_to_routed[pending_request.metadata.internal_request_id] = routed_id
+                self._wake()  # a held request the starvation guard kept back may go now
                 return [[by_key[chosen]]]
             if not self.ledger.reports:  # no replica has reported yet: Serve's own wait, with back-off
                 # (Serve loops at once on an empty choice unless told to back off)

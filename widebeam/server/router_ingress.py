@@ -124,7 +124,7 @@ class RouterIngress:
         await self.sizer()  # the pools of replicas that have not reported yet
         routed_id = uuid.uuid4().hex
         try:  # the router's bounded wait: past it a 429, as a single server's queue gives
-            self.bound.check(sorted(self.ledger.held), {})
+            self.bound.check(list(self.ledger.held), {})
         except QueueFullError as exc:
             message = str(exc).replace("the waiting queue", "the router's waiting queue")
             return JSONResponse(s.error_body(message,
