@@ -30,6 +30,7 @@ from widebeam.model.families.arch import ModelArch
 from widebeam.model.families.checkpoint import copy_checkpoint
 from widebeam.model.families.decoder_config import DecoderSettings
 from widebeam.model.families.layers import (
+    Embedding,
     FusedProjections,
     GatedMLP,
     RMSNorm,
@@ -114,7 +115,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, arch: ModelArch, settings: DecoderSettings):
         super().__init__()
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch, settings) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, settings.rms_norm_eps, settings.unit_offset_norms)
         # One table per distinct RoPE in use; families with one RoPE compute it once per forward.

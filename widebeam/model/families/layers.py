@@ -1,4 +1,4 @@
-"""Building blocks of the decoders: RMSNorm, rotary embeddings, the gated MLP."""
+"""Building blocks of the decoders: the token embedding, RMSNorm, rotary embeddings, the gated MLP."""
 
 from __future__ import annotations
 
@@ -11,6 +11,17 @@ from torch.nn import functional as F
 # Re-exported: both moved to torch-free modules so the family table can raise and parse them.
 from widebeam.errors import UnsupportedModelError
 from widebeam.model.families.decoder_config import SUPPORTED_ROPE_TYPES
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding, minus its random init on the meta device, where models are built (loading/build.py)
+    and there is no data to fill. Not only a no-op skipped: torch's normal_ on a meta tensor goes through
+    torch._refs, whose first call imports torch._dynamo (~1 s of every model load on 2 cores, `widebeam
+    serve` included, for nothing else). On a real device it initialises as nn.Embedding does."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
 
 
 class RMSNorm(nn.Module):

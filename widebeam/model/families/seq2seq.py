@@ -33,6 +33,7 @@ from widebeam.model.attention.metadata import AttentionMetadata
 from widebeam.model.attention.paged import PagedAttention, write_kv
 from widebeam.model.families.arch import CROSS_POOL, ModelArch
 from widebeam.model.families.checkpoint import copy_checkpoint
+from widebeam.model.families.layers import Embedding
 from widebeam.model.families.seq2seq_config import LEARNED, M2M100_SINUSOIDAL, MARIAN_SINUSOIDAL
 
 ACTIVATIONS = {"swish": F.silu, "silu": F.silu, "gelu": F.gelu, "relu": F.relu,
@@ -102,7 +103,7 @@ class SinusoidalPositions(nn.Module):
         return self._by_device[key][rows]
 
 
-class LearnedPositions(nn.Embedding):
+class LearnedPositions(Embedding):
     """BART's learned table (in the checkpoint as `embed_positions.weight`), `offset` rows longer."""
 
     def forward(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -224,7 +225,7 @@ class Seq2SeqStack(nn.Module):
     def __init__(self, cfg: Seq2SeqConfig, layers: list[nn.Module]):
         super().__init__()
         arch = cfg.arch
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size)
         self.embed_positions = _position_table(cfg)
         self.position_offset = cfg.position_offset
         if cfg.layernorm_embedding:
@@ -249,7 +250,7 @@ class Seq2SeqModel(nn.Module):
     def __init__(self, cfg: Seq2SeqConfig):
         super().__init__()
         arch = cfg.arch
-        self.shared = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.shared = Embedding(arch.vocab_size, arch.hidden_size)
         self.encoder = Seq2SeqStack(cfg, [Seq2SeqEncoderLayer(cfg) for _ in range(arch.num_encoder_layers)])
         self.decoder = Seq2SeqStack(cfg, [Seq2SeqDecoderLayer(cfg) for _ in range(arch.num_layers)])
 

@@ -32,6 +32,7 @@ from widebeam.model.attention.metadata import PositionBias
 from widebeam.model.attention.paged import PagedAttention, write_kv
 from widebeam.model.families.arch import CROSS_POOL, ModelArch
 from widebeam.model.families.checkpoint import copy_checkpoint
+from widebeam.model.families.layers import Embedding
 from widebeam.model.families.t5_config import T5Settings
 
 T5_ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, "swish": F.silu,
@@ -93,7 +94,7 @@ class T5Attention(nn.Module):
         self.num_buckets = settings.relative_attention_num_buckets
         self.max_distance = settings.relative_attention_max_distance
         if has_relative_attention_bias:
-            self.relative_attention_bias = nn.Embedding(self.num_buckets, self.num_heads)
+            self.relative_attention_bias = Embedding(self.num_buckets, self.num_heads)
         self.attn = PagedAttention(self.num_heads, self.num_heads, self.head_dim, 1.0)  # T5: no scaling
 
     def position_bias(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
@@ -204,7 +205,7 @@ class T5Block(nn.Module):
 class T5Stack(nn.Module):
     def __init__(self, arch: ModelArch, settings: T5Settings, num_layers: int, is_decoder: bool):
         super().__init__()
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size)
         self.block = nn.ModuleList([T5Block(arch, settings, i == 0, is_decoder) for i in range(num_layers)])
         self.final_layer_norm = T5LayerNorm(arch.hidden_size, settings.layer_norm_epsilon)
 
@@ -221,7 +222,7 @@ class T5ForConditionalGeneration(nn.Module):
         super().__init__()
         self.arch, self.settings = arch, settings
         self.decoder_start_token_id = settings.decoder_start_token_id
-        self.shared = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.shared = Embedding(arch.vocab_size, arch.hidden_size)
         self.encoder = T5Stack(arch, settings, arch.num_encoder_layers, is_decoder=False)
         self.decoder = T5Stack(arch, settings, arch.num_layers, is_decoder=True)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
