@@ -1,7 +1,7 @@
 """Exact-fit routing against Ray Serve's default router: the same open-loop load on two replicas.
 
-    python benchmarks/router_ab.py --rounds 2 --request-rate 1.5 --num-prompts 60 \
-        --width-mix 1:0.4,16:0.3,64:0.2,256:0.1 --goodput e2el:20000
+    python benchmarks/router_ab.py --rounds 2 --request-rate 2 --num-prompts 60 \
+        --width-mix 1:0.4,16:0.3,64:0.2,256:0.1 --kv-cache-memory 96MiB
 
 Each round starts `widebeam serve --replicas 2 --router R` (one CPU slot per replica, a small KV pool
 each) for R in both orders (exact-fit first in odd rounds), sends the same `widebeam bench serve` genrec
@@ -30,6 +30,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 ROUTERS = ("exact-fit", "serve")
+OBJECTIVES_MS = (1000, 2000, 3000, 5000, 10000)
 
 
 def free_port() -> int:
@@ -91,7 +92,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--kv-cache-memory", default="192MiB", help="per replica")
+    parser.add_argument("--kv-cache-memory", default="96MiB", help="per replica")
     parser.add_argument("--max-beam-width", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--request-rate", type=float, default=1.0)
@@ -118,16 +119,25 @@ def main() -> None:
                     result["replica_rejections"] = replica_rejections(url) if router == "exact-fit" else None
                 finally:
                     stop_server(proc)
+                # goodput at a grid of end-to-end objectives, from the same requests' latencies
+                result["goodput_at_e2el_ms"] = {
+                    ms: sum(1 for e2el_s in result["e2els"] if e2el_s * 1000 <= ms) / result["duration"]
+                    for ms in OBJECTIVES_MS}
                 keep = {k: result[k] for k in ("completed", "failed", "rejected", "rejected_by_status",
                                                "duration",
                                                "request_throughput", "request_goodput", "p99_e2el_ms",
                                                "median_e2el_ms", "mean_e2el_ms", "beams_per_s",
-                                               "replica_rejections")}
+                                               "replica_rejections", "goodput_at_e2el_ms")}
                 runs[router].append({"round": round_index, **keep})
                 print(router, round_index, json.dumps(keep), flush=True)
     summary = {router: {"goodput_median": statistics.median(r["request_goodput"] for r in rs),
-                        "p99_e2el_ms_median": statistics.median(r["p99_e2el_ms"] for r in rs)}
+                        "p99_e2el_ms_median": statistics.median(r["p99_e2el_ms"] for r in rs),
+                        "goodput_at_e2el_ms": {ms: statistics.median(r["goodput_at_e2el_ms"][ms] for r in rs)
+                                               for ms in OBJECTIVES_MS}}
                for router, rs in runs.items()}
+    summary["goodput_ratio_at_e2el_ms"] = {
+        ms: (summary["exact-fit"]["goodput_at_e2el_ms"][ms]
+             / max(summary["serve"]["goodput_at_e2el_ms"][ms], 1e-9)) for ms in OBJECTIVES_MS}
     baseline = max(summary["serve"]["goodput_median"], 1e-9)
     summary["goodput_ratio"] = summary["exact-fit"]["goodput_median"] / baseline
     out = {"command": " ".join(sys.argv), "settings": {k: v for k, v in vars(args).items() if k != "out"},
