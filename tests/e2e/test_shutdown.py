@@ -14,6 +14,7 @@ import time
 import httpx
 import openai
 import pytest
+from conftest import ServerProcess
 from e2e_helpers import read_stream, stream_text
 
 SHUTDOWN_TIMEOUT_S = 10.0
@@ -85,7 +86,23 @@ class _Lines:
         return self._lines
 
 
-def test_sigterm_drains_in_flight_calls_then_exits_0(smollm2, server_factory):
+SIGNALS = [signal.SIGINT, signal.SIGTERM]
+
+
+@pytest.fixture(scope="module")
+def tiny_servers_to_signal(tiny_chat_model_dir, tmp_path_factory):
+    """One tiny-model server per signal (each test ends its own), started at once: start-ups overlap."""
+    folder = tmp_path_factory.mktemp("shutdown-tiny")
+    procs = {sig: ServerProcess(["--model", str(tiny_chat_model_dir), "--kv-cache-memory", "16MiB",
+                                 "--shutdown-timeout", "1"], folder / f"{sig.name}.log")
+             for sig in SIGNALS}
+    yield procs
+    for proc in procs.values():
+        proc.stop()
+
+
+def test_sigterm_drains_in_flight_calls_then_exits_0(smollm2, server_factory, tiny_servers_to_signal):
+    """(`tiny_servers_to_signal` only so that they start while this test's server does.)"""
     cache, _ = smollm2
     server = server_factory(REAL_ARGS, env={"WIDEBEAM_CACHE": str(cache)}).wait_ready()
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -145,11 +162,10 @@ def test_sigterm_drains_in_flight_calls_then_exits_0(smollm2, server_factory):
         assert_shutdown_error(error.body)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_signal_with_a_stream_in_flight_exits_0_without_traceback(tiny_chat_model_dir, server_factory, sig):
+@pytest.mark.parametrize("sig", SIGNALS, ids=["SIGINT", "SIGTERM"])
+def test_signal_with_a_stream_in_flight_exits_0_without_traceback(tiny_servers_to_signal, sig):
     """Tiny model, a 1 s timeout: the stream ends whole or with an error event, [DONE] last either way."""
-    server = server_factory(["--model", str(tiny_chat_model_dir), "--kv-cache-memory", "16MiB",
-                             "--shutdown-timeout", "1"]).wait_ready()
+    server = tiny_servers_to_signal[sig].wait_ready()
     stream = StreamCall(server, {"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True,
                                  "use_beam_search": False, "temperature": 0, "stream": True})
     stream.start()
