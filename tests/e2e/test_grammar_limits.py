@@ -16,7 +16,7 @@ import uuid
 
 import openai
 import pytest
-from conftest import SMALL_POOL_ARGS
+from conftest import SMALL_POOL_ARGS, ServerProcess
 from e2e_helpers import QA_PROMPT as PROMPT
 from e2e_helpers import assert_pools_whole, client_of, streamed_text
 
@@ -245,15 +245,28 @@ def cut_short(client, response_format) -> None:
         pass
 
 
-@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
-def test_grammar_workers_start_on_the_first_schema_and_end_with_the_server(tiny_chat_model_dir,
-                                                                         server_factory, stop_signal):
+STOP_SIGNALS = [signal.SIGTERM, signal.SIGKILL]
+
+
+@pytest.fixture(scope="module")
+def servers_to_stop(tiny_chat_model_dir, tmp_path_factory):
+    """One server per stop signal (each test ends its own), started at once: start-ups overlap."""
+    folder = tmp_path_factory.mktemp("grammar-stop")
+    procs = {sig: ServerProcess(["--model", str(tiny_chat_model_dir), "--served-model-name", "tiny-chat",
+                                 *SMALL_POOL_ARGS], folder / f"{sig.name}.log")
+             for sig in STOP_SIGNALS}
+    yield procs
+    for proc in procs.values():
+        proc.stop()
+
+
+@pytest.mark.parametrize("stop_signal", STOP_SIGNALS, ids=["sigterm", "sigkill"])
+def test_grammar_workers_start_on_the_first_schema_and_end_with_the_server(servers_to_stop, stop_signal):
     """No worker process before the first schema (start-up does not pay for them); the first schema
     starts them; they end with the server, one busy with a heavy schema too: the shutdown kills them
     (SIGTERM), and one whose server was killed (SIGKILL) notices it is orphaned and exits within a
     second or so, not when its compile would have ended."""
-    server = server_factory(["--model", str(tiny_chat_model_dir), "--served-model-name", "tiny-chat",
-                             *SMALL_POOL_ARGS]).wait_ready()
+    server = servers_to_stop[stop_signal].wait_ready()
     client = client_of(server)
     chat_s(client, JSON_OBJECT)
     assert not compile_workers_of(server.proc.pid)  # json_object compiles in the server's own process
