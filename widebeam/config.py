@@ -91,6 +91,9 @@ class SchedulerConfig:
     # A queue head that does not fit preempts running requests of a lower priority (sched/scheduler.py);
     # admission then counts every request's re-feed after a preemption.
     priority_preemption: bool = False
+    # Compute for the urgent (sched/scheduler.py): while a request of a more urgent priority runs, the
+    # others run one step in this many (0: every step, off).
+    priority_yield: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_waiting_requests", "max_waiting_blocks"):
@@ -107,6 +110,10 @@ class SchedulerConfig:
             raise InvalidParameterError("max_preemptions",
                                         "{max_preemptions} must be an integer >= 0, got {value!r}",
                                         value=self.max_preemptions)
+        if isinstance(self.priority_yield, bool) or not isinstance(self.priority_yield, int) \
+                or self.priority_yield < 0 or self.priority_yield == 1:
+            raise InvalidParameterError("priority_yield", "{priority_yield} must be 0 (off) or an integer "
+                                        ">= 2, got {value!r}", value=self.priority_yield)
         if self.max_beam_width < 1:
             raise InvalidParameterError("max_beam_width", "{max_beam_width} must be >= 1, got {value}",
                                         value=self.max_beam_width)
@@ -181,7 +188,8 @@ class EngineConfig:
                     speculative_adaptive: bool = True, enable_prefix_caching: bool = True,
                     pinned_prefixes=(), scheduling_policy: str = "guaranteed_no_evict",
                     max_preemptions: int = DEFAULT_MAX_PREEMPTIONS, max_waiting_requests: int | None = None,
-                    max_waiting_blocks: int | None = None, priority_preemption: bool = False) -> EngineConfig:
+                    max_waiting_blocks: int | None = None, priority_preemption: bool = False,
+                    priority_yield: int = 0) -> EngineConfig:
         """The flat keyword arguments `LLMEngine` and `LLM` take, grouped. Speculation is on when
         `speculative_model` or `speculative_method` is given (the method defaults to "draft" with a
         model, and D to 4)."""
@@ -199,7 +207,7 @@ class EngineConfig:
                                _pinned_prefixes(pinned_prefixes, enable_prefix_caching), kv_cache_dtype),
                    SchedulerConfig(max_num_batched_tokens, max_beam_width, max_seq_len, scheduling_policy,
                                    max_preemptions, max_waiting_requests, max_waiting_blocks,
-                                   bool(priority_preemption)), speculative)
+                                   bool(priority_preemption), priority_yield), speculative)
 
 
 def _pinned_prefixes(prefixes, enable_prefix_caching: bool) -> tuple[str | tuple[int, ...], ...]:

@@ -100,7 +100,8 @@ class LLMEngine:
                                   self.drafting.num_draft_tokens, self._preempts, self.catalogues.fit_request)
         self.scheduler = make_scheduler(sched_config.scheduling_policy, self.cache,
                                         sched_config.max_num_batched_tokens, sched_config.max_preemptions,
-                                        self.drafting.num_draft_tokens, sched_config.priority_preemption)
+                                        self.drafting.num_draft_tokens, sched_config.priority_preemption,
+                                        sched_config.priority_yield)
         self._requests: dict[str, Request] = {}
         self._num_rejected = 0
         # the waiting queue's bound (None: unbounded): past it a request is refused, not queued

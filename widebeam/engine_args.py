@@ -178,6 +178,10 @@ OPTIONS: dict[str, EngineOption] = {o.kwarg: o for o in (
                  "requests of a lower priority (the request field `priority`, lower first); admission then "
                  "counts each request's re-feed after a preemption", flag="--priority-preemption",
                  action="store_true", default=False, group=SCHEDULING_GROUP),
+    EngineOption("priority_yield", _Sched, "while a request of a more urgent priority runs, the others run "
+                 "one step in N (their blocks stay held), so a small urgent request does not wait on wide "
+                 "searches' steps", type=int_at_least(0), metavar="N", default=0, unset_help="0: off",
+                 group=SCHEDULING_GROUP),
     EngineOption("enable_prefix_caching", _Cache, "recompute every prompt", flag="--no-prefix-caching",
                  action="store_true", default=False, to_kwarg=lambda off: not off, group=PREFIX_CACHE_GROUP),
     EngineOption("pinned_prefixes", _Cache, "a prefix computed at start-up and never evicted (a system "
@@ -188,7 +192,7 @@ OPTIONS: dict[str, EngineOption] = {o.kwarg: o for o in (
 
 SPECULATIVE = ("speculative_model", "num_speculative_tokens", "speculative_method", "speculative_dtype")
 SCHEDULING = ("scheduling_policy", "max_preemptions")
-QUEUE_BOUNDS = ("max_waiting_requests", "max_waiting_blocks", "priority_preemption")
+QUEUE_BOUNDS = ("max_waiting_requests", "max_waiting_blocks", "priority_preemption", "priority_yield")
 PREFIX_CACHE = ("enable_prefix_caching", "pinned_prefixes")
 # The engine's parameter names as the command line spells them, for the errors the start-up settings raise
 # (SpeculativeConfig, CacheConfig, pinning); other errors keep the engine's names.

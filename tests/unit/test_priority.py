@@ -111,3 +111,45 @@ def test_a_request_is_preempted_for_priority_at_most_max_preemptions_times(tiny_
         preemptions_seen.append(engine.stats()["scheduling"]["preemptions"])
     run(engine)
     assert preemptions_seen[-1] == 1  # preempted once, then it ran on beside (or before) the others
+
+
+def trace(engine: LLMEngine) -> tuple[list[set[str]], dict[str, list[int]]]:
+    """(the requests that chose a token, step by step; each one's best tokens)."""
+    steps, outputs = [], {}
+    while engine.has_unfinished():
+        deltas = engine.step()
+        steps.append({d.request_id for d in deltas})
+        outputs.update({d.request_id: d.output.outputs[0].token_ids for d in deltas if d.finished})
+    return steps, outputs
+
+
+@pytest.mark.parametrize("policy", ["guaranteed_no_evict", "max_utilization"])
+@pytest.mark.parametrize("priority_yield", [0, 3])
+def test_priority_yield_runs_the_urgent_request_alone_n_minus_1_steps_in_n(tiny_llama_dir, policy,
+                                                                           priority_yield):
+    """Two W=2 searches fit the pool (120 blocks) at once. With `priority_yield=3` the background one decodes one
+    step in three while the urgent one runs (0: every step); both give their outputs alone."""
+    engine = LLMEngine(str(tiny_llama_dir), device="cpu", tokens_per_block=T, kv_cache_memory=120 * T * 512,
+                       max_beam_width=8, priority_yield=priority_yield, scheduling_policy=policy)
+    narrow = {"beam_width": 2, "max_new_tokens": 12, "min_new_tokens": 12}
+    longer = {"beam_width": 2, "max_new_tokens": 20, "min_new_tokens": 20}  # it outlives the urgent one
+    engine.add_request("background", prompt(1), BeamSearchParams(**longer, priority=10))
+    engine.step()  # its prompt and first token
+    engine.add_request("urgent", prompt(2), BeamSearchParams(**narrow, priority=0))
+    steps, outputs = trace(engine)
+    urgent_steps = [ids for ids in steps if "urgent" in ids]
+    assert len(urgent_steps) == 12  # it never waits a step
+    last = max(i for i, ids in enumerate(steps) if "urgent" in ids)
+    shared = sum("background" in ids for ids in steps[:last + 1])
+    # every step, or the step it was admitted in and one in three of the 11 after it
+    assert shared == (12 if priority_yield == 0 else 4)
+    assert outputs["background"] == alone(tiny_llama_dir, 1, **longer)
+    assert outputs["urgent"] == alone(tiny_llama_dir, 2, **narrow)
+
+
+def test_priority_yield_is_0_or_at_least_2():
+    from widebeam.config import EngineConfig
+    from widebeam.errors import InvalidParameterError
+
+    with pytest.raises(InvalidParameterError, match="priority_yield"):
+        EngineConfig.from_kwargs("m", priority_yield=1)

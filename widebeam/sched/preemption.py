@@ -28,14 +28,16 @@ from widebeam.sched.scheduler import SchedulableRequest, ScheduledRequest, Sched
 
 
 def make_scheduler(policy: str, cache: KVCache, max_num_batched_tokens: int, max_preemptions: int,
-                   num_draft_tokens: int = 0, priority_preemption: bool = False) -> Scheduler:
+                   num_draft_tokens: int = 0, priority_preemption: bool = False,
+                   priority_yield: int = 0) -> Scheduler:
     """The scheduler of a capacity `policy` (config.py: SCHEDULING_POLICIES)."""
     if policy == MaxUtilizationScheduler.policy:
         return MaxUtilizationScheduler(cache, max_num_batched_tokens, max_preemptions, num_draft_tokens,
-                                       priority_preemption)
+                                       priority_preemption, priority_yield)
     if policy != Scheduler.policy:
         raise ValueError(f"unknown scheduling policy {policy!r}")
-    return Scheduler(cache, max_num_batched_tokens, num_draft_tokens, priority_preemption, max_preemptions)
+    return Scheduler(cache, max_num_batched_tokens, num_draft_tokens, priority_preemption, max_preemptions,
+                     priority_yield)
 
 
 def _fits(need: dict[str, int], free: dict[str, int]) -> bool:
@@ -46,9 +48,9 @@ class MaxUtilizationScheduler(Scheduler):
     policy = "max_utilization"
 
     def __init__(self, cache: KVCache, max_num_batched_tokens: int, max_preemptions: int,
-                 num_draft_tokens: int = 0, priority_preemption: bool = False):
+                 num_draft_tokens: int = 0, priority_preemption: bool = False, priority_yield: int = 0):
         super().__init__(cache, max_num_batched_tokens, num_draft_tokens, priority_preemption,
-                         max_preemptions)
+                         max_preemptions, priority_yield)
         if max_preemptions < 0:
             raise ValueError(f"max_preemptions must be >= 0, got {max_preemptions}")
         self.guaranteed: set[SchedulableRequest] = set()  # running under their worst-case reservation
@@ -64,12 +66,15 @@ class MaxUtilizationScheduler(Scheduler):
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        self._schedule_running(out)
+        urgent = self._yielding_to()
+        self._schedule_running(out, urgent)
         self._fit_running(out)
         budget = self.max_num_batched_tokens - sum(self._tokens(item) for item in out.scheduled)
         pending = self._pending_prompt_blocks()
         while self.waiting and budget > 0:
             head = self.waiting[0]
+            if urgent is not None and head.priority > urgent:  # a step the urgent run alone
+                break
             hit = head.kv.find_hit()
             if head.kv.gains_by_waiting(hit, pending):
                 break

@@ -23,6 +23,12 @@ a higher priority at most `MAX_OVERTAKES` times; after that nothing newer goes a
 priority (the lowest first, the most recently admitted among equals) until it fits; a request is
 preempted so at most `max_preemptions` times, then runs to its end. Admission then counts the
 re-feed a preempted request needs (`refeeds_after_preemption`), so a resumed request always fits.
+
+Priority covers compute too, with `priority_yield` N: in continuous batching a small request shares every
+step with the wide searches beside it, so its tokens come at their step's pace. While requests of more
+than one priority run, N - 1 steps in N run only the most urgent priority (and admit nobody less
+urgent); the others keep their blocks and state and run on the N-th. What it costs them: while urgent
+work runs, they advance at 1/N of their pace (docs/serving.md measures it).
 """
 
 from __future__ import annotations
@@ -89,7 +95,7 @@ class Scheduler:
     policy = "guaranteed_no_evict"
 
     def __init__(self, cache: KVCache, max_num_batched_tokens: int, num_draft_tokens: int = 0,
-                 priority_preemption: bool = False, max_preemptions: int = 3):
+                 priority_preemption: bool = False, max_preemptions: int = 3, priority_yield: int = 0):
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         self.cache = cache
@@ -97,6 +103,8 @@ class Scheduler:
         self.num_draft_tokens = num_draft_tokens  # D drafted tokens per sequence each speculative step
         self.priority_preemption = priority_preemption
         self.max_preemptions = max_preemptions
+        self.priority_yield = priority_yield
+        self._num_mixed_steps = 0  # steps with running requests of more than one priority
         self.waiting: deque[SchedulableRequest] = deque()
         self._overtakes: dict[str, int] = {}  # request id -> later arrivals let ahead of it
         self.running: list[SchedulableRequest] = []  # in the order they were admitted
@@ -173,10 +181,21 @@ class Scheduler:
             # the lowest priority; among equals the most recently admitted (the last in `running`)
             self._preempt(max(reversed(victims), key=lambda r: r.priority))
 
+    def _yielding_to(self) -> int | None:
+        """With `priority_yield` N: the most urgent running priority when this step runs it alone (N - 1
+        steps in N while requests of several priorities run), else None."""
+        if not self.priority_yield or len({r.priority for r in self.running}) < 2:
+            return None
+        self._num_mixed_steps += 1
+        if self._num_mixed_steps % self.priority_yield == 0:
+            return None
+        return min(r.priority for r in self.running)
+
     def schedule(self) -> SchedulerOutput:
         self._make_room_for_head()
         out = SchedulerOutput()
-        budget = self._schedule_running(out)
+        urgent = self._yielding_to()
+        budget = self._schedule_running(out, urgent)
         free = self._unreserved_blocks()
         # Prompt blocks that requests still prefilling (or admitted below) are about to compute: a
         # head that shares the next of them waits a step and takes them as a hit instead of
@@ -184,6 +203,8 @@ class Scheduler:
         pending = self._pending_prompt_blocks()
         while self.waiting and budget > 0:
             head = self.waiting[0]
+            if urgent is not None and head.priority > urgent:  # a step the urgent run alone
+                break
             # Cached prompt blocks count as held; those already in use cost no free block, those
             # cached-evictable leave the free count as the head takes them (see _unreserved_blocks).
             hit = head.kv.find_hit()
@@ -222,13 +243,15 @@ class Scheduler:
     def _pending_prompt_blocks(self) -> set[bytes]:
         return {h for r in self.running if not r.prompt_done for h in r.kv.unnamed_prompt_blocks()}
 
-    def _schedule_running(self, out: SchedulerOutput) -> int:
-        """Schedule the running requests; returns the token budget left."""
+    def _schedule_running(self, out: SchedulerOutput, urgent: int | None = None) -> int:
+        """Schedule the running requests (only those of priority `urgent` when given: the others keep
+        their blocks and wait the step); returns the token budget left."""
         budget = self.max_num_batched_tokens
+        running = self.running if urgent is None else [r for r in self.running if r.priority == urgent]
         # Decodes first: a running request's live beams decode together or not at all. The first
         # one always goes, so a request wider than the budget still makes progress.
         prefilling = []
-        for request in self.running:
+        for request in running:
             if not request.prompt_done:
                 prefilling.append(request)
                 continue
