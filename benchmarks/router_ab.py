@@ -39,26 +39,70 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(router: str, args, log_path: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    command = [sys.executable, "-m", "widebeam", "serve", "--host", "127.0.0.1", "--port", str(port),
-               "--model", args.model, "--replicas", "2", "--router", router, "--cpus-per-replica", "1",
-               "--kv-cache-memory", args.kv_cache_memory, "--max-beam-width", str(args.max_beam_width),
-               "--dtype", args.dtype, "--log-level", "warning", *args.server_args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
-    proc = subprocess.Popen(command, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, env=env)  # noqa: SIM115
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
+def start_server_command(
+    port: int,
+    model: str,
+    dtype: str,
+    kv_cache_memory: str,
+    max_beam_width: int,
+    extra: list[str],
+    replicas: int = 2,
+) -> list[str]:
+    """`widebeam serve` on loopback; `replicas` 0: one engine in the server process."""
+    replica_args = ["--replicas", str(replicas), "--cpus-per-replica", "1"] if replicas else []
+    return [
+        sys.executable,
+        "-m",
+        "widebeam",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--model",
+        model,
+        *replica_args,
+        "--kv-cache-memory",
+        kv_cache_memory,
+        "--max-beam-width",
+        str(max_beam_width),
+        "--dtype",
+        dtype,
+        "--log-level",
+        "warning",
+        *extra,
+    ]
+
+
+def wait_ready(proc: subprocess.Popen, url: str, log_path: Path, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited:\n{log_path.read_text()[-3000:]}")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
+                return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
     raise RuntimeError("server not ready")
+
+
+def start_server(router: str, args, log_path: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    command = start_server_command(
+        port,
+        args.model,
+        args.dtype,
+        args.kv_cache_memory,
+        args.max_beam_width,
+        ["--router", router, *args.server_args],
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+    proc = subprocess.Popen(command, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, env=env)  # noqa: SIM115
+    url = f"http://127.0.0.1:{port}"
+    wait_ready(proc, url, log_path)
+    return proc, url
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -77,12 +121,40 @@ def replica_rejections(url: str) -> float | None:
 
 
 def run_load(url: str, args, out_dir: Path, name: str) -> dict:
-    command = [sys.executable, "-m", "widebeam", "bench", "serve", "--base-url", url, "--workload", "genrec",
-               "--width-mix", args.width_mix, "--num-prompts", str(args.num_prompts), "--request-rate",
-               str(args.request_rate), "--seed", str(args.seed), "--num-warmups", "2", "--disable-tqdm",
-               "--output-len", str(args.output_len), "--prefix-words", str(args.prefix_words),
-               "--goodput", *args.goodput, "--save-result", "--result-dir", str(out_dir),
-               "--result-filename", f"{name}.json", *args.load_args]
+    command = [
+        sys.executable,
+        "-m",
+        "widebeam",
+        "bench",
+        "serve",
+        "--base-url",
+        url,
+        "--workload",
+        "genrec",
+        "--width-mix",
+        args.width_mix,
+        "--num-prompts",
+        str(args.num_prompts),
+        "--request-rate",
+        str(args.request_rate),
+        "--seed",
+        str(args.seed),
+        "--num-warmups",
+        "2",
+        "--disable-tqdm",
+        "--output-len",
+        str(args.output_len),
+        "--prefix-words",
+        str(args.prefix_words),
+        "--goodput",
+        *args.goodput,
+        "--save-result",
+        "--result-dir",
+        str(out_dir),
+        "--result-filename",
+        f"{name}.json",
+        *args.load_args,
+    ]
     subprocess.run(command, check=True, cwd=ROOT)
     data = json.loads((out_dir / f"{name}.json").read_text())
     return data["runs"][0] if "runs" in data else data  # one run: vLLM's flat result
@@ -122,26 +194,53 @@ def main() -> None:
                 # goodput at a grid of end-to-end objectives, from the same requests' latencies
                 result["goodput_at_e2el_ms"] = {
                     ms: sum(1 for e2el_s in result["e2els"] if e2el_s * 1000 <= ms) / result["duration"]
-                    for ms in OBJECTIVES_MS}
-                keep = {k: result[k] for k in ("completed", "failed", "rejected", "rejected_by_status",
-                                               "duration",
-                                               "request_throughput", "request_goodput", "p99_e2el_ms",
-                                               "median_e2el_ms", "mean_e2el_ms", "beams_per_s",
-                                               "replica_rejections", "goodput_at_e2el_ms")}
+                    for ms in OBJECTIVES_MS
+                }
+                keep = {
+                    k: result[k]
+                    for k in (
+                        "completed",
+                        "failed",
+                        "rejected",
+                        "rejected_by_status",
+                        "duration",
+                        "request_throughput",
+                        "request_goodput",
+                        "p99_e2el_ms",
+                        "median_e2el_ms",
+                        "mean_e2el_ms",
+                        "beams_per_s",
+                        "replica_rejections",
+                        "goodput_at_e2el_ms",
+                    )
+                }
                 runs[router].append({"round": round_index, **keep})
                 print(router, round_index, json.dumps(keep), flush=True)
-    summary = {router: {"goodput_median": statistics.median(r["request_goodput"] for r in rs),
-                        "p99_e2el_ms_median": statistics.median(r["p99_e2el_ms"] for r in rs),
-                        "goodput_at_e2el_ms": {ms: statistics.median(r["goodput_at_e2el_ms"][ms] for r in rs)
-                                               for ms in OBJECTIVES_MS}}
-               for router, rs in runs.items()}
+    summary = {
+        router: {
+            "goodput_median": statistics.median(r["request_goodput"] for r in rs),
+            "p99_e2el_ms_median": statistics.median(r["p99_e2el_ms"] for r in rs),
+            "goodput_at_e2el_ms": {
+                ms: statistics.median(r["goodput_at_e2el_ms"][ms] for r in rs) for ms in OBJECTIVES_MS
+            },
+        }
+        for router, rs in runs.items()
+    }
     summary["goodput_ratio_at_e2el_ms"] = {
-        ms: (summary["exact-fit"]["goodput_at_e2el_ms"][ms]
-             / max(summary["serve"]["goodput_at_e2el_ms"][ms], 1e-9)) for ms in OBJECTIVES_MS}
+        ms: (
+            summary["exact-fit"]["goodput_at_e2el_ms"][ms]
+            / max(summary["serve"]["goodput_at_e2el_ms"][ms], 1e-9)
+        )
+        for ms in OBJECTIVES_MS
+    }
     baseline = max(summary["serve"]["goodput_median"], 1e-9)
     summary["goodput_ratio"] = summary["exact-fit"]["goodput_median"] / baseline
-    out = {"command": " ".join(sys.argv), "settings": {k: v for k, v in vars(args).items() if k != "out"},
-           "runs": runs, "summary": summary}
+    out = {
+        "command": " ".join(sys.argv),
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "runs": runs,
+        "summary": summary,
+    }
     args.out.write_text(json.dumps(out, indent=2, default=str))
     print(json.dumps(summary, indent=2))
 
