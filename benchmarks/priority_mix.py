@@ -66,6 +66,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--kv-cache-memory", default="256MiB")
     parser.add_argument("--priority-yield", type=int, default=4)
+    parser.add_argument("--priority-preemption", action="store_true",
+                        help="the server's --priority-preemption")
     parser.add_argument("--bg-width-mix", default="64:0.5,256:0.5")
     parser.add_argument("--bg-num-prompts", type=int, default=24)
     parser.add_argument("--overload", type=float, default=1.2, help="background rate / its capacity")
@@ -85,7 +87,8 @@ def main() -> None:
                 args.dtype,
                 args.kv_cache_memory,
                 256,
-                ["--priority-yield", str(args.priority_yield)],
+                ["--priority-yield", str(args.priority_yield)]
+                + (["--priority-preemption"] if args.priority_preemption else []),
                 replicas=0,
             ),
             stdout=open(tmp_dir / "server.log", "wb"),  # noqa: SIM115  (open while the server runs)
