@@ -63,7 +63,8 @@ class RouterIngress:
     # -- sizing ------------------------------------------------------------------------------------
     async def need_of(self, path: str, body: bytes) -> dict | None:
         """Blocks per pool the call's engine requests can ever reserve together, None when the ingress
-        cannot size it (the replica decides); raises `RequestTooLargeError` mapped to the API's 400."""
+        cannot size it (the replica decides); raises the API's 400 (`ApiError`, the engine's message) when
+        it can never fit."""
         schema, chat = GENERATION_ROUTES[path]
         try:
             req = schema.model_validate_json(body)
