@@ -31,6 +31,10 @@ SMALL_POOL_OPTIONS = {"kv_cache_memory": 32 * TINY_KV_BYTES_PER_BLOCK, "max_seq_
                       "max_beam_width": 16, "max_num_batched_tokens": 256, "tokens_per_block": 16}
 SMALL_POOL_ARGS = [arg for key, value in SMALL_POOL_OPTIONS.items()
                    for arg in ("--" + key.replace("_", "-"), str(value))]
+# The main tiny server's options (`server`); a speculative server that adds its flags to these answers
+# as `server` does.
+MAIN_ARGS = ["--served-model-name", "tiny-chat", "--kv-cache-memory", "16MiB", "--max-beam-width", "16",
+             "--max-num-batched-tokens", "256"]
 
 
 @pytest.fixture(scope="session")
@@ -147,9 +151,7 @@ def tiny_servers(tiny_chat_model_dir, tmp_path_factory):
     """Both tiny-model servers, started together (start-up is mostly imports; they overlap well)."""
     servers = {
         # a roomy KV pool and the API key from $WIDEBEAM_API_KEY
-        "main": ServerProcess(["--model", str(tiny_chat_model_dir), "--served-model-name", "tiny-chat",
-                               "--kv-cache-memory", "16MiB", "--max-beam-width", "16",
-                               "--max-num-batched-tokens", "256"],
+        "main": ServerProcess(["--model", str(tiny_chat_model_dir), *MAIN_ARGS],
                               tmp_path_factory.mktemp("server-main") / "server.log",
                               env={"WIDEBEAM_API_KEY": API_KEY}, api_key=API_KEY),
         # a 32-block KV pool (512 tokens), max_seq_len 64, no API key
@@ -172,6 +174,17 @@ def server(tiny_servers):
 def small_server(tiny_servers):
     """Tiny model, a 32-block KV pool (512 tokens) and max_seq_len 64; no API key."""
     return tiny_servers["small"].wait_ready()
+
+
+@pytest.fixture(scope="session")
+def ngram_server(tiny_chat_model_dir, tmp_path_factory):
+    """`server`'s model and options plus n-gram speculation (4 tokens a round), no API key; shared by
+    the modules that compare a speculative server with the plain one."""
+    proc = ServerProcess(["--model", str(tiny_chat_model_dir), *MAIN_ARGS, "--speculative-method", "ngram",
+                          "--num-speculative-tokens", "4"],
+                         tmp_path_factory.mktemp("server-ngram") / "server.log")
+    yield proc.wait_ready()
+    proc.stop()
 
 
 REAL_ENGINE_OPTIONS = {"kv_cache_memory": "64MiB", "max_beam_width": 4, "max_num_batched_tokens": 256}

@@ -8,7 +8,6 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from conftest import ServerProcess
 from e2e_helpers import QA_GREEDY, QA_PROMPT, client_of, refused_alongside_a_stream
 
 PROMPT, GREEDY = QA_PROMPT, QA_GREEDY
@@ -98,18 +97,9 @@ def test_two_authorization_headers_are_refused_without_an_api_key_too(small_serv
 
 
 # -- 8. echo + logprobs on a speculative server: it works, as on the plain one ----------------------
-@pytest.fixture(scope="module")
-def speculative_server(tiny_chat_model_dir, tmp_path_factory):
-    proc = ServerProcess(["--model", str(tiny_chat_model_dir), "--served-model-name", "tiny-chat",
-                          "--kv-cache-memory", "16MiB", "--max-num-batched-tokens", "256",
-                          "--speculative-method", "ngram", "--num-speculative-tokens", "4"],
-                         tmp_path_factory.mktemp("qa-speculative") / "server.log")
-    yield proc.wait_ready()
-    proc.stop()
-
-
-def test_echo_with_logprobs_on_a_speculative_server_answers_as_the_plain_one(server, client,
-                                                                              speculative_server):
+# (the speculative server is the session's `ngram_server`: `server` plus n-gram speculation)
+def test_echo_with_logprobs_on_a_speculative_server_answers_as_the_plain_one(server, client, ngram_server):
+    speculative_server = ngram_server
     prompt = "The quick brown fox jumps over the lazy dog. The quick brown fox"
     kwargs = {"model": "tiny-chat", "prompt": prompt, "max_tokens": 6, "temperature": 0, "echo": True,
               "logprobs": 2}
