@@ -187,6 +187,27 @@ def ngram_server(tiny_chat_model_dir, tmp_path_factory):
     proc.stop()
 
 
+@pytest.fixture(scope="session")
+def tiny_nllb(tmp_path_factory):
+    """A tiny NLLB-shaped translation model (tiny_nllb.py): (path, transformers model, tokenizer)."""
+    from tiny_nllb import save_tiny_nllb
+
+    path = tmp_path_factory.mktemp("tiny-nllb")
+    hf, tokenizer = save_tiny_nllb(path)
+    return path, hf, tokenizer
+
+
+@pytest.fixture(scope="session")
+def nllb_server(tiny_nllb, tmp_path_factory):
+    """`widebeam serve` on `tiny_nllb` as "tiny-nllb", beams up to 8; shared by the translation modules."""
+    path, _, _ = tiny_nllb
+    proc = ServerProcess(["--model", str(path), "--served-model-name", "tiny-nllb", "--kv-cache-memory",
+                          "8MiB", "--max-beam-width", "8"],
+                         tmp_path_factory.mktemp("server-nllb") / "server.log")
+    yield proc.wait_ready()
+    proc.stop()
+
+
 REAL_ENGINE_OPTIONS = {"kv_cache_memory": "64MiB", "max_beam_width": 4, "max_num_batched_tokens": 256}
 
 

@@ -1,7 +1,7 @@
 """The QA pass's request reproductions of issue 41 (items 4, 6, 7, 8, 9) over HTTP, with the official
 `openai` client or httpx: each refusal is a 400 naming the field the client sent, beside a greedy stream
 that answers as it does alone, with the pools whole after; each documented success is checked by its
-content. Echo on an encoder-decoder runs on a tiny NLLB-shaped translation server of this module."""
+content. Echo on an encoder-decoder runs on the session's tiny NLLB-shaped translation server."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import threading
 import httpx
 import openai
 import pytest
-from conftest import ServerProcess
 from e2e_helpers import (
     QA_GREEDY,
     QA_PROMPT,
@@ -19,7 +18,6 @@ from e2e_helpers import (
     refused_alongside_a_stream,
     streamed_text,
 )
-from tiny_nllb import save_tiny_nllb
 
 BEAM = {"use_beam_search": True}
 MAX_BEAM_WIDTH = 16  # the session server's --max-beam-width (tests/e2e/conftest.py)
@@ -178,13 +176,9 @@ def test_mixed_continuations_score_as_batch_does(server, http, tokenizer, tiny_c
 
 # -- 4. echo on an encoder-decoder: a 400 naming echo -------------------------------------------------
 @pytest.fixture(scope="module")
-def translation(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-nllb-qa4")
-    save_tiny_nllb(path)
-    proc = ServerProcess(["--model", str(path), "--served-model-name", "tiny-nllb", "--kv-cache-memory",
-                          "4MiB", "--max-beam-width", "4"], tmp_path_factory.mktemp("logs") / "server.log")
-    yield proc.wait_ready()
-    proc.stop()
+def translation(nllb_server):
+    """The session's tiny NLLB server (e2e/conftest.py), shared with test_translation_http.py."""
+    return nllb_server
 
 
 def _translated_stream(client) -> str:

@@ -7,27 +7,20 @@ from __future__ import annotations
 import openai
 import pytest
 import torch
-from conftest import ServerProcess
-from tiny_nllb import save_tiny_nllb
 
 SOURCES = ["hello world", "beam search at any width"]
 WIDTH, N, MAX_TOKENS = 4, 3, 8
 
 
 @pytest.fixture(scope="module")
-def nllb(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-nllb")
-    hf, tokenizer = save_tiny_nllb(path)
-    return path, hf, tokenizer
+def nllb(tiny_nllb):
+    return tiny_nllb
 
 
 @pytest.fixture(scope="module")
-def server(nllb, tmp_path_factory):
-    path, _, _ = nllb
-    proc = ServerProcess(["--model", str(path), "--served-model-name", "tiny-nllb", "--kv-cache-memory",
-                          "8MiB", "--max-beam-width", "8"], tmp_path_factory.mktemp("logs") / "server.log")
-    yield proc.wait_ready()
-    proc.stop()
+def server(nllb_server):
+    """The session's tiny NLLB server (e2e/conftest.py: --kv-cache-memory 8MiB --max-beam-width 8)."""
+    return nllb_server
 
 
 def hf_beams(hf, tokenizer, source: str, **extra) -> list[tuple[str, float]]:
