@@ -127,8 +127,8 @@ def trace(engine: LLMEngine) -> tuple[list[set[str]], dict[str, list[int]]]:
 @pytest.mark.parametrize("priority_yield", [0, 3])
 def test_priority_yield_runs_the_urgent_request_alone_n_minus_1_steps_in_n(tiny_llama_dir, policy,
                                                                            priority_yield):
-    """Two W=2 searches fit the pool (120 blocks) at once. With `priority_yield=3` the background one decodes one
-    step in three while the urgent one runs (0: every step); both give their outputs alone."""
+    """Two W=2 searches fit the pool (120 blocks) at once. With `priority_yield=3` the background one
+    decodes one step in three while the urgent one runs (0: every step); both give their outputs alone."""
     engine = LLMEngine(str(tiny_llama_dir), device="cpu", tokens_per_block=T, kv_cache_memory=120 * T * 512,
                        max_beam_width=8, priority_yield=priority_yield, scheduling_policy=policy)
     narrow = {"beam_width": 2, "max_new_tokens": 12, "min_new_tokens": 12}
