@@ -21,7 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from router_ab import free_port, start_server_command, stop_server, wait_ready
+from router_ab import bench_serve, free_port, start_server_command, stop_server, wait_ready
+from router_ab import load_result as result
 
 ROOT = Path(__file__).resolve().parent.parent
 FG_PROMPTS = (
@@ -34,30 +35,7 @@ FG_PROMPTS = (
 
 
 def bench(url: str, out_dir: Path, name: str, args: list[str]) -> subprocess.Popen:
-    command = [
-        sys.executable,
-        "-m",
-        "widebeam",
-        "bench",
-        "serve",
-        "--base-url",
-        url,
-        "--disable-tqdm",
-        "--seed",
-        "0",
-        "--save-result",
-        "--result-dir",
-        str(out_dir),
-        "--result-filename",
-        f"{name}.json",
-        *args,
-    ]
-    return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL)
-
-
-def result(out_dir: Path, name: str) -> dict:
-    data = json.loads((out_dir / f"{name}.json").read_text())
-    return data["runs"][0] if "runs" in data else data
+    return bench_serve(url, out_dir, name, ["--seed", "0", *args], quiet=True)
 
 
 def main() -> None:

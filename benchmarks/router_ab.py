@@ -120,44 +120,27 @@ def replica_rejections(url: str) -> float | None:
     return float(match.group(1)) if match else None
 
 
-def run_load(url: str, args, out_dir: Path, name: str) -> dict:
-    command = [
-        sys.executable,
-        "-m",
-        "widebeam",
-        "bench",
-        "serve",
-        "--base-url",
-        url,
-        "--workload",
-        "genrec",
-        "--width-mix",
-        args.width_mix,
-        "--num-prompts",
-        str(args.num_prompts),
-        "--request-rate",
-        str(args.request_rate),
-        "--seed",
-        str(args.seed),
-        "--num-warmups",
-        "2",
-        "--disable-tqdm",
-        "--output-len",
-        str(args.output_len),
-        "--prefix-words",
-        str(args.prefix_words),
-        "--goodput",
-        *args.goodput,
-        "--save-result",
-        "--result-dir",
-        str(out_dir),
-        "--result-filename",
-        f"{name}.json",
-        *args.load_args,
-    ]
-    subprocess.run(command, check=True, cwd=ROOT)
+def bench_serve(url: str, out_dir: Path, name: str, extra: list[str],
+                quiet: bool = False) -> subprocess.Popen:
+    """`widebeam bench serve` against `url` (started, not waited for), its result in `out_dir/name.json`."""
+    command = [sys.executable, "-m", "widebeam", "bench", "serve", "--base-url", url, "--disable-tqdm",
+               "--save-result", "--result-dir", str(out_dir), "--result-filename", f"{name}.json", *extra]
+    return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL if quiet else None)
+
+
+def load_result(out_dir: Path, name: str) -> dict:
     data = json.loads((out_dir / f"{name}.json").read_text())
     return data["runs"][0] if "runs" in data else data  # one run: vLLM's flat result
+
+
+def run_load(url: str, args, out_dir: Path, name: str) -> dict:
+    extra = ["--workload", "genrec", "--width-mix", args.width_mix, "--num-prompts", str(args.num_prompts),
+             "--request-rate", str(args.request_rate), "--seed", str(args.seed), "--num-warmups", "2",
+             "--output-len", str(args.output_len), "--prefix-words", str(args.prefix_words),
+             "--goodput", *args.goodput, *args.load_args]
+    if bench_serve(url, out_dir, name, extra).wait():
+        raise RuntimeError(f"widebeam bench serve failed for {name}")
+    return load_result(out_dir, name)
 
 
 def main() -> None:

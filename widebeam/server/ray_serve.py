@@ -19,20 +19,13 @@ log = logging.getLogger("widebeam.server")
 
 
 class EngineServer:
-    """One replica: an engine and its app (`__serve_build_asgi_app__` hands the app to Serve)."""
+    """One replica serving HTTP itself (`--router serve`): `__serve_build_asgi_app__` hands the app to
+    Serve."""
 
     def __init__(self, model: str, engine_kwargs: dict, app_kwargs: dict, num_threads: int):
-        import torch
+        from widebeam.server.router_replica import build_engine_app
 
-        from widebeam.engine import LLMEngine
-        from widebeam.heap import freeze_startup_heap
-        from widebeam.server.api import create_app
-
-        if not torch.cuda.is_available():
-            torch.set_num_threads(num_threads)  # the replica's CPU slots, not the whole host
-        self.engine = LLMEngine(model, **engine_kwargs)
-        self.openai_app = create_app(self.engine, **app_kwargs)
-        freeze_startup_heap()  # a long-lived replica (widebeam/heap.py)
+        self.engine, self.openai_app = build_engine_app(model, engine_kwargs, app_kwargs, num_threads)
 
     def __serve_build_asgi_app__(self):
         return self.openai_app

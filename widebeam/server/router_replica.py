@@ -17,21 +17,28 @@ from collections.abc import AsyncIterator
 log = logging.getLogger("widebeam.server")
 
 
+def build_engine_app(model: str, engine_kwargs: dict, app_kwargs: dict, num_threads: int):
+    """(engine, app) of one replica: the single server's app (`create_app`) over its own engine, on
+    `num_threads` CPU threads where there is no GPU; the start-up heap frozen (a long-lived process)."""
+    import torch
+
+    from widebeam.engine import LLMEngine
+    from widebeam.heap import freeze_startup_heap
+    from widebeam.server.api import create_app
+
+    if not torch.cuda.is_available():
+        torch.set_num_threads(num_threads)  # the replica's CPU slots, not the whole host
+    engine = LLMEngine(model, **engine_kwargs)
+    app = create_app(engine, **app_kwargs)
+    freeze_startup_heap()  # widebeam/heap.py
+    return engine, app
+
+
 class EngineReplica:
     def __init__(self, model: str, engine_kwargs: dict, app_kwargs: dict, num_threads: int):
-        import torch
-
-        from widebeam.engine import LLMEngine
-        from widebeam.heap import freeze_startup_heap
-        from widebeam.server.api import create_app
-
-        if not torch.cuda.is_available():
-            torch.set_num_threads(num_threads)  # the replica's CPU slots, not the whole host
-        self.engine = LLMEngine(model, **engine_kwargs)
-        self.app = create_app(self.engine, **app_kwargs)
+        self.engine, self.app = build_engine_app(model, engine_kwargs, app_kwargs, num_threads)
         self.loop = self.app.state.engine_loop
         self._started = False
-        freeze_startup_heap()  # a long-lived replica (widebeam/heap.py)
 
     def _start(self) -> None:
         # Nothing serves this app over HTTP, so its lifespan never runs: the engine loop starts on the
