@@ -178,9 +178,9 @@ OPTIONS: dict[str, EngineOption] = {o.kwarg: o for o in (
                  "requests of a lower priority (the request field `priority`, lower first); admission then "
                  "counts each request's re-feed after a preemption", flag="--priority-preemption",
                  action="store_true", default=False, group=SCHEDULING_GROUP),
-    EngineOption("priority_yield", _Sched, "while a request of a more urgent priority runs, the others run "
-                 "one step in N (their blocks stay held), so a small urgent request does not wait on wide "
-                 "searches' steps", type=int_at_least(0), metavar="N", default=0, unset_help="0: off",
+    EngineOption("priority_yield", _Sched, "while a request of a more urgent priority runs, the others "
+                 "take one part in N of the time (their blocks stay held), so a small urgent request does not "
+                 "wait on wide searches' steps", type=int_at_least(0), metavar="N", default=0, unset_help="0: off",
                  group=SCHEDULING_GROUP),
     EngineOption("enable_prefix_caching", _Cache, "recompute every prompt", flag="--no-prefix-caching",
                  action="store_true", default=False, to_kwarg=lambda off: not off, group=PREFIX_CACHE_GROUP),

@@ -113,36 +113,52 @@ def test_a_request_is_preempted_for_priority_at_most_max_preemptions_times(tiny_
     assert preemptions_seen[-1] == 1  # preempted once, then it ran on beside (or before) the others
 
 
-def trace(engine: LLMEngine) -> tuple[list[set[str]], dict[str, list[int]]]:
-    """(the requests that chose a token, step by step; each one's best tokens)."""
-    steps, outputs = [], {}
-    while engine.has_unfinished():
-        deltas = engine.step()
-        steps.append({d.request_id for d in deltas})
-        outputs.update({d.request_id: d.output.outputs[0].token_ids for d in deltas if d.finished})
-    return steps, outputs
+class StepClock:
+    """The scheduler's clock, advanced by the test after each step: `cost_s(ids)` of the requests that
+    chose a token in it, so what `priority_yield` books does not depend on this machine's speed."""
+
+    def __init__(self, cost_s):
+        self.now_s, self.cost_s = 0.0, cost_s
+
+    def __call__(self) -> float:
+        return self.now_s
+
+    def trace(self, engine: LLMEngine) -> tuple[list[set[str]], dict[str, list[int]]]:
+        steps, outputs = [], {}
+        while engine.has_unfinished():
+            deltas = engine.step()
+            steps.append({d.request_id for d in deltas})
+            self.now_s += self.cost_s(steps[-1])
+            outputs.update({d.request_id: d.output.outputs[0].token_ids for d in deltas if d.finished})
+        return steps, outputs
 
 
 @pytest.mark.parametrize("policy", ["guaranteed_no_evict", "max_utilization"])
-@pytest.mark.parametrize("priority_yield", [0, 3])
-def test_priority_yield_runs_the_urgent_request_alone_n_minus_1_steps_in_n(tiny_llama_dir, policy,
-                                                                           priority_yield):
+@pytest.mark.parametrize(("priority_yield", "background_step_s", "shared"), [
+    (0, 1.0, 12),  # off: the background shares every step of the urgent one's 12
+    (3, 1.0, 4),   # steps of equal cost: one in three, from its first (the step it is admitted in)
+    (3, 4.0, 1),   # a background step costs four urgent ones: 2 x 4 urgent-only steps between two
+])
+def test_priority_yield_gives_the_others_one_part_in_n_of_the_time(tiny_llama_dir, policy, priority_yield,
+                                                                    background_step_s, shared):
     """Two W=2 searches fit the pool (120 blocks) at once. With `priority_yield=3` the background one
-    decodes one step in three while the urgent one runs (0: every step); both give their outputs alone."""
+    takes at most a third of the time while the urgent one runs (0: every step); both give their
+    outputs alone."""
     engine = LLMEngine(str(tiny_llama_dir), device="cpu", tokens_per_block=T, kv_cache_memory=120 * T * 512,
                        max_beam_width=8, priority_yield=priority_yield, scheduling_policy=policy)
+    clock = StepClock(lambda ids: background_step_s if "background" in ids else 1.0)
+    engine.scheduler.clock = clock
     narrow = {"beam_width": 2, "max_new_tokens": 12, "min_new_tokens": 12}
     longer = {"beam_width": 2, "max_new_tokens": 20, "min_new_tokens": 20}  # it outlives the urgent one
     engine.add_request("background", prompt(1), BeamSearchParams(**longer, priority=10))
     engine.step()  # its prompt and first token
+    clock.now_s += background_step_s
     engine.add_request("urgent", prompt(2), BeamSearchParams(**narrow, priority=0))
-    steps, outputs = trace(engine)
+    steps, outputs = clock.trace(engine)
     urgent_steps = [ids for ids in steps if "urgent" in ids]
     assert len(urgent_steps) == 12  # it never waits a step
     last = max(i for i, ids in enumerate(steps) if "urgent" in ids)
-    shared = sum("background" in ids for ids in steps[:last + 1])
-    # every step, or the step it was admitted in and one in three of the 11 after it
-    assert shared == (12 if priority_yield == 0 else 4)
+    assert sum("background" in ids for ids in steps[:last + 1]) == shared
     assert outputs["background"] == alone(tiny_llama_dir, 1, **longer)
     assert outputs["urgent"] == alone(tiny_llama_dir, 2, **narrow)
 

@@ -26,14 +26,20 @@ re-feed a preempted request needs (`refeeds_after_preemption`), so a resumed req
 
 Priority covers compute too, with `priority_yield` N: in continuous batching a small request shares every
 step with the wide searches beside it, so its tokens come at their step's pace. While requests of more
-than one priority run, N - 1 steps in N run only the most urgent priority (and admit nobody less
-urgent); the others keep their blocks and state and run on the N-th. What it costs them: while urgent
-work runs, they advance at 1/N of their pace (docs/serving.md measures it).
+than one priority run, steps that run only the most urgent priority (and admit nobody less urgent) take
+N - 1 parts in N of the time, and steps that run everyone the rest: after a step that ran the others,
+urgent-only steps follow until they have taken N - 1 times that step's duration. Time, not a count of
+steps, because a wide search's step costs twenty or more of a greedy request's; the urgent requests'
+tokens then come at most about N / (N - 1) times slower than alone. The others keep their blocks and
+state; what it costs them: while urgent work runs, they advance at about 1/N of their pace
+(docs/scheduling-and-capacity.md measures it).
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -95,7 +101,8 @@ class Scheduler:
     policy = "guaranteed_no_evict"
 
     def __init__(self, cache: KVCache, max_num_batched_tokens: int, num_draft_tokens: int = 0,
-                 priority_preemption: bool = False, max_preemptions: int = 3, priority_yield: int = 0):
+                 priority_preemption: bool = False, max_preemptions: int = 3, priority_yield: int = 0,
+                 clock: Callable[[], float] = time.monotonic):
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         self.cache = cache
@@ -104,7 +111,13 @@ class Scheduler:
         self.priority_preemption = priority_preemption
         self.max_preemptions = max_preemptions
         self.priority_yield = priority_yield
-        self._num_mixed_steps = 0  # steps with running requests of more than one priority
+        # `priority_yield`'s account: the previous step's start and whether it ran only the urgent, the
+        # duration of the last step that ran everyone, the urgent-only time since.
+        self.clock = clock
+        self._step_started_s: float | None = None
+        self._step_yielded = False
+        self._everyone_step_s = 0.0
+        self._urgent_only_s = 0.0
         self.waiting: deque[SchedulableRequest] = deque()
         self._overtakes: dict[str, int] = {}  # request id -> later arrivals let ahead of it
         self.running: list[SchedulableRequest] = []  # in the order they were admitted
@@ -170,9 +183,7 @@ class Scheduler:
         the lowest first, until the head's reservation fits (or none is left to preempt)."""
         while self.priority_preemption and self.waiting:
             head = self.waiting[0]
-            free = self._unreserved_blocks()
-            need = self._reservation(head, head.kv.find_hit())
-            if all(blocks <= free[pool] for pool, blocks in need.items()):
+            if self._fits_now(head):
                 return
             victims = [r for r in self.running if r.priority > head.priority
                        and r.num_preemptions < self.max_preemptions]
@@ -182,14 +193,34 @@ class Scheduler:
             self._preempt(max(reversed(victims), key=lambda r: r.priority))
 
     def _yielding_to(self) -> int | None:
-        """With `priority_yield` N: the most urgent running priority when this step runs it alone (N - 1
-        steps in N while requests of several priorities run), else None."""
-        if not self.priority_yield or len({r.priority for r in self.running}) < 2:
+        """With `priority_yield` N: the most urgent running priority when this step runs it alone, else
+        None. The previous step's duration (from its schedule to this one) is booked first; urgent-only
+        steps run until they have taken N - 1 times the duration of the last step that ran everyone."""
+        if not self.priority_yield:
             return None
-        self._num_mixed_steps += 1
-        if self._num_mixed_steps % self.priority_yield == 0:
+        now = self.clock()
+        # (A span that includes idle time ends a step that ran everyone, and the next step, which finds
+        # nothing running, runs everyone too and replaces it.)
+        if self._step_started_s is not None:
+            took_s = now - self._step_started_s
+            if self._step_yielded:
+                self._urgent_only_s += took_s
+            else:
+                self._everyone_step_s, self._urgent_only_s = took_s, 0.0
+        self._step_started_s = now
+        self._step_yielded = False
+        priorities = {r.priority for r in self.running}
+        if self.running and self.waiting and self._fits_now(self.waiting[0]):
+            # An urgent arrival's first step (its prompt and first token) is already one it runs alone.
+            priorities.add(self.waiting[0].priority)
+        if len(priorities) < 2 or self._urgent_only_s >= (self.priority_yield - 1) * self._everyone_step_s:
             return None
-        return min(r.priority for r in self.running)
+        self._step_yielded = True
+        return min(priorities)
+
+    def _fits_now(self, request: SchedulableRequest) -> bool:
+        need, free = self._reservation(request, request.kv.find_hit()), self._unreserved_blocks()
+        return all(blocks <= free[pool] for pool, blocks in need.items())
 
     def schedule(self) -> SchedulerOutput:
         self._make_room_for_head()
