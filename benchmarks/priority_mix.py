@@ -46,6 +46,8 @@ def main() -> None:
     parser.add_argument("--priority-yield", type=int, default=4)
     parser.add_argument("--priority-preemption", action="store_true",
                         help="the server's --priority-preemption")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="the server's --max-num-batched-tokens (bounds one step: a W=256 decode is 256)")
     parser.add_argument("--bg-width-mix", default="64:0.5,256:0.5")
     parser.add_argument("--bg-num-prompts", type=int, default=24)
     parser.add_argument("--overload", type=float, default=1.2, help="background rate / its capacity")
@@ -66,7 +68,9 @@ def main() -> None:
                 args.kv_cache_memory,
                 256,
                 ["--priority-yield", str(args.priority_yield)]
-                + (["--priority-preemption"] if args.priority_preemption else []),
+                + (["--priority-preemption"] if args.priority_preemption else [])
+                + (["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+                   if args.max_num_batched_tokens else []),
                 replicas=0,
             ),
             stdout=open(tmp_dir / "server.log", "wb"),  # noqa: SIM115  (open while the server runs)
@@ -152,6 +156,10 @@ def main() -> None:
         "request_throughput",
         "median_e2el_ms",
         "p99_e2el_ms",
+        "median_ttft_ms",
+        "p99_ttft_ms",
+        "median_tpot_ms",
+        "p99_tpot_ms",
         "duration",
     )
     out = {
