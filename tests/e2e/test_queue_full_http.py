@@ -2,7 +2,7 @@
 searches on a small pool (a few run at once). The queue never passes its bound; the rest are answered
 429 at once with `Retry-After` and a body naming `max_waiting_requests`; no 5xx; every completed
 request's text equals the same request alone; afterwards every block is free, and /metrics and
-/v1/stats count the refusals."""
+/v1/stats count the refusals. A call whose `n` alone passes the bound is a 400, not a 429."""
 
 from __future__ import annotations
 
@@ -38,6 +38,15 @@ def test_overload_is_answered_429_with_retry_after_and_nothing_is_lost(server_fa
         error = response.json()["error"]
         assert error["code"] == "queue_full" and error["param"] == "max_waiting_requests"
         assert "max_waiting_requests=2" in error["message"]
+    # n sampled choices are n requests in the queue: past its bound such a call could never be queued, so
+    # it is invalid (400 naming n), not a 429 to retry, and holds nothing
+    many = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+        "model": model, "prompt": PROMPTS[0], "max_tokens": 4, "n": 3, "temperature": 1.0})
+    assert many.status_code == 400, many.text
+    assert many.json()["error"]["param"] == "n" and "max_waiting_requests" in many.json()["error"]["message"]
+    two = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+        "model": model, "prompt": PROMPTS[0], "max_tokens": 4, "n": 2, "temperature": 1.0})
+    assert two.status_code == 200 and len(two.json()["choices"]) == 2
     metrics = server.wait_idle()
     assert metrics["widebeam_requests_queue_full_total"] == len(refused)
     assert all(free == total for free, total in server.pools().values())

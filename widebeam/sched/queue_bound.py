@@ -18,11 +18,22 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 
-from widebeam.errors import QueueFullError
+from widebeam.errors import InvalidParameterError, QueueFullError
 
 RATE_WINDOW = 64  # finishes the drain rate is measured over
 MAX_RETRY_AFTER_S = 60
 DEFAULT_RETRY_AFTER_S = 1  # before two requests have finished
+
+
+def check_group_size(num_requests: int, max_waiting_requests: int | None) -> None:
+    """A call of `num_requests` engine requests (an HTTP request with `n` sampled choices) queues them all
+    at once: past `max_waiting_requests` it could never be queued, whatever the load, so it is invalid
+    (a 400), not a 429 to retry."""
+    if max_waiting_requests is not None and num_requests > max_waiting_requests:
+        raise InvalidParameterError(
+            "n", "{n} asks for {num} sequences, each its own request in the waiting queue, which holds at "
+            "most {bound} (max_waiting_requests): it could never be queued; ask for at most {bound}",
+            num=num_requests, bound=max_waiting_requests)
 
 
 class WaitingQueueBound:

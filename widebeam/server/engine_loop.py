@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from widebeam.errors import QueueFullError
 from widebeam.outputs import RequestDelta
 from widebeam.response_format import GRAMMAR_COMPILE_TIMEOUT_S
+from widebeam.sched.queue_bound import check_group_size
 from widebeam.server import schemas as s
 from widebeam.server.metrics import ServerMetrics
 from widebeam.structured.grammars import NUM_COMPILE_WORKERS
@@ -249,6 +250,8 @@ class EngineLoop:
     def _add(self, command: _Add):
         added, num_prompt_tokens = [], []
         try:
+            # the engine's public stats name the bound (None: unbounded, or an engine without one)
+            check_group_size(len(command.entries), self.snapshot.get("queue", {}).get("max_waiting_requests"))
             for request_id, (prompt, params) in zip(command.group.request_ids, command.entries):
                 prompt_token_ids = self.engine.add_request(request_id, prompt, params)
                 added.append(request_id)
