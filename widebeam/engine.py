@@ -226,6 +226,7 @@ class LLMEngine:
         deltas: list[RequestDelta] = []
         prefills: list[tuple[Request, SequenceInput]] = []
         rounds_by_request: list[tuple[Request, list[SequenceRound]]] = []
+        parts: list[tuple[Request, list[SequenceRound]]] = []  # rounds split over steps: this step's rows
         sources, cross_slots = [], []
         for item in schedule.scheduled:
             request = item.request
@@ -233,6 +234,8 @@ class LLMEngine:
                 encoder_input = request.encoder_input()
                 if item.num_prompt_tokens:
                     prefills.append((request, request.prefill_input(item.num_prompt_tokens)))
+                elif item.num_rows is not None or request.split is not None:
+                    parts.append((request, request.begin_round_part(item.num_rows, draft_step.begin_round)))
                 else:
                     rounds_by_request.append((request, draft_step.begin_round(request)))
             except Exception as exc:  # noqa: BLE001  (any failure of its own fails this request alone)
@@ -241,7 +244,7 @@ class LLMEngine:
             if encoder_input is not None:
                 sources.append(encoder_input[0])
                 cross_slots.append(encoder_input[1])
-        if not prefills and not rounds_by_request:
+        if not prefills and not rounds_by_request and not parts:
             return deltas
         # Copy-on-write copies queued while building the inputs must land before the forward writes.
         copies = self.cache.take_copies()
@@ -249,7 +252,7 @@ class LLMEngine:
             worker.copy_blocks(copies)
         target = self.workers[0]
         target.encode(sources, cross_slots)  # cross K/V in place before the decoder reads them
-        rounds = [rnd for _, request_rounds in rounds_by_request for rnd in request_rounds]
+        rounds = [rnd for _, request_rounds in (*rounds_by_request, *parts) for rnd in request_rounds]
         draft_step.draft(rounds, prefills)
         # One target pass: each prompt chunk's last token, and per round the last pending token and
         # every drafted node (tree attention), each with its logits.
@@ -268,6 +271,8 @@ class LLMEngine:
             self._collect(deltas, request, request.finish_prefill, scores, i)
         for request, request_rounds in rounds_by_request:
             self._collect(deltas, request, request.finish_round, request_rounds, scores)
+        for request, part in parts:
+            self._collect(deltas, request, request.finish_round_part, part, scores)
         draft_step.end(rounds_by_request, ran_prefills=bool(prefills))
         return deltas
 

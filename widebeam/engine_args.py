@@ -142,8 +142,9 @@ OPTIONS: dict[str, EngineOption] = {o.kwarg: o for o in (
     EngineOption("max_beam_width", _Sched, "widest beam search", type=int_at_least(1)),
     EngineOption("max_seq_len", _Sched, "prompt + generated tokens", type=int_at_least(2),
                  unset_help="the model's limit, bounded by the KV capacity"),
-    EngineOption("max_num_batched_tokens", _Sched, "tokens per step: the prefill chunk size, which sizes "
-                 "the activation reserve", type=int_at_least(1)),
+    EngineOption("max_num_batched_tokens", _Sched, "tokens per step: the prefill chunk size and the most "
+                 "rows one step feeds (a wider beam round is split over steps); it sizes the activation "
+                 "reserve", type=int_at_least(1)),
     # The speculative options are unset (None) by default: `EngineConfig.from_kwargs` turns speculation
     # on only when a model or a method is given, so the config's defaults cannot stand for "not given".
     EngineOption("speculative_model", _Spec, "draft model (alias, Hugging Face dir or .gguf; same "
@@ -179,9 +180,9 @@ OPTIONS: dict[str, EngineOption] = {o.kwarg: o for o in (
                  "counts each request's re-feed after a preemption", flag="--priority-preemption",
                  action="store_true", default=False, group=SCHEDULING_GROUP),
     EngineOption("priority_yield", _Sched, "while a request of a more urgent priority runs, the others "
-                 "take one part in N of the time (their blocks stay held), so a small urgent request does not "
-                 "wait on wide searches' steps", type=int_at_least(0), metavar="N", default=0, unset_help="0: off",
-                 group=SCHEDULING_GROUP),
+                 "take one part in N of the time (their blocks stay held), so a small urgent request does "
+                 "not wait on wide searches' steps", type=int_at_least(0), metavar="N", default=0,
+                 unset_help="0: off", group=SCHEDULING_GROUP),
     EngineOption("enable_prefix_caching", _Cache, "recompute every prompt", flag="--no-prefix-caching",
                  action="store_true", default=False, to_kwarg=lambda off: not off, group=PREFIX_CACHE_GROUP),
     EngineOption("pinned_prefixes", _Cache, "a prefix computed at start-up and never evicted (a system "

@@ -14,6 +14,10 @@ beam reads, and the decoder prompt is the decoder start token.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
+import torch
+
 from widebeam.decoding.decoders import BeamDecoder, SamplingDecoder, StepScores
 from widebeam.decoding.stream import BeamStream, SampledStream
 from widebeam.kv.request_kv import RequestKV
@@ -53,6 +57,7 @@ class Request:
         self.num_preemptions = 0  # times the scheduler took its blocks back (it resumed by recomputation)
         self.max_feed_tokens: int | None = None  # after a preemption: the most tokens one re-feed step feeds
         self._num_fed_tokens = 1  # tokens per sequence the latest round fed
+        self.split: SplitRound | None = None  # a round fed over several steps, while it lasts
         self._earlier_peak_blocks: dict[str, int] = {}  # peaks held before the latest preemption
 
     @property
@@ -87,6 +92,18 @@ class Request:
         `num_draft_tokens` drafted ones unless it is re-feeding after a preemption."""
         num_fed = self.num_feed_tokens
         return num_fed + (num_draft_tokens if num_fed == len(self.pending_token_ids[0]) else 0)
+
+    def num_splittable_rows(self, num_draft_tokens: int = 0) -> int:
+        """The rows its round still has to feed when they may be fed over several steps (several live
+        sequences, one token each, nothing drafted: each row is a sequence's whole round), else 0. A
+        round split so chooses once all its rows are scored, as it would in one step."""
+        if self.split is not None:
+            return len(self.split.rounds) - self.split.num_done
+        pending = self.pending_token_ids
+        if num_draft_tokens or self.draft is not None or len(pending) < 2 \
+                or any(len(p) != 1 for p in pending):
+            return 0
+        return len(pending)
 
     def take_prefix_hit(self, hit) -> None:
         """Admitted: start from the cached blocks; the prefill begins after them (and skips the
@@ -174,6 +191,28 @@ class Request:
             self._continue(replayed)
         return delta
 
+    def begin_round_part(self, num_rows: int | None, begin) -> list[SequenceRound]:
+        """The next `num_rows` (None: all left) sequences of a round fed over several steps; the round
+        itself (`begin(self)`: the step's `begin_round`, which takes every sequence's slot) begins with
+        its first part."""
+        if self.split is None:
+            self.split = SplitRound(begin(self))
+        split = self.split
+        part = split.rounds[split.num_done:None if num_rows is None else split.num_done + num_rows]
+        split.num_done += len(part)
+        return part
+
+    def finish_round_part(self, part: list[SequenceRound], scores: StepScores) -> RequestDelta | None:
+        """Keep a part's logits; once every part is scored, finish the round on all of them at once."""
+        split = self.split
+        split.logits.append(scores.select([rnd.row_start for rnd in part]).logits.clone())
+        if split.num_done < len(split.rounds):
+            return None
+        self.split = None
+        for row, rnd in enumerate(split.rounds):
+            rnd.row_start = row
+        return self.finish_round(split.rounds, StepScores(torch.cat(split.logits)))
+
     def finish_round(self, rounds: list[SequenceRound], scores: StepScores) -> RequestDelta | None:
         """Replay the decoder on the round's scores (speculative/replay.py), keep what it chose and
         roll the rest back. None for a re-feed round: these tokens were chosen before a preemption;
@@ -238,6 +277,7 @@ class Request:
         if self.draft is not None:
             self.draft.reset()
         self.pending_token_ids = []
+        self.split = None  # its slots went with the blocks; the round starts again after the re-feed
         self.max_feed_tokens = max_feed_tokens
         self.num_preemptions += 1
         return num_dropped
@@ -266,3 +306,13 @@ class Request:
                              required_blocks=dict(self.admission.required_blocks),
                              num_cached_tokens=self.kv.num_cached_tokens, prompt_logprobs=prompt_logprobs,
                              tree=self.stream.tree())
+
+
+@dataclass
+class SplitRound:
+    """A round whose sequences are fed over several steps (sched/scheduler.py splits a wide round at the
+    step's token budget): its rounds, how many have run, their logits so far ([rows, vocab] each)."""
+
+    rounds: list[SequenceRound]
+    num_done: int = 0
+    logits: list[torch.Tensor] = field(default_factory=list)

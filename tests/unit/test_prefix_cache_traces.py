@@ -78,6 +78,11 @@ class SimRequest:
     def num_round_tokens(self, num_draft_tokens=0):
         return self.num_feed_tokens  # no drafter: a round feeds its pending tokens alone
 
+    split = None  # its rounds go whole (a split round's rows are the engine's: test_split_rounds.py)
+
+    def num_splittable_rows(self, num_draft_tokens=0):
+        return 0
+
     def take_prefix_hit(self, hit):
         self.on_hit(self, hit)
         self.kv.take_hit(hit)

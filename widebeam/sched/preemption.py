@@ -152,9 +152,14 @@ class MaxUtilizationScheduler(Scheduler):
 
     def _step_need(self, item: ScheduledRequest) -> dict[str, int]:
         request = item.request
+        if request.split is not None:
+            return {}  # a split round's later parts: its first took every sequence's slot
         # a round takes its drafted nodes' slots too (rolled back after, but held during the step)
         return request.kv.step_blocks(item.num_prompt_tokens
                                       or request.num_round_tokens(self.num_draft_tokens))
 
     def _tokens(self, item: ScheduledRequest) -> int:
-        return item.num_prompt_tokens or item.request.num_step_tokens(self.num_draft_tokens)
+        if item.num_prompt_tokens:
+            return item.num_prompt_tokens
+        return (item.num_rows or item.request.num_splittable_rows(self.num_draft_tokens)
+                or item.request.num_step_tokens(self.num_draft_tokens))

@@ -62,6 +62,7 @@ class SchedulableRequest(Protocol):
     admission: Admission
     kv: RequestKV
     num_preemptions: int  # times the scheduler took its blocks back
+    split: object | None  # a round being fed over several steps (request.py: `SplitRound`), or None
 
     @property
     def prompt_done(self) -> bool: ...
@@ -80,6 +81,11 @@ class SchedulableRequest(Protocol):
         """Tokens per live sequence its next round takes slots for (drafted ones included)."""
         ...
 
+    def num_splittable_rows(self, num_draft_tokens: int = 0) -> int:
+        """Rows (one token each) its round still has to feed when they may be fed over several steps;
+        0: the round goes whole."""
+        ...
+
     def take_prefix_hit(self, hit: PrefixHit) -> None: ...
 
     def preempt(self, max_feed_tokens: int | None = None) -> int: ...
@@ -89,6 +95,7 @@ class SchedulableRequest(Protocol):
 class ScheduledRequest:
     request: SchedulableRequest
     num_prompt_tokens: int  # > 0: a prefill chunk of that many prompt tokens; 0: decode
+    num_rows: int | None = None  # a decode of only this many of its round's rows; None: all left
 
 
 @dataclass
@@ -279,17 +286,23 @@ class Scheduler:
         their blocks and wait the step); returns the token budget left."""
         budget = self.max_num_batched_tokens
         running = self.running if urgent is None else [r for r in self.running if r.priority == urgent]
-        # Decodes first: a running request's live beams decode together or not at all. The first
-        # one always goes, so a request wider than the budget still makes progress.
-        prefilling = []
-        for request in running:
-            if not request.prompt_done:
-                prefilling.append(request)
-                continue
-            cost = request.num_step_tokens(self.num_draft_tokens)
-            if cost <= budget or not out.scheduled:
+        # Decodes first, those that cannot split before those that can. A round wider than what is left
+        # of the budget is split: its rows are fed over several steps (one token each) and it chooses
+        # once all are scored, so no step passes the budget and a narrow request beside a wide search
+        # gets its token every step. A round that cannot split (drafts, re-feeds) goes whole or waits,
+        # but the first one always goes, so every request makes progress.
+        prefilling = [request for request in running if not request.prompt_done]
+        decoding = sorted((request for request in running if request.prompt_done),
+                          key=lambda request: request.num_splittable_rows(self.num_draft_tokens) > 0)
+        for request in decoding:
+            splittable = request.num_splittable_rows(self.num_draft_tokens)
+            cost = splittable or request.num_step_tokens(self.num_draft_tokens)
+            if cost <= budget or (not out.scheduled and not splittable):
                 out.scheduled.append(ScheduledRequest(request, 0))
                 budget -= cost
+            elif splittable and budget > 0:
+                out.scheduled.append(ScheduledRequest(request, 0, num_rows=budget))
+                budget = 0
         for request in prefilling:
             if budget <= 0:
                 break
