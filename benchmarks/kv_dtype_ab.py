@@ -9,6 +9,12 @@ each keeps its best time after a warm-up. Beam search with `min_new_tokens = N`:
 length. Reports each dtype's time over float32's and whether its best beam equals float32's (not
 required: a quantized cache may part from float32 at a near tie; benchmarks/kv_quality.py measures how
 often). Writes benchmarks/results/kv_dtype_ab.json (--out).
+
+`int8:none` and `int8:kv` among the dtypes add int8 engines whose pools store neither K nor V, or both,
+rotated (model/attention/quantized_kv.py rotates K alone), so what the rotation costs is measured in the
+same process:
+
+    python benchmarks/kv_dtype_ab.py --widths 1 4 16 64 --kv-cache-dtypes float32 int8:none int8
 """
 
 from __future__ import annotations
@@ -21,6 +27,22 @@ import torch
 from interleaved import best_times
 
 ROOT = Path(__file__).resolve().parent.parent
+INT8_ROTATIONS = {"k": (True, False), "kv": (True, True), "none": (False, False)}  # (K, V) stored rotated
+
+
+def make_engine(name: str, **kwargs):
+    """An engine storing KV as `name`: a dtype, or int8:ROTATION (k, kv, none)."""
+    from widebeam.llm import LLM
+    from widebeam.model.attention import quantized_kv
+
+    dtype, _, rotation = name.partition(":")
+    saved = quantized_kv.ROTATE_K, quantized_kv.ROTATE_V
+    if rotation:  # a pool's rotation is fixed when it is built
+        quantized_kv.ROTATE_K, quantized_kv.ROTATE_V = INT8_ROTATIONS[rotation]
+    try:
+        return LLM(kv_cache_dtype=dtype, **kwargs)
+    finally:
+        quantized_kv.ROTATE_K, quantized_kv.ROTATE_V = saved
 
 
 def main() -> None:
@@ -37,12 +59,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from widebeam.heap import freeze_startup_heap
-    from widebeam.llm import LLM
     from widebeam.params import BeamSearchParams
 
     dtypes = ["float32", *(d for d in args.kv_cache_dtypes if d != "float32")]
-    engines = {d: LLM(kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=False,
-                      max_beam_width=max(args.widths), kv_cache_dtype=d) for d in dtypes}
+    engines = {d: make_engine(d, kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=False,
+                              max_beam_width=max(args.widths)) for d in dtypes}
     freeze_startup_heap()
     prompt = {"prompt_token_ids": [(i * 7919) % 40000 + 100 for i in range(args.prompt_len)]}
     rows = []

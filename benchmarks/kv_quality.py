@@ -37,6 +37,10 @@ K/V are stored as differs. Four parts (`--parts`, default the first three; `--ge
    plus a short user part per request, catalogue-constrained beam search at `--genrec-width`; per request
    the overlap of the top-100 items with the float32-KV run, and whether the best item is equal.
 
+`--int8-rotation k|kv|none`: which of an int8 cache's K and V are stored rotated by the Walsh-Hadamard
+matrix (model/attention/quantized_kv.py: `ROTATE_K`, `ROTATE_V`; default the engine's, K alone), to
+measure the alternatives; recorded in the results.
+
 `--kv-cache-dtypes float32 int8` adds a control: float32 against itself must give KL 0, top-1 agreement
 1 and equal beams (same inputs, same batches: bit for bit on a CPU), so what the others show is their KV's.
 
@@ -65,6 +69,8 @@ from widebeam.model.runner import ModelRunner, SequenceInput
 RESULTS = Path(__file__).parent / "results"
 REFERENCE_KV = "float32"
 PARTS = ("kl", "beams", "best", "genrec")
+INT8_ROTATIONS = {"k": (True, False), "kv": (True, True), "none": (False, False)}  # (K, V) stored rotated
+ROTATED_NAMES = {"k": "K", "kv": "K and V", "none": "neither K nor V"}
 
 
 # -- the held text ------------------------------------------------------------------------------------
@@ -309,6 +315,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--genrec-layers", type=int, default=2)
     ap.add_argument("--kv-cache-memory", default="1GiB", help="each engine's KV budget (parts 2-4)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--int8-rotation", choices=sorted(INT8_ROTATIONS), default=None,
+                    help="which of an int8 cache's K and V are stored rotated (default: the engine's)")
     ap.add_argument("--out", default="kv_quality", help="results file stem")
     ap.add_argument("--results-dir", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
@@ -350,11 +358,16 @@ def main(argv=None) -> int:
 
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    from widebeam.model.attention import quantized_kv
+
+    if args.int8_rotation is not None:  # before any pool is built: a pool's rotation is fixed when it is
+        quantized_kv.ROTATE_K, quantized_kv.ROTATE_V = INT8_ROTATIONS[args.int8_rotation]
+    rotation = {v: k for k, v in INT8_ROTATIONS.items()}[(quantized_kv.ROTATE_K, quantized_kv.ROTATE_V)]
     beam_parts = [p for p in ("beams", "best") if p in args.parts]
     max_width = max([*args.beam_widths, args.beam_width_best]) if beam_parts else 1
     report = {"command": " ".join(["benchmarks/kv_quality.py", *(sys.argv[1:] if argv is None else argv)]),
               "model": args.model, "dtype": args.dtype, "device": args.device, "reference_kv": REFERENCE_KV,
-              "candidates": args.kv_cache_dtypes, "seconds": {}}
+              "candidates": args.kv_cache_dtypes, "int8_rotation": rotation, "seconds": {}}
     needs_model = "kl" in args.parts or beam_parts
     reference = engine(args, REFERENCE_KV, max_width) if needs_model else None
     if needs_model:
@@ -456,6 +469,8 @@ def write_report(report: dict, results_dir: Path, name: str) -> None:
     (results_dir / f"{name}.json").write_text(json.dumps(report, indent=1))
     lines = [(f"KV-cache quality against float32 KV: {report['model']}, {report['dtype']} weights, "
               f"{report['device']} (`{report['command']}`).\n")]
+    if "int8" in report["candidates"] and "int8_rotation" in report:
+        lines.append(f"int8 stores rotated (Walsh-Hadamard): {ROTATED_NAMES[report['int8_rotation']]}.\n")
     if "held_text" in report:
         held = report["held_text"]
         lines.append(f"Held text: {held['source']}, {held['chars']:,} characters, {held['tokens']:,} tokens, "

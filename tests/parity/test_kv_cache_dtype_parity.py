@@ -5,12 +5,15 @@ ops (no widebeam code):
 - `DefinitionCache` rounds every K and V it is given (after RoPE, as both engines store them) to
   bfloat16 / float16, or quantizes it to int8 per token, KV head and group of 32 values (llama.cpp's
   q8_0: scale max|x| / 127 over the group, rounded to float16; value round_half_even(x / scale)
-  clamped to [-127, 127]; dequantized in float32).
+  clamped to [-127, 127]; dequantized in float32), K rotated first by the normalized 64 x 64
+  Walsh-Hadamard matrix (Sylvester's construction) and rotated back after (H @ H = I); V not rotated.
 - The "compute_dtype_sdpa" attention casts q, K and V to the compute dtype, runs transformers' own SDPA
   attention there and casts the output back: the cache's dtype for bfloat16 / float16, and for int8 what
   widebeam reads it as (bfloat16 on a CPU with native bfloat16 products, such as this one's AMX; float32
   elsewhere: `QuantizedKV.read_dtype`, asked of the engine). The int8 path is also checked read as
-  float32 (`int8_read_dtype` patched).
+  float32 (`int8_read_dtype` patched). For int8, q and K are multiplied by H (in float32) before the
+  cast: attention in the domain K is stored in (q @ H . k @ H = q . k), so that both engines round the
+  same products to bfloat16 (rounding q and k instead moves a log-prob by up to 0.04 on this model).
 
 Both engines run a tiny float32 Llama with head_dim 64 (two scale groups a head). Greedy tokens must be
 equal. With float32 attention (int8 read as float32): log-probs and every beam's score within 2e-3 and
@@ -35,22 +38,37 @@ PROMPTS = [[(i * 31 + k) % 120 + 3 for i in range(n)] for k, n in ((1, 9), (5, 2
 KV_DTYPES = ["int8", "bfloat16", "float16"]
 
 
-def stored_by_definition(x: torch.Tensor, kv_cache_dtype: str) -> torch.Tensor:
-    """x [batch, kv_heads, tokens, head_dim] as the cache gives it back."""
+def walsh_hadamard(n: int) -> torch.Tensor:
+    """The normalized n x n Walsh-Hadamard matrix (n a power of two), float32: H_2n = [[H, H], [H, -H]]."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)))
+    return h / n ** 0.5
+
+
+def stored_by_definition(x: torch.Tensor, kv_cache_dtype: str, rotate: bool = False) -> torch.Tensor:
+    """x [batch, kv_heads, tokens, head_dim] as the cache gives it back; `rotate` (K of int8): stored as
+    x @ H, read back times H."""
     if kv_cache_dtype == "int8":
-        groups = x.reshape(*x.shape[:-1], -1, 32)  # head_dim 64: two groups of 32
+        h = walsh_hadamard(x.shape[-1]) if rotate else None
+        rotated = x if h is None else x @ h
+        groups = rotated.reshape(*x.shape[:-1], -1, 32)  # head_dim 64: two groups of 32
         scale = (groups.abs().amax(dim=-1, keepdim=True) / 127.0).to(torch.float16).float()
-        return (torch.round(groups / scale).clamp(-127, 127) * scale).reshape(x.shape)
+        back = (torch.round(groups / scale).clamp(-127, 127) * scale).reshape(x.shape)
+        return back if h is None else back @ h
     return x.to(getattr(torch, kv_cache_dtype)).to(x.dtype)
 
 
-COMPUTE_DTYPE = {"dtype": torch.float32}  # what "compute_dtype_sdpa" computes in, set per test
+# what "compute_dtype_sdpa" computes in, and the rotation of q and K's domain (int8), set per test
+COMPUTE_DTYPE = {"dtype": torch.float32, "rotation": None}
 
 
 def compute_dtype_sdpa(module, query, key, value, attention_mask, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    dtype = COMPUTE_DTYPE["dtype"]
+    dtype, rotation = COMPUTE_DTYPE["dtype"], COMPUTE_DTYPE["rotation"]
+    if rotation is not None:
+        query, key = query @ rotation, key @ rotation
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         attention_mask = attention_mask.to(dtype)
     out, weights = sdpa_attention_forward(module, query.to(dtype), key.to(dtype), value.to(dtype),
@@ -63,7 +81,7 @@ def definition_cache(kv_cache_dtype: str):
 
     class DefinitionCache(DynamicCache):
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-            return super().update(stored_by_definition(key_states, kv_cache_dtype),
+            return super().update(stored_by_definition(key_states, kv_cache_dtype, rotate=True),
                                   stored_by_definition(value_states, kv_cache_dtype), layer_idx,
                                   *args, **kwargs)
 
@@ -109,6 +127,7 @@ def llm(request, model_dir):
                   enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
     k_cache = llm.engine.workers[0].runner.kv_caches[0][0]
     COMPUTE_DTYPE["dtype"] = k_cache.dtype  # the cache's own dtype, or what an int8 one is read as
+    COMPUTE_DTYPE["rotation"] = walsh_hadamard(64) if kv_cache_dtype == "int8" else None
     return llm, kv_cache_dtype
 
 

@@ -33,7 +33,7 @@ from widebeam.model.attention.metadata import (
     build_decode_groups,
     sequence_keys,
 )
-from widebeam.model.attention.quantized_kv import QuantizedKV, is_pair, read_pair
+from widebeam.model.attention.quantized_kv import QuantizedKV, is_pair, read_pair, stored_domain
 
 DEFAULT_ATTENTION_BACKEND = "sdpa"
 # Decode groups of at least this many query rows (beams x grouped heads) read the shared prefix through
@@ -173,6 +173,13 @@ class SdpaBackend(AttentionBackend):
                           if lens[i] > 1 or meta.tree(i)]
 
     def forward(self, q, k_cache, v_cache, meta, scale, position_bias=None):
+        # A rotated int8 cache is attended in its stored domain: q rotated as K is, V's rotation undone
+        # once on the output, instead of un-rotating every token read (model/attention/quantized_kv.py).
+        q, k_cache, v_cache, out_rotation = stored_domain(q, k_cache, v_cache)
+        out = self._attend(q, k_cache, v_cache, meta, scale, position_bias)
+        return out if out_rotation is None else (out.float() @ out_rotation).to(out.dtype)
+
+    def _attend(self, q, k_cache, v_cache, meta, scale, position_bias=None):
         groups = meta.decode_groups
         if len(groups) == 1 and not meta.sequences and groups[0].token_index.shape[0] == q.shape[0]:
             # One group holding every row (a decode step of one request): its rows are the tokens in
