@@ -13,23 +13,27 @@ in bfloat16.
 
 The rotation (QuaRot, SpinQuant, KVQuant: spread outlier channels before quantizing). K has a few
 channels far larger than the rest, and a group's one scale must fit its largest value, so without
-rotation a loud channel coarsens its 31 neighbours. The cache stores round((x @ H) / scale), with H the
-normalized Walsh-Hadamard matrix over head_dim (`hadamard`: orthonormal and symmetric, H @ H = I), which
-spreads every channel over the whole head; a read gives back (values * scale) @ H. So the rotation is
-a property of the stored format: every read of the pool (`index_select`, slot ranges, `read_pair`)
-un-rotates, and copy-on-write, forks, prefix reuse and chunked prefix reads, which move or read stored
-slots, are unchanged. The one exception is an opt-in: the "sdpa" backend attends in the stored domain
-(`stored_domain`): q @ H against the rotated K is q . k (H orthonormal), so the per-token un-rotation
-of everything a step reads (about 10 ms a step over 544 tokens x 30 layers on this 2-core CPU, +25% at
-W=1) becomes one rotation of the step's queries. Measured on SmolLM2-135M over 20,000 held tokens
-(benchmarks/kv_quality.py, read as bfloat16), against float32 KV: mean KL 5.3e-4 -> 2.6e-4, top-1
-agreement 98.76% -> 99.06%, best beam equal at W=8 on 84 -> 87 of 100 prompts; rotating V as well:
-2.8e-4, 99.14%, ... (benchmarks/results/kv_rotation.md).
+rotation a loud channel coarsens its 31 neighbours. The pool stores K as round((k @ H) / scale), with H
+the normalized Walsh-Hadamard matrix over head_dim (`hadamard`: orthonormal and symmetric, H @ H = I),
+which spreads every channel over the whole head; a read gives back (values * scale) @ H. So the
+rotation is a property of the stored format: every read of the pool (`index_select`, slot ranges,
+`read_pair`) un-rotates, and copy-on-write, forks, prefix reuse and chunked prefix reads, which move or
+read stored slots, are unchanged. One reader opts out: the "sdpa" backend attends in the stored domain
+(`stored_domain`: q @ H against the stored K is q . k), which costs one 64 x 64 product of the step's
+queries a layer instead of one of every token the step reads. Measured on SmolLM2-135M, one decode step
+over a 512-token prompt against the same cache unrotated: +2-3% at W = 1-64 in the stored domain, +3-8%
+un-rotating every read (benchmarks/results/kv_rotation.md).
 
-H is built once on the CPU by Sylvester's construction (exact in float64: entries +-2^-k/2), rounded to
-float32 and copied to the device, so a CPU and a CUDA pool store the same thing. A head_dim that is not
-a power of two is rotated block-diagonally, over blocks of the largest power of two dividing it (80 ->
-five blocks of 16, 96 -> three of 32); an odd head_dim is not rotated.
+Quality, against float32 KV over 20,000 held tokens and 100 prompts (benchmarks/kv_quality.py): mean KL
+5.3e-4 -> 2.4e-4, top-1 agreement 98.76% -> 99.02%, best beam equal at W=8 on 84 -> 92 of 100 prompts
+(read as bfloat16). Read as float32 (the quantization alone): 4.7e-4 -> 2.0e-4 with K rotated, and 2.0e-4
+with V rotated as well (top-1 99.19% / 99.23%): rotating V buys nothing measurable, so V is stored as
+it is (`ROTATE_V`; `benchmarks/kv_quality.py --int8-rotation kv` measures it).
+
+H is built once on the CPU by Sylvester's construction (entries +-1 / sqrt(block), in float64, rounded
+once to float32: exact at 64), and copied to the device, so a CPU and a CUDA pool rotate by the same
+bits. A head_dim that is not a power of two is rotated block-diagonally, over blocks of the largest power
+of two dividing it (80 -> five blocks of 16, 96 -> three of 32); an odd head_dim is not rotated.
 
 A layer's K (or V) is a `QuantizedKV`: it answers the two reads attention makes of a cache tensor
 (`index_select` of slots, a slice of consecutive slots) dequantized into `read_dtype`, so every
@@ -52,7 +56,7 @@ SCALE_DTYPE = torch.float16
 # float16's smallest subnormal and largest finite value: a group of zeros quantizes to zeros (not 0 / 0),
 # and no scale is infinite (a group past 8e6 saturates at +-127 steps instead).
 _MIN_SCALE, _MAX_SCALE = 2.0 ** -24, 65504.0
-# Which of a layer's K and V the pool stores rotated (see above: measured).
+# Which of a layer's K and V the pool stores rotated (measured, above); read when a pool is built.
 ROTATE_K, ROTATE_V = True, False
 
 
@@ -118,7 +122,7 @@ def int8_read_dtype(model_dtype: torch.dtype, device: torch.device) -> torch.dty
     for a float32 model bfloat16 where matrix products in it are native (CUDA; a CPU with AVX512-BF16 or
     AMX, which oneDNN reports), else float32. Measured on SmolLM2-135M (float32 weights), W=1,024 over
     2,048 prompt tokens: prompt attention 654 ms a step read as float32 (float32 KV: 665) and 342 read as
-    bfloat16; mean KL against float32 KV over 4,096 held tokens 4.7e-4 and 5.2e-4
+    bfloat16; mean KL against float32 KV over 4,096 held tokens 4.7e-4 and 5.2e-4, before K was rotated
     (benchmarks/wide_step_breakdown.py, benchmarks/kv_quality.py)."""
     if model_dtype in (torch.bfloat16, torch.float16):
         return model_dtype
