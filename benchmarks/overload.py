@@ -26,7 +26,7 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
-from router_ab import free_port, start_server_command, stop_server, wait_ready
+from router_ab import free_port, pools_after, start_server_command, stop_server, wait_ready
 
 from widebeam.bench_serve.records import Outcome
 from widebeam.bench_serve.runner import RunConfig, run
@@ -108,6 +108,7 @@ def main() -> None:
             equal = sum(a.outcome is Outcome.COMPLETED and a.choice_texts == r.choice_texts
                         for r, a in zip(completed, alone, strict=True))
             stats = httpx.get(f"{url}/v1/stats").json()
+            pools = pools_after(url)
         finally:
             stop_server(proc)
 
@@ -134,7 +135,7 @@ def main() -> None:
         "completed_equal_to_alone": equal,
         "completed_throughput_req_per_s": len(completed) / loaded.duration_s,
         "duration_s": loaded.duration_s,
-        "pools_after": {name: [p["free_blocks"], p["total_blocks"]] for name, p in stats["pools"].items()},
+        "pools_after": pools,
         "queue_refused_counted": stats["queue"]["refused"],
     }
     args.out.write_text(json.dumps(out, indent=2))

@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from router_ab import bench_serve, free_port, start_server_command, stop_server, wait_ready
+from router_ab import bench_serve, free_port, pools_after, start_server_command, stop_server, wait_ready
 from router_ab import load_result as result
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -147,6 +147,7 @@ def main() -> None:
                 background.wait()
                 runs[name] = {"fg": result(tmp_dir, f"{name}_fg"), "bg": result(tmp_dir, f"{name}_bg")}
             alone = result(tmp_dir, "fg_alone")
+            pools = pools_after(url)
         finally:
             stop_server(proc)
     keys = (
@@ -168,6 +169,7 @@ def main() -> None:
         "background_capacity_req_per_s": capacity,
         "fg_alone": {k: alone[k] for k in keys},
         **{name: {part: {k: r[k] for k in keys} for part, r in run.items()} for name, run in runs.items()},
+        "pools_after": pools,
     }
     p99_alone = alone["p99_e2el_ms"]
     out["summary"] = {
@@ -177,6 +179,10 @@ def main() -> None:
             runs["mixed_priority"]["bg"]["request_throughput"]
             / runs["mixed_no_priority"]["bg"]["request_throughput"]
         ),
+        "none_lost": all(r[k]["completed"] + r[k]["rejected"] == n and r[k]["failed"] == 0
+                         for r in runs.values() for k, n in (("fg", args.fg_num_prompts),
+                                                              ("bg", args.bg_num_prompts))),
+        "pools_whole": all(free == total for free, total in pools.values()),
     }
     args.out.write_text(json.dumps(out, indent=2))
     print(json.dumps(out["summary"], indent=2))

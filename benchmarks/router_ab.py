@@ -128,6 +128,13 @@ def bench_serve(url: str, out_dir: Path, name: str, extra: list[str],
     return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL if quiet else None)
 
 
+def pools_after(url: str) -> dict[str, list[int]]:
+    """Each pool's [free, total] blocks from /v1/stats (cached blocks no request holds count as free):
+    after a run, free == total says every request gave its blocks back."""
+    stats = httpx.get(f"{url}/v1/stats", timeout=30).json()
+    return {name: [pool["free_blocks"], pool["total_blocks"]] for name, pool in stats["pools"].items()}
+
+
 def load_result(out_dir: Path, name: str) -> dict:
     data = json.loads((out_dir / f"{name}.json").read_text())
     return data["runs"][0] if "runs" in data else data  # one run: vLLM's flat result

@@ -217,7 +217,9 @@ class Scheduler:
         self._step_started_s = now
         self._step_yielded = False
         priorities = {r.priority for r in self.running}
-        if self.running and self.waiting and self._fits_now(self.waiting[0]):
+        # (the prefix lookup in _fits_now only where the head would add a priority)
+        if (self.running and self.waiting and self.waiting[0].priority not in priorities
+                and self._fits_now(self.waiting[0])):
             # An urgent arrival's first step (its prompt and first token) is already one it runs alone.
             priorities.add(self.waiting[0].priority)
         if len(priorities) < 2 or self._urgent_only_s >= (self.priority_yield - 1) * self._everyone_step_s:
