@@ -24,7 +24,16 @@ $(STAMP): pyproject.toml Makefile
 		$$SUDO apt-get update -q && $$SUDO apt-get install -y -q chromium chromium-driver; }
 	touch $(STAMP)
 
-setup: $(STAMP)
+# The int8 KV cache's C++ kernels (widebeam/model/kernels), compiled for this machine once the packages
+# are in, and again when their source changes. Without a C++ compiler the build says so and the torch
+# path serves (exit 0); with one, a failed build fails `make`.
+KERNELS      := widebeam/model/kernels
+KERNEL_STAMP := $(KERNELS)/_build/int8_kv.stamp
+
+$(KERNEL_STAMP): $(STAMP) $(KERNELS)/int8_kv.cpp $(KERNELS)/build.py $(KERNELS)/__init__.py
+	$(PY) -m widebeam.model.kernels.build
+
+setup: $(STAMP) $(KERNEL_STAMP)
 
 run: setup
 	$(VENV)/bin/widebeam generate --chat "Name three colours." \
@@ -49,4 +58,4 @@ lint: setup
 	$(VENV)/bin/ruff check widebeam tests benchmarks
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info widebeam/model/kernels/_build

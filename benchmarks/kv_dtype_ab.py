@@ -15,6 +15,11 @@ rotated (model/attention/quantized_kv.py rotates K alone), so what the rotation 
 same process:
 
     python benchmarks/kv_dtype_ab.py --widths 1 4 16 64 --kv-cache-dtypes float32 int8:none int8
+
+A dtype ending in `/torch` (`int8/torch`) runs with the int8 KV kernels (widebeam/model/kernels) off, every
+other one with them on where they are built, so the kernels are A/B'd in the same process:
+
+    python benchmarks/kv_dtype_ab.py --widths 1 4 16 64 --kv-cache-dtypes float32 int8 int8/torch
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch
 from interleaved import best_times
 
 ROOT = Path(__file__).resolve().parent.parent
+TORCH_PATH = "/torch"  # a dtype name's suffix: run with the int8 KV kernels off
 INT8_ROTATIONS = {"k": (True, False), "kv": (True, True), "none": (False, False)}  # (K, V) stored rotated
 
 
@@ -35,7 +41,7 @@ def make_engine(name: str, **kwargs):
     from widebeam.llm import LLM
     from widebeam.model.attention import quantized_kv
 
-    dtype, _, rotation = name.partition(":")
+    dtype, _, rotation = name.removesuffix(TORCH_PATH).partition(":")
     saved = quantized_kv.ROTATE_K, quantized_kv.ROTATE_V
     if rotation:  # a pool's rotation is fixed when it is built
         quantized_kv.ROTATE_K, quantized_kv.ROTATE_V = INT8_ROTATIONS[rotation]
@@ -43,6 +49,21 @@ def make_engine(name: str, **kwargs):
         return LLM(kv_cache_dtype=dtype, **kwargs)
     finally:
         quantized_kv.ROTATE_K, quantized_kv.ROTATE_V = saved
+
+
+def with_kernels(name: str, run):
+    """`run` with the int8 KV kernels on (unless WIDEBEAM_KERNELS=0), or off for a `/torch` dtype (a
+    process-wide switch, set for each run)."""
+    from widebeam.model import kernels
+
+    def switched():
+        saved = kernels.ENABLED
+        kernels.ENABLED = saved and not name.endswith(TORCH_PATH)  # WIDEBEAM_KERNELS=0 wins
+        try:
+            return run()
+        finally:
+            kernels.ENABLED = saved
+    return switched
 
 
 def main() -> None:
@@ -62,6 +83,8 @@ def main() -> None:
     from widebeam.params import BeamSearchParams
 
     dtypes = ["float32", *(d for d in args.kv_cache_dtypes if d != "float32")]
+    from widebeam.model import kernels
+    print(json.dumps({"int8_kv_kernels": kernels.enabled()}), flush=True)
     engines = {d: make_engine(d, kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=False,
                               max_beam_width=max(args.widths)) for d in dtypes}
     freeze_startup_heap()
@@ -70,7 +93,8 @@ def main() -> None:
     for width in args.widths:
         params = BeamSearchParams(beam_width=width, max_new_tokens=args.max_new_tokens,
                                   min_new_tokens=args.max_new_tokens)
-        runs = {name: (lambda llm=llm, params=params: llm.generate(prompt, params, use_tqdm=False))
+        runs = {name: with_kernels(name, lambda llm=llm, params=params: llm.generate(prompt, params,
+                                                                                    use_tqdm=False))
                 for name, llm in engines.items()}
         best, outputs = best_times(runs, args.repeats)
         beams = {name: out[0].outputs[0].token_ids for name, out in outputs.items()}
@@ -82,7 +106,8 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens,
+    args.out.write_text(json.dumps({"int8_kv_kernels": kernels.enabled(),
+                                    "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens,
                                     "repeats": args.repeats, "threads": args.threads, "rows": rows},
                                    indent=2) + "\n")
 

@@ -26,6 +26,7 @@ import os
 import torch
 from torch.nn import functional as F
 
+from widebeam.model import kernels
 from widebeam.model.attention.metadata import (
     AttentionMetadata,
     DecodeGroup,
@@ -43,6 +44,12 @@ FUSED_PREFIX_MIN_ROWS = 96
 # An int8 cache's shared prefix is dequantized and attended this many tokens at a time (a chunk's K and V
 # for 3 KV heads of 64 dims: 0.4 MB in float32, in cache), so no full-precision copy of the prompt is made.
 PREFIX_CHUNK_TOKENS = 512
+# An int8 cache's reads with at most this many query rows (a KV head's grouped heads times the beams)
+# go through the C++ kernel (kernels/int8_kv.cpp: dequantized on the fly, float32), wider ones through
+# the chunked dequantize and PyTorch's flash kernel, whose bfloat16 products win at many rows. Measured
+# on a shared prefix of 512 tokens, 3 KV heads of 64, 2 threads (kernel / torch path, us a layer): 3 rows
+# 62 / 190, 48 rows 262 / 333, 96 rows 423 / 477, 192 rows 823 / 701.
+KERNEL_MAX_ROWS = 96
 ATTENTION_BACKEND_ENV = "WIDEBEAM_ATTENTION_BACKEND"
 
 
@@ -305,6 +312,10 @@ def _prefix_attention(q_rows: torch.Tensor, k_cache, v_cache, group: DecodeGroup
     `PREFIX_CHUNK_TOKENS`, each dequantized on its own and merged by log-sum-exp, so no full-precision
     copy of the prompt's K/V is made."""
     num_tokens = group.prefix_tokens
+    if _use_kernel(k_cache, v_cache, q_rows.shape[1]):
+        if group.prefix_start is not None:
+            return _kernel_attention(q_rows, k_cache, group.prefix_start, group.prefix_start + num_tokens)
+        return _kernel_attention(q_rows, k_cache, index=group.prefix_slots)
     chunk = PREFIX_CHUNK_TOKENS if isinstance(k_cache, QuantizedKV) else num_tokens
     out = lse = None
     for start in range(0, num_tokens, chunk):
@@ -318,6 +329,25 @@ def _prefix_attention(q_rows: torch.Tensor, k_cache, v_cache, group: DecodeGroup
         out = out.mul_((lse - total).exp_()).add_(part_out.mul_((part_lse - total).exp_()))
         lse = total
     return out, lse
+
+
+def _use_kernel(k_cache, v_cache, rows: int) -> bool:
+    """Whether an int8 read of `rows` query rows goes through the C++ kernel: a CPU pair read in the
+    stored domain (nothing to un-rotate), few rows, read as float32 or bfloat16 (which the kernel rounds
+    to as the torch path does), the kernels built and on."""
+    return (rows <= KERNEL_MAX_ROWS and is_pair(k_cache, v_cache) and k_cache.unrotate is None
+            and v_cache.unrotate is None and k_cache.device.type == "cpu" and kernels.enabled()
+            and k_cache.read_dtype in (torch.float32, torch.bfloat16))
+
+
+def _kernel_attention(q_rows: torch.Tensor, k_cache: QuantizedKV, start: int = 0, end: int = 0,
+                      index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chunk_attention` of q_rows [KV, R, d] (scaled) against an int8 pair's slots start..end (or the
+    slots `index`) in one op: (out [KV, R, d], lse [KV, R, 1]), float32, K/V dequantized as read (and
+    rounded to the cache's read dtype)."""
+    return torch.ops.widebeam.int8_attention(q_rows.float().contiguous(), k_cache.pair_values,
+                                             k_cache.pair_scales, start, end, index,
+                                             k_cache.read_dtype == torch.bfloat16)
 
 
 def chunk_attention(q_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -361,7 +391,20 @@ def _attend_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      key_ranges: list[tuple[int, int]], scale: float) -> torch.Tensor:
     """A few loose rows whose keys each fill one run of consecutive slots (width 1): q [B, H, d] ->
     [B, H, d], each row against a view of the cache, so nothing is gathered, padded or masked
-    (1.8x faster than the gathered batch for one row of 544 keys: no copy of its K/V per layer)."""
+    (1.8x faster than the gathered batch for one row of 544 keys: no copy of its K/V per layer). An
+    int8 cache's rows go through the C++ kernel when it is on (`_use_kernel`)."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    if _use_kernel(k_cache, v_cache, num_heads // num_kv_heads):
+        # one row's heads as the kernel's [KV, G, d] rows (head h = kv * G + g), scaled as SDPA scales
+        rows = (q.float() * scale).view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        if batch == 1:
+            first_slot, num_keys = key_ranges[0]
+            out, _ = _kernel_attention(rows[0], k_cache, first_slot, first_slot + num_keys)
+            return out.view(1, num_heads, head_dim).to(q.dtype)
+        return torch.stack([_kernel_attention(rows[row], k_cache, first_slot, first_slot + num_keys)[0]
+                            for row, (first_slot, num_keys) in enumerate(key_ranges)]).view(
+                                batch, num_heads, head_dim).to(q.dtype)
     if len(key_ranges) == 1:  # width 1: the kernel's output is the answer, no copy into `out`
         first_slot, num_keys = key_ranges[0]
         k, v = _range_kv(k_cache, v_cache, first_slot, first_slot + num_keys)

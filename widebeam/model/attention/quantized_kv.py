@@ -50,6 +50,7 @@ import math
 import torch
 
 from widebeam.kv.spec import int8_scale_groups
+from widebeam.model import kernels
 
 INT8_MAX = 127.0
 SCALE_DTYPE = torch.float16
@@ -216,7 +217,13 @@ def stored_domain(q: torch.Tensor, k_cache, v_cache):
 def write_pair(k_cache: QuantizedKV, v_cache: QuantizedKV, slots: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> None:
     """Quantize k and v [tokens, kv_heads, head_dim] into `slots`, both in one pass (each rotated as
-    its cache stores it)."""
+    its cache stores it). On the CPU with the kernels built, one op (kernels/int8_kv.cpp) writes exactly
+    what the torch path below writes, bit for bit."""
+    if (kernels.enabled() and v_cache.rotation is None and k.device.type == "cpu"
+            and k_cache.pair_values.is_contiguous() and k_cache.pair_scales.is_contiguous()):
+        torch.ops.widebeam.quantize_write(k.float().contiguous(), v.float().contiguous(), k_cache.rotation,
+                                          slots.contiguous(), k_cache.pair_values, k_cache.pair_scales)
+        return
     num_tokens = k.shape[0]
     if k_cache.rotation is v_cache.rotation:  # both rotated, or neither
         values, scales = quantize(torch.cat((k, v)), k_cache.rotation)  # [2 x tokens, ...]: K's, then V's

@@ -1,0 +1,80 @@
+"""Compile the int8 KV kernels: `python -m widebeam.model.kernels.build` (run by `make setup`).
+
+The one place they are compiled: nothing compiles at import or at run time. The library goes to
+`_build/` beside this file with the hash of its source and the torch version it was built against
+(`kernels.stamp`); a build whose stamp does not match the current source is not loaded (`__init__.py`).
+Compiled with -march=native for the machine that runs it (`make` builds on the machine it runs on).
+
+Without a C++ compiler it says so and exits 0 (the torch path serves every read and write); with one, a
+failed build exits non-zero, so `make` fails loudly instead of leaving the kernels silently off.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+
+import torch
+from torch.utils import cpp_extension
+
+from widebeam.model.kernels import BUILD_DIR, LIBRARY, SOURCE, STAMP, source_stamp
+
+# no -ffast-math: the write must round as the torch path does (kernels/int8_kv.cpp)
+CXX_FLAGS = ["-O3", "-march=native", "-std=c++17", "-fPIC", "-fopenmp", "-Wall",
+             "-Wno-c++20-extensions"]  # torch 2.13 headers use a C++20 bit-field initializer (GCC accepts it)
+
+
+def compiler() -> str | None:
+    """The C++ compiler to use: $CXX, else c++ / g++ on PATH, else None."""
+    for name in (os.environ.get("CXX"), "c++", "g++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def command(cxx: str, output: str) -> list[str]:
+    """The one compile-and-link line (a single translation unit: no ninja, no object files)."""
+    includes = [f"-I{path}" for path in cpp_extension.include_paths()]
+    libraries = cpp_extension.library_paths()
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    return [cxx, *CXX_FLAGS, abi, "-DTORCH_API_INCLUDE_EXTENSION_H", *includes,
+            f"-I{sysconfig.get_paths()['include']}", str(SOURCE), "-shared", "-o", output,
+            *(f"-L{path}" for path in libraries), *(f"-Wl,-rpath,{path}" for path in libraries),
+            "-lc10", "-ltorch_cpu", "-ltorch"]
+
+
+def build(force: bool = False) -> bool:
+    """Build the library unless the current one matches the source; False when there is no compiler."""
+    stamp = source_stamp()
+    if not force and LIBRARY.exists() and STAMP.exists() and STAMP.read_text() == stamp:
+        STAMP.touch()  # newer than what make compares it with, so make stops asking
+        print(f"int8 KV kernels up to date: {LIBRARY}")
+        return True
+    cxx = compiler()
+    if cxx is None:
+        print("no C++ compiler on PATH: int8 KV kernels not built (the torch path is used)", file=sys.stderr)
+        return False
+    BUILD_DIR.mkdir(parents=True, exist_ok=True)
+    STAMP.unlink(missing_ok=True)  # a half-finished build must never look current
+    partial = BUILD_DIR / (LIBRARY.name + ".tmp")
+    started_s = time.perf_counter()
+    subprocess.run(command(cxx, str(partial)), check=True)
+    partial.replace(LIBRARY)
+    STAMP.write_text(stamp)
+    print(f"int8 KV kernels built in {time.perf_counter() - started_s:.1f} s: {LIBRARY}")
+    return True
+
+
+def main() -> None:
+    try:
+        build(force="--force" in sys.argv[1:])
+    except subprocess.CalledProcessError as error:
+        sys.exit(f"building the int8 KV kernels failed ({error.returncode})")
+
+
+if __name__ == "__main__":
+    main()
