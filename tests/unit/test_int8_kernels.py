@@ -196,6 +196,32 @@ def test_a_decode_groups_prefix_reads_the_same_through_the_kernel(monkeypatch, c
         torch.testing.assert_close(kernel_part, torch_part, atol=tolerance, rtol=tolerance)
 
 
+@needs_kernels
+@pytest.mark.parametrize("read_dtype, tolerance", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("consecutive", [True, False], ids=["prefix a run of slots", "prefix gathered"])
+@pytest.mark.parametrize("beams", [1, 4, 16])
+def test_a_decode_group_attends_the_same_through_the_kernel(monkeypatch, consecutive, beams, read_dtype,
+                                                            tolerance):
+    """`_attend_group` of an int8 cache (prefix and each beam's own keys, padded, merged by log-sum-exp):
+    the kernel's one op against the torch path, 3 KV heads of 3 grouped heads each."""
+    values, scales = filled_pool(1500, 3, 64, seed=4)
+    k_cache, v_cache = (c.in_stored_domain() for c in QuantizedKV.pair(values, scales, read_dtype))
+    gen = torch.Generator().manual_seed(beams)
+    order = torch.randperm(1500, generator=gen)
+    prefix_slots = torch.arange(100, 700) if consecutive else order[:600]
+    suffix_slots = order[600:600 + beams * 9].view(beams, 9)
+    suffix_mask = torch.arange(9)[None, :] < torch.randint(0, 10, (beams, 1), generator=gen)  # 0-9 real keys
+    group = DecodeGroup(token_index=torch.arange(beams), prefix_slots=prefix_slots, suffix_slots=suffix_slots,
+                        suffix_mask=suffix_mask, suffix_hidden=~suffix_mask[:, None, :], prefix_tokens=600,
+                        prefix_start=100 if consecutive else None)
+    q = torch.randn(beams, 9, 64, generator=gen)
+    results = {}
+    for on in (True, False):
+        monkeypatch.setattr(kernels, "ENABLED", on)
+        results[on] = backends._attend_group(q, k_cache, v_cache, group, 0.125)
+    torch.testing.assert_close(results[True], results[False], atol=tolerance, rtol=tolerance)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     from tiny_models import save_tiny_model

@@ -248,6 +248,8 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 q.dtype)
         return fused_attention(q[:, :, None, :], k, v, attn_mask=mask,
                                               scale=scale, enable_gqa=True)[:, :, 0, :]
+    if position_bias is None and _use_kernel(k_cache, v_cache, rows):
+        return _kernel_group(q, k_cache, group, scale)
     # [KV, B*G, d]: the heads of one KV head, for every beam, as the rows of one matrix. The scale
     # goes on q (B x H x d numbers), not on the scores (B x H x (P + S)).
     q_rows = (q * scale).to(k_cache.dtype).view(batch, num_kv_heads, group_size, head_dim).transpose(0, 1)
@@ -348,6 +350,25 @@ def _kernel_attention(q_rows: torch.Tensor, k_cache: QuantizedKV, start: int = 0
     return torch.ops.widebeam.int8_attention(q_rows.float().contiguous(), k_cache.pair_values,
                                              k_cache.pair_scales, start, end, index,
                                              k_cache.read_dtype == torch.bfloat16)
+
+
+def _kernel_group(q: torch.Tensor, k_cache: QuantizedKV, group: DecodeGroup, scale: float) -> torch.Tensor:
+    """`_attend_group`'s prefix and suffix parts, merged, in one op of the C++ kernel: q [B, H, d] ->
+    [B, H, d], nothing gathered or dequantized in between."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group_size = num_heads // num_kv_heads
+    q_rows = ((q.float() * scale).view(batch, num_kv_heads, group_size, head_dim).transpose(0, 1)
+              .reshape(num_kv_heads, batch * group_size, head_dim))
+    if group.prefix_start is not None:
+        start, end, index = group.prefix_start, group.prefix_start + group.prefix_tokens, None
+    else:
+        start, end, index = 0, 0, group.prefix_slots.contiguous()
+    out = torch.ops.widebeam.int8_group_attention(
+        q_rows, k_cache.pair_values, k_cache.pair_scales, start, end, index, group.suffix_slots.contiguous(),
+        group.suffix_mask.contiguous(), k_cache.read_dtype == torch.bfloat16)
+    return (out.view(num_kv_heads, batch, group_size, head_dim).transpose(0, 1)
+            .reshape(batch, num_heads, head_dim).to(q.dtype))
 
 
 def chunk_attention(q_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

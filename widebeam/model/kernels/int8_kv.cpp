@@ -404,6 +404,78 @@ std::tuple<at::Tensor, at::Tensor> int8_attention(const at::Tensor& q_rows, cons
   return {out, lse};
 }
 
+// A decode group (the beams of one request): q_rows float32 [KV, B*G, d] (scaled, stored domain; row
+// b * G + g is beam b's head g of the KV head) against the shared prefix (slots start..end, or `index`)
+// and each beam's own keys (suffix_slots [B, S], real where suffix_mask [B, S]), merged by log-sum-exp:
+// out float32 [KV, B*G, d], as backends._attend_group's prefix and suffix parts compute it together.
+at::Tensor int8_group_attention(const at::Tensor& q_rows, const at::Tensor& pair_values,
+                                const at::Tensor& pair_scales, int64_t start, int64_t end,
+                                const std::optional<at::Tensor>& index, const at::Tensor& suffix_slots,
+                                const at::Tensor& suffix_mask, bool bf16) {
+  auto [prefix_out, prefix_lse] = int8_attention(q_rows, pair_values, pair_scales, start, end, index, bf16);
+  const int64_t num_slots = pair_values.size(1), kv_heads = pair_values.size(2);
+  const int64_t head_dim = pair_values.size(3), groups = pair_scales.size(3), rows = q_rows.size(1);
+  TORCH_CHECK(suffix_slots.scalar_type() == at::kLong && suffix_slots.dim() == 2 && suffix_slots.is_contiguous(),
+              "suffix_slots: contiguous int64 [beams, keys]");
+  TORCH_CHECK(suffix_mask.scalar_type() == at::kBool && suffix_mask.sizes() == suffix_slots.sizes() &&
+                  suffix_mask.is_contiguous(),
+              "suffix_mask: contiguous bool [beams, keys]");
+  const int64_t beams = suffix_slots.size(0), keys = suffix_slots.size(1);
+  TORCH_CHECK(beams > 0 && rows % beams == 0, "q_rows: beams x grouped heads rows");
+  const int64_t group_heads = rows / beams;
+  const int64_t* slot = suffix_slots.data_ptr<int64_t>();
+  const bool* real = suffix_mask.data_ptr<bool>();
+  for (int64_t i = 0; i < beams * keys; ++i) {
+    TORCH_CHECK(!real[i] || (slot[i] >= 0 && slot[i] < num_slots), "suffix slot ", slot[i], " out of range");
+  }
+  const float* q = q_rows.data_ptr<float>();
+  float* out = prefix_out.data_ptr<float>();  // the prefix's normalized output, merged in place
+  const float* lse = prefix_lse.data_ptr<float>();
+  const int8_t* values = pair_values.data_ptr<int8_t>();
+  const c10::Half* scales = pair_scales.data_ptr<c10::Half>();
+  const int8_t* v_values = values + num_slots * kv_heads * head_dim;
+  const c10::Half* v_scales = scales + num_slots * kv_heads * groups;
+  at::parallel_for(0, kv_heads * beams, 1, [&](int64_t begin, int64_t finish) {
+    std::vector<int64_t> own;  // the beam's real keys' slots
+    std::vector<float> k(keys * head_dim), v(keys * head_dim), q_row(head_dim), p(keys);
+    for (int64_t task = begin; task < finish; ++task) {
+      const int64_t head = task / beams, beam = task % beams;
+      own.clear();
+      for (int64_t i = 0; i < keys; ++i) {
+        if (real[beam * keys + i]) own.push_back(slot[beam * keys + i]);
+      }
+      const int64_t n = static_cast<int64_t>(own.size());
+      if (n == 0) continue;  // the prefix alone: its output stands
+      dequantize_rows(values, scales, kv_heads, head, head_dim, groups, own.data(), 0, 0, n, bf16, k.data());
+      dequantize_rows(v_values, v_scales, kv_heads, head, head_dim, groups, own.data(), 0, 0, n, bf16, v.data());
+      for (int64_t g = 0; g < group_heads; ++g) {
+        const int64_t row = head * rows + beam * group_heads + g;
+        for (int64_t j = 0; j < head_dim; ++j) q_row[j] = bf16 ? round_bf16(q[row * head_dim + j]) : q[row * head_dim + j];
+        float m = lse[row];
+        for (int64_t i = 0; i < n; ++i) {
+          float dot = 0.0f;
+          for (int64_t j = 0; j < head_dim; ++j) dot += q_row[j] * k[i * head_dim + j];
+          p[i] = dot;
+          m = std::max(m, dot);
+        }
+        // the prefix counts as exp(lse) of summed weight, its output already normalized by it
+        const float prefix_weight = std::exp(lse[row] - m);
+        float total = prefix_weight;
+        float* o = out + row * head_dim;
+        for (int64_t j = 0; j < head_dim; ++j) o[j] *= prefix_weight;
+        for (int64_t i = 0; i < n; ++i) {
+          const float w = std::exp(p[i] - m);
+          total += w;
+          const float wv = bf16 ? round_bf16(w) : w;
+          for (int64_t j = 0; j < head_dim; ++j) o[j] += wv * v[i * head_dim + j];
+        }
+        for (int64_t j = 0; j < head_dim; ++j) o[j] = bf16 ? round_bf16(o[j] / total) : o[j] / total;
+      }
+    }
+  });
+  return prefix_out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(widebeam, m) {
@@ -411,9 +483,12 @@ TORCH_LIBRARY(widebeam, m) {
         "Tensor(b!) pair_scales) -> ()");
   m.def("int8_attention(Tensor q_rows, Tensor pair_values, Tensor pair_scales, int start, int end, "
         "Tensor? index, bool bf16) -> (Tensor, Tensor)");
+  m.def("int8_group_attention(Tensor q_rows, Tensor pair_values, Tensor pair_scales, int start, int end, "
+        "Tensor? index, Tensor suffix_slots, Tensor suffix_mask, bool bf16) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(widebeam, CPU, m) {
   m.impl("quantize_write", &quantize_write);
   m.impl("int8_attention", &int8_attention);
+  m.impl("int8_group_attention", &int8_group_attention);
 }
