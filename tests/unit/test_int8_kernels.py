@@ -199,7 +199,7 @@ def test_a_decode_groups_prefix_reads_the_same_through_the_kernel(monkeypatch, c
 @needs_kernels
 @pytest.mark.parametrize("read_dtype, tolerance", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("consecutive", [True, False], ids=["prefix a run of slots", "prefix gathered"])
-@pytest.mark.parametrize("beams", [1, 4, 16])
+@pytest.mark.parametrize("beams", [1, 4, 16, 64])
 def test_a_decode_group_attends_the_same_through_the_kernel(monkeypatch, consecutive, beams, read_dtype,
                                                             tolerance):
     """`_attend_group` of an int8 cache (prefix and each beam's own keys, padded, merged by log-sum-exp):
@@ -285,6 +285,8 @@ def test_which_reads_go_through_the_kernel(monkeypatch):
     monkeypatch.setattr(kernels, "ENABLED", True)
     assert backends._use_kernel(*stored, backends.KERNEL_MAX_ROWS) == kernels.available()
     assert not backends._use_kernel(*stored, backends.KERNEL_MAX_ROWS + 1)
+    assert backends._use_kernel(*stored, backends.KERNEL_GROUP_MAX_ROWS,
+                                backends.KERNEL_GROUP_MAX_ROWS) == kernels.available()
     assert not backends._use_kernel(k_cache, v_cache, 4)  # K un-rotated as read: not what the kernel does
     monkeypatch.setattr(kernels, "ENABLED", False)
     assert not kernels.enabled() and not backends._use_kernel(*stored, 4)

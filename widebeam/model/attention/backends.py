@@ -50,6 +50,12 @@ PREFIX_CHUNK_TOKENS = 512
 # on a shared prefix of 512 tokens, 3 KV heads of 64, 2 threads (kernel / torch path, us a layer): 3 rows
 # 62 / 190, 48 rows 262 / 333, 96 rows 423 / 477, 192 rows 823 / 701.
 KERNEL_MAX_ROWS = 96
+# A decode group's prefix and beams' own keys in one kernel op (`_kernel_group`) up to this many rows:
+# besides the prefix it saves the suffix's gathers, dequantizing, score tensors and merge. Measured
+# (a group with 16 own keys a beam, us a layer, kernel / torch path): 512 prefix tokens, 48 rows 357 /
+# 907, 192 rows 1,097 / 1,313, 384 rows 2,302 / 2,288; 2,048 prefix tokens, 96 rows 1,808 / 2,692, 192
+# rows 3,909 / 3,883.
+KERNEL_GROUP_MAX_ROWS = 192
 ATTENTION_BACKEND_ENV = "WIDEBEAM_ATTENTION_BACKEND"
 
 
@@ -248,7 +254,7 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 q.dtype)
         return fused_attention(q[:, :, None, :], k, v, attn_mask=mask,
                                               scale=scale, enable_gqa=True)[:, :, 0, :]
-    if position_bias is None and _use_kernel(k_cache, v_cache, rows):
+    if position_bias is None and _use_kernel(k_cache, v_cache, rows, KERNEL_GROUP_MAX_ROWS):
         return _kernel_group(q, k_cache, group, scale)
     # [KV, B*G, d]: the heads of one KV head, for every beam, as the rows of one matrix. The scale
     # goes on q (B x H x d numbers), not on the scores (B x H x (P + S)).
@@ -333,11 +339,11 @@ def _prefix_attention(q_rows: torch.Tensor, k_cache, v_cache, group: DecodeGroup
     return out, lse
 
 
-def _use_kernel(k_cache, v_cache, rows: int) -> bool:
+def _use_kernel(k_cache, v_cache, rows: int, max_rows: int = KERNEL_MAX_ROWS) -> bool:
     """Whether an int8 read of `rows` query rows goes through the C++ kernel: a CPU pair read in the
     stored domain (nothing to un-rotate), few rows, read as float32 or bfloat16 (which the kernel rounds
     to as the torch path does), the kernels built and on."""
-    return (rows <= KERNEL_MAX_ROWS and is_pair(k_cache, v_cache) and k_cache.unrotate is None
+    return (rows <= max_rows and is_pair(k_cache, v_cache) and k_cache.unrotate is None
             and v_cache.unrotate is None and k_cache.device.type == "cpu" and kernels.enabled()
             and k_cache.read_dtype in (torch.float32, torch.bfloat16))
 
