@@ -9,8 +9,8 @@ ops (no widebeam code):
   Walsh-Hadamard matrix (Sylvester's construction) and rotated back after (H @ H = I); V not rotated.
 - The "compute_dtype_sdpa" attention casts q, K and V to the compute dtype, runs transformers' own SDPA
   attention there and casts the output back: the cache's dtype for bfloat16 / float16, and for int8 what
-  widebeam reads it as (bfloat16 on a CPU with native bfloat16 products, such as this one's AMX; float32
-  elsewhere: `QuantizedKV.read_dtype`, asked of the engine). The int8 path is also checked read as
+  widebeam reads it as (bfloat16 on CUDA or a CPU with AMX tiles, float32 elsewhere:
+  `QuantizedKV.read_dtype`, asked of the engine). The int8 path is also checked read as
   float32 (`int8_read_dtype` patched). For int8, q and K are multiplied by H (in float32) before the
   cast: attention in the domain K is stored in (q @ H . k @ H = q . k), so that both engines round the
   same products to bfloat16 (rounding q and k instead moves a log-prob by up to 0.04 on this model).

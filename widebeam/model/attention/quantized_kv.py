@@ -120,16 +120,24 @@ def dequantize(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
 
 def int8_read_dtype(model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """What an int8 cache is read back as, and attention computes in: a half-precision model's own dtype;
-    for a float32 model bfloat16 where matrix products in it are native (CUDA; a CPU with AVX512-BF16 or
-    AMX, which oneDNN reports), else float32. Measured on SmolLM2-135M (float32 weights), W=1,024 over
-    2,048 prompt tokens: prompt attention 654 ms a step read as float32 (float32 KV: 665) and 342 read as
-    bfloat16; mean KL against float32 KV over 4,096 held tokens 4.7e-4 and 5.2e-4, before K was rotated
-    (benchmarks/wide_step_breakdown.py, benchmarks/kv_quality.py)."""
+    for a float32 model bfloat16 where products in it are much faster (CUDA; a CPU with AMX tiles), else
+    float32. Measured on SmolLM2-135M (float32 weights), W=1,024 over 2,048 prompt tokens, prompt
+    attention a step: on an Intel CPU with AMX 654 ms read as float32 (float32 KV: 665) and 342 read as
+    bfloat16; on an AMD EPYC with AVX512-BF16 but no AMX, where PyTorch's fused CPU attention is no faster
+    in bfloat16, 1,194 and 1,201 ms (float32 KV: 1,007), and the beams' own keys 19 against 38 ms. Read as
+    float32 the quantization alone shows: mean KL against float32 KV over 20,000 held tokens 2.0e-4,
+    against 2.4e-4 read as bfloat16 (benchmarks/wide_step_breakdown.py, benchmarks/kv_quality.py)."""
     if model_dtype in (torch.bfloat16, torch.float16):
         return model_dtype
-    if device.type == "cuda" or (device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+    if device.type == "cuda" or (device.type == "cpu" and _has_amx()):
         return torch.bfloat16
     return torch.float32
+
+
+def _has_amx() -> bool:
+    """Whether this CPU has AMX tiles (torch.cpu's private probe; oneDNN's own where torch lacks it)."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe()) if probe is not None else torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 class QuantizedKV:
