@@ -46,7 +46,7 @@ FUSED_PREFIX_MIN_ROWS = 96
 PREFIX_CHUNK_TOKENS = 512
 # An int8 cache's reads with at most this many query rows (a KV head's grouped heads times the beams)
 # go through the C++ kernel (kernels/int8_kv.cpp: dequantized on the fly, float32), wider ones through
-# the chunked dequantize and PyTorch's flash kernel, whose bfloat16 products win at many rows. Measured
+# the chunked dequantize and PyTorch's flash kernel, which wins at many rows. Measured
 # on a shared prefix of 512 tokens, 3 KV heads of 64, 2 threads (kernel / torch path, us a layer): 3 rows
 # 62 / 190, 48 rows 262 / 333, 96 rows 423 / 477, 192 rows 823 / 701.
 KERNEL_MAX_ROWS = 96
