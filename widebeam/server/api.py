@@ -146,15 +146,16 @@ _ERROR_RESPONSES = {status: {"model": s.ErrorResponse, "description": text} for 
 def create_app(engine, *, model_name: str, api_key: str | None = None,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                model_aliases: tuple[str, ...] = (), ui: bool = True,
-               plan_model: str | None = None) -> FastAPI:
+               plan_model: str | None = None, engine_thread=None) -> FastAPI:
     """`model_aliases`: other names a request's `model` may give for the served model (the `--model`
     it was started with, a path's last part); /v1/models lists `model_name` only. `ui`: serve the web
     page at `/` (server/ui_routes.py; its JSON endpoints are there either way); `plan_model`: the
-    served model as `widebeam plan` reads it, offered first by the plan panel."""
+    served model as `widebeam plan` reads it, offered first by the plan panel. `engine_thread`: the thread
+    that built the engine (server/engine_loop.py: `engine_thread`), where every engine call then runs."""
     from widebeam import __version__
 
     metrics = ServerMetrics(lambda: loop.snapshot)
-    loop = EngineLoop(engine, metrics)
+    loop = EngineLoop(engine, metrics, engine_thread)
     created = s.now()
     token_text = TokenText(getattr(engine, "tokenizer", None))
 

@@ -71,9 +71,24 @@ class _Add:
     arrival: float = field(default_factory=time.monotonic)
 
 
+def engine_thread() -> ThreadPoolExecutor:
+    """The one thread that runs every torch call of a served engine: its load and warm-up
+    (`thread.submit(LLMEngine, ...)`), then each command and step. PyTorch's CPU thread pool (libgomp)
+    keeps a team of threads per calling thread, and once a process holds more of them than CPUs it stops
+    spinning between parallel regions, so every op pays a sleep and a wake-up: a greedy request's
+    decode step from a second thread took 1.6-1.8x as long (SmolLM2-135M bfloat16, 2 cores: 32 tokens in
+    1.1-1.2 s on the thread that built the engine, 1.9-2.1 s from another; the server's TPOT 57-61 ms
+    against 37 ms offline, when steps went through `asyncio.to_thread`)."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="widebeam-engine")
+
+
 class EngineLoop:
-    def __init__(self, engine, metrics: ServerMetrics | None = None):
+    def __init__(self, engine, metrics: ServerMetrics | None = None,
+                 thread: ThreadPoolExecutor | None = None):
+        """`thread`: the engine's own thread (`engine_thread`), best the one that built it; every engine
+        call runs there."""
         self.engine = engine
+        self._engine_thread = thread or engine_thread()
         self.metrics = metrics
         self.snapshot: dict = engine.stats()
         self.failure: BaseException | None = None
@@ -141,6 +156,7 @@ class EngineLoop:
                 command.future.set_exception(shutting_down("the server is shutting down"))
         self._commands = []
         self._compile_executor.shutdown(wait=False, cancel_futures=True)
+        self._engine_thread.shutdown(wait=False)
         grammars = getattr(self.engine, "grammars", None)
         if grammars is not None:  # kill the grammar worker processes (a compile in flight ends)
             grammars.close()
@@ -203,7 +219,8 @@ class EngineLoop:
                 if commands:
                     self._applying = commands
                     try:
-                        results = await asyncio.to_thread(self._apply, commands)
+                        results = await asyncio.get_running_loop().run_in_executor(
+                            self._engine_thread, self._apply, commands)
                         self._settle(commands, results)
                     finally:
                         self._applying = []
@@ -214,7 +231,8 @@ class EngineLoop:
                     self.snapshot = self.engine.stats()
                 if self.engine.has_unfinished() and not self._closing:
                     try:
-                        deltas = await asyncio.to_thread(self.engine.step)
+                        deltas = await asyncio.get_running_loop().run_in_executor(
+                            self._engine_thread, self.engine.step)
                     except Exception as exc:  # a bug: fail the requests in flight, keep serving
                         log.exception("engine step failed")
                         self._fail_all(s.ApiError(500, f"the engine failed while running this request: {exc}",

@@ -25,11 +25,16 @@ def build_engine_app(model: str, engine_kwargs: dict, app_kwargs: dict, num_thre
     from widebeam.engine import LLMEngine
     from widebeam.heap import freeze_startup_heap
     from widebeam.server.api import create_app
+    from widebeam.server.engine_loop import engine_thread
 
-    if not torch.cuda.is_available():
-        torch.set_num_threads(num_threads)  # the replica's CPU slots, not the whole host
-    engine = LLMEngine(model, **engine_kwargs)
-    app = create_app(engine, **app_kwargs)
+    def build() -> LLMEngine:
+        if not torch.cuda.is_available():
+            torch.set_num_threads(num_threads)  # the replica's CPU slots, not the whole host
+        return LLMEngine(model, **engine_kwargs)
+
+    thread = engine_thread()  # every torch call of the engine on one thread (server/engine_loop.py)
+    engine = thread.submit(build).result()
+    app = create_app(engine, engine_thread=thread, **app_kwargs)
     freeze_startup_heap()  # widebeam/heap.py
     return engine, app
 

@@ -167,6 +167,7 @@ def run_serve(args: argparse.Namespace) -> int:
         import uvicorn
 
         from widebeam.server.api import create_app
+        from widebeam.server.engine_loop import engine_thread
         from widebeam.server.shutdown import CONNECTIONS_CLOSE_TIMEOUT_S, DrainingServer
     except ImportError as exc:
         return _fail(f"the server needs its extras ({exc.name} is missing): pip install 'widebeam[server]'")
@@ -189,15 +190,16 @@ def run_serve(args: argparse.Namespace) -> int:
     warning = exposure_warning(args.host, api_key)
     if args.replicas or args.min_replicas is not None or args.max_replicas is not None or args.ray_address:
         return _serve_on_ray(args, engine_kwargs, app_kwargs, warning)
+    thread = engine_thread()  # every torch call of the engine on one thread (see engine_thread)
     try:
-        engine = LLMEngine(args.model, **engine_kwargs)
+        engine = thread.submit(LLMEngine, args.model, **engine_kwargs).result()
     except (WidebeamError, ValueError, FileNotFoundError) as exc:
         return _fail(catalogue_error_message(exc, missing_file_param="model"))
     except KeyboardInterrupt:  # Ctrl+C while loading: nothing is served yet
         print("widebeam serve: interrupted while loading the model", file=sys.stderr)
         return EXIT_INTERRUPTED
     freeze_startup_heap()  # a long-lived process: start-up's objects leave the collector's walk
-    app = create_app(engine, **app_kwargs)
+    app = create_app(engine, engine_thread=thread, **app_kwargs)
     if warning:
         log.warning(warning)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
