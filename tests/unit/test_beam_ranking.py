@@ -73,10 +73,13 @@ def test_ranking_the_logits_equals_ranking_their_log_softmax(monkeypatch, rows, 
 
 def test_a_beam_search_never_writes_the_whole_log_softmax(monkeypatch):
     """Without processors the beam decoder hands the search the logits: no [beams, vocab] log-softmax
-    is written (only chunk-sized ones), and the results are those of the written path."""
+    is written (only chunk-sized ones), and the results are those of the written path. The chunks are the
+    torch path: the C++ selection kernel (tests/unit/test_row_top_kernel.py) is off here."""
     from widebeam.beam import ranking
     from widebeam.decoding.decoders import BeamDecoder, RowScores
+    from widebeam.model import kernels
 
+    monkeypatch.setattr(kernels, "SELECTION_ENABLED", False)
     monkeypatch.setattr(ranking, "CHUNK_BYTES", 4 * VOCAB * 3)  # three rows a chunk; the search runs 16
     gen = torch.Generator().manual_seed(1)
     params = BeamSearchParams(beam_width=16, max_new_tokens=4)

@@ -12,11 +12,19 @@ there, so the step reads the logits once from memory instead of writing and re-r
 [rows, vocab] tensor (0.2 GB a step at W=1,024 on a 49k vocabulary). The values are the log-softmax's
 own, bit for bit: the kernel normalises each row on its own, so a chunk's rows come out as the
 whole tensor's would, and the top-k of each row, ties included, is the one it gave before.
+
+Where the C++ kernels are built (`make setup`) a CPU step goes one better: `log_softmax_topk` reads each
+row from cache three times and writes nothing row-sized, where torch.topk copies every row into (value,
+index) pairs before its partial sort. Its values are the log-softmax's bit for bit and its order
+torch.topk's, ties included (model/kernels/row_top.cpp); it serves where torch.topk partial-sorts
+(k x 64 <= vocab), the chunks above everywhere else.
 """
 
 from __future__ import annotations
 
 import torch
+
+from widebeam.model import kernels
 
 # One chunk of log-softmax rows (bytes): a core's L2 here (2 MiB), so the buffer and the logits it was
 # read from stay in cache between the normalisation and the top-k. Measured on this CPU (row_top, k = 10,
@@ -25,11 +33,18 @@ import torch
 CHUNK_BYTES = 2 << 20
 
 
+def _log_softmax_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ops.widebeam.log_softmax_topk(x, k)
+
+
 def row_top(x: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's k best: of `x` itself, or (`normalize`) of its float32 log-softmax, chunk by chunk."""
     if not normalize:
         return torch.topk(x, k, dim=1)
     num_rows, vocab = x.shape
+    if (k * 64 <= vocab and x.device.type == "cpu" and x.dtype == torch.float32 and x.stride(1) == 1
+            and kernels.selection_enabled()):
+        return _log_softmax_topk(x, k)
     rows_per_chunk = max(1, CHUNK_BYTES // (4 * vocab))
     if num_rows <= rows_per_chunk:
         return torch.topk(torch.log_softmax(x, dim=1), k, dim=1)
@@ -51,9 +66,9 @@ def top_candidates(lp: torch.Tensor, running: torch.Tensor, num_candidates: int,
     Exact, without touching the full [rows, vocab] sum: adding a row's running score keeps the row's
     order, so each row only offers its best tokens. A shallow top-k of every row gives a threshold (the
     K-th best of what it offers); only rows whose shallow list reaches the threshold can hold more of
-    the K best, and only those are searched deeper. `running` has one entry per row of `lp`, or one per
-    beam when `lp` is the prompt's single row (HF's prompt copies). `normalize`: `lp` holds raw logits,
-    ranked by their log-softmax (see the module's docstring).
+    the K best, and only those are searched deeper (4x deeper a round, until none can). `running` has one
+    entry per row of `lp`, or one per beam when `lp` is the prompt's single row (HF's prompt copies).
+    `normalize`: `lp` holds raw logits, ranked by their log-softmax (see the module's docstring).
     """
     device = lp.device
     vocab = lp.shape[1]
@@ -65,7 +80,8 @@ def top_candidates(lp: torch.Tensor, running: torch.Tensor, num_candidates: int,
     else:
         k_shallow = min(k_full, -(-num_candidates // rows) + 8 + n_mask)
     top_values, top_tokens = row_top(lp, k_shallow, normalize)
-    raw_last = top_values[:, -1]
+    # each row's last offered sum, before EOS is masked: a row whose last reaches the threshold may hold more
+    last = top_values[:, -1] + running if lp.shape[0] == rows else None
     if eos is not None:
         top_values = top_values.masked_fill(torch.isin(top_tokens, eos), float("-inf"))
     # each row's best allowed score: its shallow list holds more than the masked EOS ids (or the
@@ -74,25 +90,33 @@ def top_candidates(lp: torch.Tensor, running: torch.Tensor, num_candidates: int,
     if lp.shape[0] != rows:
         top_values = top_values.expand(rows, k_shallow)
         top_tokens = top_tokens.expand(rows, k_shallow)
-    sums = top_values + running[:, None]
+    sums = (top_values + running[:, None]).reshape(-1)
     num = min(num_candidates, sums.numel())
-    values, flat = torch.topk(sums.reshape(-1), num)
-    if k_shallow < k_full:
-        # Rows whose last offered token still reaches the threshold may hold more of the best K.
-        deep = torch.nonzero((raw_last + running) >= values[-1]).squeeze(1)
-        if deep.numel():
-            deep_values, deep_tokens = row_top(lp.index_select(0, deep), k_full, normalize)
-            if eos is not None:
-                deep_values = deep_values.masked_fill(torch.isin(deep_tokens, eos), float("-inf"))
-            deep_sums = deep_values + running.index_select(0, deep)[:, None]
-            sums = sums.index_fill(0, deep, float("-inf"))  # offered again, deeper, below
-            all_sums = torch.cat((sums.reshape(-1), deep_sums.reshape(-1)))
-            all_rows = torch.cat((torch.arange(rows, device=device).repeat_interleave(k_shallow),
-                                  deep.repeat_interleave(k_full)))
-            all_tokens = torch.cat((top_tokens.reshape(-1), deep_tokens.reshape(-1)))
-            values, flat = torch.topk(all_sums, num)
-            return values, all_rows[flat], all_tokens[flat], row_best
-    return values, torch.div(flat, k_shallow, rounding_mode="floor"), top_tokens.reshape(-1)[flat], row_best
+    values, flat = torch.topk(sums, num)
+    if k_shallow == k_full:
+        return values, torch.div(flat, k_shallow, rounding_mode="floor"), top_tokens.reshape(-1)[flat], row_best
+    # Deepen the rows that may hold more of the K best, 4x at a time (a step's rows mostly need a few
+    # more; one row can need all K): each round's threshold only rises, so a row that falls below it
+    # stays out, and a row whose new last offered sum still reaches it goes deeper in the next round.
+    sum_rows = torch.arange(rows, device=device).repeat_interleave(k_shallow)
+    sum_tokens = top_tokens.reshape(-1)
+    k = k_shallow
+    while k < k_full:
+        deep = torch.nonzero(last >= values[-1]).squeeze(1)
+        if not deep.numel():
+            break
+        k = min(k_full, 4 * k)
+        deep_values, deep_tokens = row_top(lp.index_select(0, deep), k, normalize)
+        deep_running = running.index_select(0, deep)
+        last = last.index_copy(0, deep, deep_values[:, -1] + deep_running)
+        if eos is not None:
+            deep_values = deep_values.masked_fill(torch.isin(deep_tokens, eos), float("-inf"))
+        kept = ~torch.isin(sum_rows, deep)  # the deep rows' shallower offers, replaced by these
+        sums = torch.cat((sums[kept], (deep_values + deep_running[:, None]).reshape(-1)))
+        sum_rows = torch.cat((sum_rows[kept], deep.repeat_interleave(k)))
+        sum_tokens = torch.cat((sum_tokens[kept], deep_tokens.reshape(-1)))
+        values, flat = torch.topk(sums, num)
+    return values, sum_rows[flat], sum_tokens[flat], row_best
 
 
 def top_allowed(lp: torch.Tensor, running: torch.Tensor, num_candidates: int, eos: torch.Tensor | None,

@@ -1,15 +1,21 @@
-"""C++ kernels for the int8 KV cache on the CPU (`int8_kv.cpp`): `torch.ops.widebeam.quantize_write`
-and `torch.ops.widebeam.int8_attention`.
+"""C++ kernels on the CPU, one library: the int8 KV cache's (`int8_kv.cpp`: `torch.ops.widebeam.
+quantize_write`, `int8_attention`, `int8_group_attention`) and a beam step's selection (`row_top.cpp`:
+`torch.ops.widebeam.log_softmax_topk`).
 
 Why: at small beam widths an int8 cache's cost is kernel launches, not bytes: per layer ~15 eager ops to
 quantize and write a step's K/V and ~8 to dequantize what attention reads (one decode step of
 SmolLM2-135M over 512 prompt tokens at W=1: 37 ms against 28 ms with float32 KV). Each kernel is one op.
+At wide beams the selection's cost is what torch.topk copies: every row as (value, index) pairs before a
+partial sort; `log_softmax_topk` reads each row from cache instead (beam/ranking.py).
 
 Built only by `python -m widebeam.model.kernels.build` (`make setup`), never at import or run time. The
-library is loaded here when its stamp matches the current source and torch; a missing or stale build
-leaves `available()` False and the torch path (quantized_kv.py, backends.py: the reference, and the only
-path on CUDA) serves everything. WIDEBEAM_KERNELS=0 turns the kernels off for a process; `ENABLED` (read
-at every call through `enabled()`) turns them off from code, so benchmarks A/B them in one process.
+library is loaded here when its stamp matches the current sources and torch; a missing or stale build
+leaves `available()` False and the torch path (quantized_kv.py, backends.py, beam/ranking.py: the
+reference, and the only path on CUDA) serves everything. `log_softmax_topk` is built for the vector
+capability torch dispatches to at build time (its values are torch's log-softmax bit for bit only there),
+so it serves only while torch still reports that capability (`ATEN_CPU_CAPABILITY` can change it).
+WIDEBEAM_KERNELS=0 turns the kernels off for a process; `ENABLED` (read at every call through `enabled()`;
+`SELECTION_ENABLED` for the selection) turns them off from code, so benchmarks A/B them in one process.
 """
 
 from __future__ import annotations
@@ -20,29 +26,49 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).resolve().parent / "int8_kv.cpp"
-BUILD_DIR = SOURCE.parent / "_build"
-LIBRARY = BUILD_DIR / "int8_kv.so"
-STAMP = BUILD_DIR / "int8_kv.stamp"  # the source hash and torch version the library was built from
+HERE = Path(__file__).resolve().parent
+SOURCES = (HERE / "int8_kv.cpp", HERE / "row_top.cpp")
+BUILD_DIR = HERE / "_build"
+LIBRARY = BUILD_DIR / "kernels.so"
+# the sources' hash, the torch version and the vector capability the library was built for
+STAMP = BUILD_DIR / "kernels.stamp"
 KERNELS_ENV = "WIDEBEAM_KERNELS"
 
 ENABLED = os.environ.get(KERNELS_ENV, "1") != "0"
+# the selection's own switch (from code: benchmarks A/B it apart from the int8 KV kernels)
+SELECTION_ENABLED = ENABLED
 
 
-def source_stamp() -> str:
-    """What a current build's stamp holds: the source's sha256 and the torch it was compiled against."""
-    return f"{hashlib.sha256(SOURCE.read_bytes()).hexdigest()} torch {torch.__version__}\n"
+def cpu_capability() -> str:
+    """The vector capability torch's own CPU kernels run with here (AVX512, AVX2, DEFAULT, ...)."""
+    return torch.backends.cpu.get_cpu_capability()
 
 
-def _load() -> bool:
-    if not (LIBRARY.exists() and STAMP.exists() and STAMP.read_text() == source_stamp()):
-        return False
-    if not hasattr(torch.ops.widebeam, "int8_attention"):  # loaded once per process
+def source_stamp(capability: str | None = None) -> str:
+    """What a current build's stamp holds: the sources' sha256, the torch it was compiled against and the
+    capability `row_top.cpp` was compiled for (today's, unless given)."""
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES)).hexdigest()
+    return f"{digest} torch {torch.__version__} {capability or cpu_capability()}\n"
+
+
+def _built_capability() -> str | None:
+    """The capability in the stamp of a library built from the current sources and torch, else None."""
+    if not (LIBRARY.exists() and STAMP.exists()):
+        return None
+    stamp = STAMP.read_text()
+    capability = stamp.rsplit(" ", 1)[-1].strip()
+    return capability if stamp == source_stamp(capability) else None
+
+
+def _load() -> str | None:
+    capability = _built_capability()
+    if capability is not None and not hasattr(torch.ops.widebeam, "int8_attention"):  # once per process
         torch.ops.load_library(str(LIBRARY))
-    return True
+    return capability
 
 
-_AVAILABLE = _load()
+_BUILT_FOR = _load()
+_AVAILABLE = _BUILT_FOR is not None
 
 
 def available() -> bool:
@@ -53,3 +79,9 @@ def available() -> bool:
 def enabled() -> bool:
     """Whether int8 KV reads and writes on the CPU go through the kernels: loaded and not switched off."""
     return _AVAILABLE and ENABLED
+
+
+def selection_enabled() -> bool:
+    """Whether `log_softmax_topk` serves: loaded, switched on, and torch dispatches to the capability it was
+    built for."""
+    return _AVAILABLE and SELECTION_ENABLED and _BUILT_FOR == cpu_capability()
