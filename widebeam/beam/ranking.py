@@ -94,7 +94,8 @@ def top_candidates(lp: torch.Tensor, running: torch.Tensor, num_candidates: int,
     num = min(num_candidates, sums.numel())
     values, flat = torch.topk(sums, num)
     if k_shallow == k_full:
-        return values, torch.div(flat, k_shallow, rounding_mode="floor"), top_tokens.reshape(-1)[flat], row_best
+        parents = torch.div(flat, k_shallow, rounding_mode="floor")
+        return values, parents, top_tokens.reshape(-1)[flat], row_best
     # Deepen the rows that may hold more of the K best, 4x at a time (a step's rows mostly need a few
     # more; one row can need all K): each round's threshold only rises, so a row that falls below it
     # stays out, and a row whose new last offered sum still reaches it goes deeper in the next round.
