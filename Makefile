@@ -24,13 +24,13 @@ $(STAMP): pyproject.toml Makefile
 		$$SUDO apt-get update -q && $$SUDO apt-get install -y -q chromium chromium-driver; }
 	touch $(STAMP)
 
-# The C++ kernels (widebeam/model/kernels: the int8 KV cache, beam selection), compiled for this machine once the packages
-# are in, and again when their source changes. Without a C++ compiler the build says so and the torch
+# The C++ kernels (widebeam/model/kernels: the int8 KV cache, beam selection, few-row linears), compiled
+# for this machine once the packages are in, and again when their source changes. Without a C++ compiler the build says so and the torch
 # path serves (exit 0); with one, a failed build fails `make`.
 KERNELS      := widebeam/model/kernels
 KERNEL_STAMP := $(KERNELS)/_build/kernels.stamp
 
-$(KERNEL_STAMP): $(STAMP) $(KERNELS)/int8_kv.cpp $(KERNELS)/row_top.cpp $(KERNELS)/build.py $(KERNELS)/__init__.py
+$(KERNEL_STAMP): $(STAMP) $(KERNELS)/int8_kv.cpp $(KERNELS)/row_top.cpp $(KERNELS)/few_rows.cpp $(KERNELS)/build.py $(KERNELS)/__init__.py
 	$(PY) -m widebeam.model.kernels.build
 
 setup: $(STAMP) $(KERNEL_STAMP)

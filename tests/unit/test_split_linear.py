@@ -1,7 +1,7 @@
-"""Float32 linears split into batched blocks of output rows at 1-4 rows (`linear_backend="split"`,
-the default; widebeam/model/linears/split.py): equal to `F.linear` within float32 rounding where the
-split runs, the very same kernel elsewhere; the weight shared, never copied; a tiny model's greedy
-tokens and beams equal the `F.linear` engine's."""
+"""Float32 linears split at 1-4 rows (`linear_backend="split"`, the default; widebeam/model/linears/
+split.py), by either split product (the C++ `few_rows_linear` where built, else batched blocks of output
+rows): equal to `F.linear` within float32 rounding where the split runs, the very same kernel elsewhere;
+the weight shared, never copied; a tiny model's greedy tokens and beams equal the `F.linear` engine's."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from widebeam.defaults import DEFAULT_LINEAR_BACKEND
+from widebeam.model import kernels
 from widebeam.model.linears import split as split_linear
 from widebeam.model.linears.packed import pack_linears
 from widebeam.model.linears.split import (
@@ -21,31 +22,50 @@ from widebeam.model.linears.split import (
 )
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 64])
+@pytest.fixture(params=["kernel", "blocks"])
+def product(request, monkeypatch):
+    """Which split product runs: the C++ kernel (built by `make setup` wherever a compiler is) or the
+    batched blocks; yields the op a split call goes through, to spy on."""
+    if request.param == "kernel" and not kernels.available():
+        pytest.skip("C++ kernels not built (tests/unit/test_few_rows_kernel.py fails where a compiler is)")
+    monkeypatch.setattr(kernels, "LINEAR_ENABLED", request.param == "kernel")
+    return request.param
+
+
+def spy_split_products(monkeypatch) -> list[str]:
+    calls = []
+    bmm, few_rows = torch.bmm, torch.ops.widebeam.few_rows_linear if kernels.available() else None
+    monkeypatch.setattr(torch, "bmm", lambda *a: calls.append("blocks") or bmm(*a))
+    if few_rows is not None:
+        monkeypatch.setattr(torch.ops.widebeam, "few_rows_linear", lambda *a: calls.append("kernel") or few_rows(*a))
+    return calls
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 17, 64])
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("in_features, out_features", [(64, 48), (576, 192), (37, 104), (37, 101), (7, 1)])
-def test_split_linear_equals_f_linear(rows, bias, in_features, out_features, monkeypatch):
+@pytest.mark.parametrize("in_features, out_features", [(64, 48), (576, 192), (37, 104), (37, 101), (7, 1),
+                                                       (1536, 76)])
+def test_split_linear_equals_f_linear(rows, bias, in_features, out_features, product, monkeypatch):
     torch.manual_seed(rows * 1000 + in_features + out_features)
     linear = torch.nn.Linear(in_features, out_features, bias=bias)
     if bias:
         with torch.no_grad():
             linear.bias.mul_(10)  # a bias that matters next to the product
     layer = SplitLinear(linear)
-    calls = []
-    bmm = torch.bmm
-    monkeypatch.setattr(torch, "bmm", lambda *a: calls.append(1) or bmm(*a))
+    calls = spy_split_products(monkeypatch)
     x = torch.randn(rows, in_features)
     with torch.inference_mode():
         expected, got = F.linear(x, linear.weight, linear.bias), layer(x)
-    split = rows in SPLIT_ROWS and out_features % SPLIT_BLOCKS == 0
-    assert bool(calls) == split
+    # the kernel takes any shape; the blocks need whole blocks of output rows
+    split = rows in SPLIT_ROWS and (product == "kernel" or out_features % SPLIT_BLOCKS == 0)
+    assert calls == ([product] if split else [])
     assert got.shape == expected.shape and got.dtype == torch.float32 and got.is_contiguous()
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     if not split:
         assert torch.equal(got, expected)  # the very same kernel
 
 
-def test_split_linear_takes_leading_dims_and_strided_input():
+def test_split_linear_takes_leading_dims_and_strided_input(product):
     torch.manual_seed(0)
     linear = torch.nn.Linear(24, 40)
     layer = SplitLinear(linear)
@@ -77,6 +97,7 @@ PROMPTS = [[(i * 31 + k) % 120 + 3 for i in range(n)] for k, n in ((1, 9), (5, 2
 
 @pytest.fixture(scope="module")
 def engines(tiny_llama_dir):
+    """The F.linear engine and the split engine (its product: the kernel where built, as by default)."""
     from widebeam.llm import LLM
 
     with pytest.MonkeyPatch.context() as patch:
@@ -123,7 +144,7 @@ def test_beam_sequences_equal_the_f_linear_engines(engines, width):
 
 @pytest.mark.parametrize("rows", [1, 4, 9])
 @pytest.mark.parametrize("biases", [(True, True, True), (True, False, True), (False, False, False)])
-def test_concatenated_split_linears_equal_their_parts(rows, biases):
+def test_concatenated_split_linears_equal_their_parts(rows, biases, product):
     """q/k/v (or gate/up) stacked as one layer: each part of the output is the part's own product."""
     torch.manual_seed(rows)
     parts = [torch.nn.Linear(24, out, bias=bias) for out, bias in zip((32, 8, 8), biases)]
@@ -155,24 +176,44 @@ def test_float32_decoders_fuse_their_projections_and_bfloat16_ones_do_not(tiny_l
 def test_the_probe_answers_row_counts_once_per_shape():
     layers = [SplitLinear(torch.nn.Linear(64, 128)) for _ in range(3)]
     found = probe_split_rows(layers)
-    assert found in {(), (1, 2), (3, 4), (1, 2, 3, 4)}
+    buckets = [(1, 2), (3, 4), (5, 6, 7, 8)]  # each decided by one timing (at 1, 4 and 8 rows)
+    assert all(set(bucket) <= set(found) or not set(bucket) & set(found) for bucket in buckets)
+    assert found == tuple(sorted(found)) and set(found) <= set(SPLIT_ROWS)
     assert probe_split_rows(layers) is found  # kept: every engine of the process runs the same kernels
 
 
 @pytest.mark.parametrize("split_rows", [(), (1, 2), tuple(SPLIT_ROWS)])
-def test_split_linears_run_the_product_the_probe_chose(split_rows, monkeypatch):
+def test_split_linears_run_the_product_the_probe_chose(split_rows, product, monkeypatch):
     """Where the probe found the split product slower, `F.linear` runs at every row count."""
     monkeypatch.setattr(split_linear, "probe_split_rows", lambda layers: split_rows)
     model = split_linears(torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 64)))
     assert all(layer.split_rows == split_rows for layer in model)
-    bmm, calls = torch.bmm, []
-    monkeypatch.setattr(torch, "bmm", lambda *args: calls.append(1) or bmm(*args))
+    calls = spy_split_products(monkeypatch)
     for rows in SPLIT_ROWS:
         calls.clear()
         x = torch.randn(rows, 64)
-        torch.testing.assert_close(model(x), F.linear(F.linear(x, model[0].weight, model[0].bias),
-                                                      model[1].weight, model[1].bias))
-        assert len(calls) == (2 if rows in split_rows else 0), rows
+        with torch.inference_mode():  # as the engine runs (the kernel serves no gradient)
+            got = model(x)
+        torch.testing.assert_close(got, F.linear(F.linear(x, model[0].weight, model[0].bias),
+                                                 model[1].weight, model[1].bias))
+        assert calls == ([product] * 2 if rows in split_rows else []), rows
+
+
+def test_a_gradient_wanted_takes_the_blocks(monkeypatch):
+    """The kernel has no backward: with a gradient wanted the layer runs the batched blocks (torch ops),
+    and the gradient is F.linear's."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 128)
+    layer = SplitLinear(linear)
+    calls = spy_split_products(monkeypatch)
+    monkeypatch.setattr(kernels, "LINEAR_ENABLED", True)
+    x = torch.randn(2, 64)
+    layer(x).square().sum().backward()
+    assert calls == ["blocks"]
+    got = linear.weight.grad.clone()
+    linear.weight.grad = None
+    F.linear(x, linear.weight, linear.bias).square().sum().backward()
+    torch.testing.assert_close(got, linear.weight.grad, rtol=1e-5, atol=1e-5)
 
 
 def test_the_probe_streams_a_bounded_sample(monkeypatch):

@@ -1,6 +1,7 @@
 """C++ kernels on the CPU, one library: the int8 KV cache's (`int8_kv.cpp`: `torch.ops.widebeam.
-quantize_write`, `int8_attention`, `int8_group_attention`) and a beam step's selection (`row_top.cpp`:
-`torch.ops.widebeam.log_softmax_topk`).
+quantize_write`, `int8_attention`, `int8_group_attention`), a beam step's selection (`row_top.cpp`:
+`torch.ops.widebeam.log_softmax_topk`) and float32 linears at 1-4 rows (`few_rows.cpp`:
+`torch.ops.widebeam.few_rows_linear`, run by model/linears/split.py).
 
 Why: at small beam widths an int8 cache's cost is kernel launches, not bytes: per layer ~15 eager ops to
 quantize and write a step's K/V and ~8 to dequantize what attention reads (one decode step of
@@ -15,7 +16,7 @@ reference, and the only path on CUDA) serves everything. `log_softmax_topk` is b
 capability torch dispatches to at build time (its values are torch's log-softmax bit for bit only there),
 so it serves only while torch still reports that capability (`ATEN_CPU_CAPABILITY` can change it).
 WIDEBEAM_KERNELS=0 turns the kernels off for a process; `ENABLED` (read at every call through `enabled()`;
-`SELECTION_ENABLED` for the selection) turns them off from code, so benchmarks A/B them in one process.
+`SELECTION_ENABLED` for the selection, `LINEAR_ENABLED` for the linears) turns them off from code, so benchmarks A/B them in one process.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-SOURCES = (HERE / "int8_kv.cpp", HERE / "row_top.cpp")
+SOURCES = (HERE / "int8_kv.cpp", HERE / "row_top.cpp", HERE / "few_rows.cpp")
 BUILD_DIR = HERE / "_build"
 LIBRARY = BUILD_DIR / "kernels.so"
 # the sources' hash, the torch version and the vector capability the library was built for
@@ -37,6 +38,8 @@ KERNELS_ENV = "WIDEBEAM_KERNELS"
 ENABLED = os.environ.get(KERNELS_ENV, "1") != "0"
 # the selection's own switch (from code: benchmarks A/B it apart from the int8 KV kernels)
 SELECTION_ENABLED = ENABLED
+# the few-row linears' own switch (model/linears/split.py probes again when it changes)
+LINEAR_ENABLED = ENABLED
 
 
 def cpu_capability() -> str:
@@ -85,3 +88,9 @@ def selection_enabled() -> bool:
     """Whether `log_softmax_topk` serves: loaded, switched on, and torch dispatches to the capability it was
     built for."""
     return _AVAILABLE and SELECTION_ENABLED and _BUILT_FOR == cpu_capability()
+
+
+def linear_enabled() -> bool:
+    """Whether `few_rows_linear` serves the split linears' 1-4 row products: loaded and switched on (it is
+    compiled for this machine, and reads and writes no torch kernel's bits, so any capability serves)."""
+    return _AVAILABLE and LINEAR_ENABLED

@@ -1,4 +1,4 @@
-"""Compile the C++ kernels (int8 KV cache, beam selection): `python -m widebeam.model.kernels.build`
+"""Compile the C++ kernels (int8 KV cache, beam selection, few-row linears): `python -m widebeam.model.kernels.build`
 (run by `make setup`).
 
 The one place they are compiled: nothing compiles at import or at run time. The library goes to

@@ -1,4 +1,4 @@
-"""Float32 linears at a decode step's few rows, with every core streaming the weight (issue #19).
+"""Float32 linears at a decode step's few rows (1-8), with every core streaming the weight (issue #19).
 
 At one to a few rows a linear layer is a matrix-vector product: it reads the whole weight once and
 does two flops per weight, so its time is the weight's bytes over the memory bandwidth one gets.
@@ -8,15 +8,21 @@ and 55 at 1, 8-11 GB/s, where a 2-thread sum over the same bytes reads 28 GB/s. 
 output rows as `SPLIT_BLOCKS` blocks, `[blocks, out / blocks, in]`, and the rows' product as one
 batched matmul (`torch.bmm`) lets PyTorch run the blocks on every thread: 26 ms at 1 row, 33 at 2,
 39 at 4 (`python benchmarks/linear_backend.py --linears-only --candidate split`). The weight is
-the same tensor, viewed: no copy, no extra memory. Past `SPLIT_ROWS` rows MKL's sgemm is
+the same tensor, viewed: no copy, no extra memory. Past `SPLIT_ROWS` (8) rows MKL's sgemm is
 parallel and as fast, so `F.linear` runs there; a weight whose output rows do not divide into the
 blocks keeps `F.linear` at every row count.
 
 Each output is still one dot product of a row and a weight row, in float32, but summed by another
 kernel than `F.linear`'s: equal within float32 rounding (tests/unit/test_split_linear.py), and the
 greedy tokens and beams of the parity suite, which runs this backend by default, equal
-transformers'. So a row's last bits depend on how many rows its step ran (1-4 or more), as they
+transformers'. So a row's last bits depend on how many rows its step ran (1-8 or more), as they
 already did through the attention kernels; tokens and beams do not.
+
+Where the C++ kernels are built (`make setup`), the split product is `few_rows_linear`
+(model/kernels/few_rows.cpp) instead of the batched blocks: the same one pass over the weight on every
+thread, but it writes [rows, out] directly (the blocks' [out, rows] result cost a transposing copy, 1.7 ms
+a step on SmolLM2's output layer at 4 rows) and keeps 3-4 rows of a wide input at the memory's speed
+where the blocks halved it (issue #43). The start-up probe times whichever of the two this process runs.
 """
 
 from __future__ import annotations
@@ -26,10 +32,13 @@ import time
 import torch
 from torch.nn import functional as F
 
+from widebeam.model import kernels
 from widebeam.model.families.layers import float32_on_cpu, swap_linears
 
 SPLIT_BLOCKS = 8  # blocks of output rows: a few per thread, each still thousands of weights
-SPLIT_ROWS = range(1, 5)  # the row counts the split product runs (measured faster at 1 and 2 threads)
+SPLIT_ROWS = range(1, 9)  # the row counts the split product may run (the start-up probe decides)
+# each row count's probe: timed at 1 row for 1-2, at 4 for 3-4, at 8 for 5-8
+_PROBE_ROWS = {1: 1, 2: 1, 3: 4, 4: 4, 5: 8, 6: 8, 7: 8, 8: 8}
 
 
 class SplitLinear(torch.nn.Module):
@@ -42,20 +51,37 @@ class SplitLinear(torch.nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
-        self.splits = self.out_features % SPLIT_BLOCKS == 0
+        self.splits = self.out_features % SPLIT_BLOCKS == 0  # the batched blocks need whole blocks
         self.split_rows: tuple[int, ...] = tuple(SPLIT_ROWS)  # narrowed by the start-up probe
+
+    def can_split(self) -> bool:
+        """Whether a split product exists for this layer here: the kernel (any shape, a contiguous
+        weight, no gradient wanted), else the batched blocks (whole blocks)."""
+        return self._kernel_serves() or self.splits
+
+    def _kernel_serves(self) -> bool:
+        return (kernels.linear_enabled() and self.weight.is_contiguous()
+                and not (torch.is_grad_enabled() and self.weight.requires_grad))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if not self.splits or rows.shape[0] not in self.split_rows:
+        if rows.shape[0] not in self.split_rows or not self.can_split():
             return F.linear(x, self.weight, self.bias)
+        return self.split_product(rows).reshape(*x.shape[:-1], self.out_features)
+
+    def split_product(self, rows: torch.Tensor) -> torch.Tensor:
+        """`rows` [num_rows, in] (1-8 rows) times the weight, plus the bias: [num_rows, out]."""
+        if self._kernel_serves():
+            if rows.stride(-1) != 1:
+                rows = rows.contiguous()
+            return torch.ops.widebeam.few_rows_linear(rows, self.weight, self.bias)
         blocks = self.weight.view(SPLIT_BLOCKS, self.out_features // SPLIT_BLOCKS, self.in_features)
         # [blocks, out / blocks, in] x [blocks, in, rows] -> [blocks, out / blocks, rows]
         out = (torch.bmm(blocks, rows.t().expand(SPLIT_BLOCKS, -1, -1)).view(self.out_features, -1)
                .t().contiguous())
         if self.bias is not None:
             out += self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return out
 
     @classmethod
     def concat(cls, layers: list[SplitLinear]) -> SplitLinear:
@@ -91,7 +117,8 @@ def split_linears(model: torch.nn.Module) -> torch.nn.Module:
         fuse = getattr(module, "fuse_projections", None)
         if fuse is not None and _all_split(module):
             fuse(SplitLinear.concat)
-    layers = [m for m in model.modules() if isinstance(m, SplitLinear) and m.splits]
+    with torch.inference_mode():  # as the engine runs them (the kernel serves no gradient)
+        layers = [m for m in model.modules() if isinstance(m, SplitLinear) and m.can_split()]
     if layers:
         split_rows = probe_split_rows(layers)
         for layer in layers:
@@ -121,39 +148,39 @@ def _probe_sample(layers: list[SplitLinear]) -> list[SplitLinear]:
 
 def probe_split_rows(layers: list[SplitLinear]) -> tuple[int, ...]:
     """The row counts of `SPLIT_ROWS` at which the split product beats `F.linear` on this CPU: timed at
-    1 row (deciding 1 and 2) and at 4 (deciding 3 and 4) over the layers' weights in turn (the first
+    1 row (deciding 1 and 2), at 4 (deciding 3 and 4) and at 8 (deciding 5 to 8) over the layers' weights in turn (the first
     `_PROBE_BYTES` of them), as a decode step streams them from memory (one weight alone would sit in
     the cache), best of `_PROBE_REPEATS` interleaved passes each. Where the split paid on one CPU (an AMD
     EPYC: 26 vs 50 ms a step at 1 row) it lost on another (an Intel Xeon: ~100 vs ~55 ms), so it is
     measured, not assumed. Both are the same dot products (equal within float32 rounding); the answer
     is kept per process and shape, so every engine of a process runs the same kernels."""
     layers = _probe_sample(layers)
-    key = (tuple((layer.out_features, layer.in_features) for layer in layers), torch.get_num_threads())
+    key = (tuple((layer.out_features, layer.in_features) for layer in layers), torch.get_num_threads(),
+           kernels.linear_enabled())
     if key in _PROBED:
         return _PROBED[key]
-    inputs = {n: torch.randn(4, layer.in_features) for n, layer in enumerate(layers)}
+    inputs = {n: torch.randn(max(SPLIT_ROWS), layer.in_features) for n, layer in enumerate(layers)}
 
     def pass_s(num_rows: int, split: bool) -> float:
         start = time.perf_counter()
         for n, layer in enumerate(layers):
             x = inputs[n][:num_rows]
             if split:
-                blocks = layer.weight.view(SPLIT_BLOCKS, -1, layer.in_features)
-                torch.bmm(blocks, x.t().expand(SPLIT_BLOCKS, -1, -1))
+                layer.split_product(x)
             else:
                 F.linear(x, layer.weight)
         return time.perf_counter() - start
 
     pays = {}
     with torch.inference_mode():
-        for num_rows in (1, 4):
+        for num_rows in sorted(set(_PROBE_ROWS.values())):
             pass_s(num_rows, True), pass_s(num_rows, False)  # warm-up
             split_s, linear_s = [], []
             for _ in range(_PROBE_REPEATS):
                 split_s.append(pass_s(num_rows, True))
                 linear_s.append(pass_s(num_rows, False))
             pays[num_rows] = min(split_s) < _PROBE_MARGIN * min(linear_s)
-    split_rows = tuple(r for r in SPLIT_ROWS if pays[1 if r <= 2 else 4])
+    split_rows = tuple(r for r in SPLIT_ROWS if pays[_PROBE_ROWS[r]])
     _PROBED[key] = split_rows
     return split_rows
 
