@@ -1,7 +1,8 @@
 """The few-row linear kernel (widebeam/model/kernels/few_rows.cpp: `few_rows_linear`) against
 `F.linear`: 1-8 rows, each of its loop orders (narrow inputs at 1-4 rows: one weight row at a time;
-wide ones: four weight rows sharing each input load; 5-8 rows: two), output rows that do not fill the last group, inputs that are
-not a multiple of the vector width, bias or none, strided rows; and it is built wherever a compiler is."""
+wide ones: four weight rows sharing each input load; 5-8 rows: two), output rows that do not fill
+the last group, inputs that are not a multiple of the vector width, bias or none, strided rows; and
+it is built wherever a compiler is."""
 
 from __future__ import annotations
 

@@ -37,7 +37,8 @@ def spy_split_products(monkeypatch) -> list[str]:
     bmm, few_rows = torch.bmm, torch.ops.widebeam.few_rows_linear if kernels.available() else None
     monkeypatch.setattr(torch, "bmm", lambda *a: calls.append("blocks") or bmm(*a))
     if few_rows is not None:
-        monkeypatch.setattr(torch.ops.widebeam, "few_rows_linear", lambda *a: calls.append("kernel") or few_rows(*a))
+        monkeypatch.setattr(torch.ops.widebeam, "few_rows_linear",
+                            lambda *a: calls.append("kernel") or few_rows(*a))
     return calls
 
 

@@ -16,7 +16,8 @@ reference, and the only path on CUDA) serves everything. `log_softmax_topk` is b
 capability torch dispatches to at build time (its values are torch's log-softmax bit for bit only there),
 so it serves only while torch still reports that capability (`ATEN_CPU_CAPABILITY` can change it).
 WIDEBEAM_KERNELS=0 turns the kernels off for a process; `ENABLED` (read at every call through `enabled()`;
-`SELECTION_ENABLED` for the selection, `LINEAR_ENABLED` for the linears) turns them off from code, so benchmarks A/B them in one process.
+`SELECTION_ENABLED` for the selection, `LINEAR_ENABLED` for the linears) turns them off from code, so
+benchmarks A/B them in one process.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Compile the C++ kernels (int8 KV cache, beam selection, few-row linears): `python -m widebeam.model.kernels.build`
-(run by `make setup`).
+"""Compile the C++ kernels (int8 KV cache, beam selection, few-row linears):
+`python -m widebeam.model.kernels.build` (run by `make setup`).
 
 The one place they are compiled: nothing compiles at import or at run time. The library goes to
 `_build/` beside this file with the hash of its sources, the torch version it was built against and the
