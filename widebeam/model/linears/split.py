@@ -152,8 +152,9 @@ def probe_split_rows(layers: list[SplitLinear]) -> tuple[int, ...]:
     weights in turn (the first `_PROBE_BYTES` of them), as a decode step streams them from memory (one
     weight alone would sit in the cache), best of `_PROBE_REPEATS` interleaved passes each. Where the
     split paid on one CPU (an AMD EPYC: 26 vs 50 ms a step at 1 row) it lost on another (an Intel
-    Xeon: ~100 vs ~55 ms), so it is measured, not assumed. Both are the same dot products (equal within float32 rounding); the answer
-    is kept per process and shape, so every engine of a process runs the same kernels."""
+    Xeon: ~100 vs ~55 ms), so it is measured, not assumed. Both are the same dot products (equal within
+    float32 rounding); the answer is kept per process, shape and product, so every engine of a process
+    runs the same kernels."""
     layers = _probe_sample(layers)
     key = (tuple((layer.out_features, layer.in_features) for layer in layers), torch.get_num_threads(),
            kernels.linear_enabled())
