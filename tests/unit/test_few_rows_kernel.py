@@ -40,6 +40,24 @@ def test_few_rows_linear_equals_f_linear(rows, in_features, out_features, bias):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 8])
+@pytest.mark.parametrize("in_features", [40, 576, 1540])
+def test_16_bit_weights_sum_in_float32_and_round_once(dtype, rows, in_features):
+    """bfloat16/float16 x and weight: each output is the float32 sum of the widened products plus the
+    bias, rounded once to the dtype (within one rounding of that float32 reference)."""
+    gen = torch.Generator().manual_seed(rows * 13 + in_features)
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+    weight = torch.randn(72, in_features, generator=gen).to(dtype)
+    b = torch.randn(72, generator=gen).to(dtype)
+    got = torch.ops.widebeam.few_rows_linear(x, weight, b)
+    assert got.dtype == dtype and got.shape == (rows, 72)
+    reference = F.linear(x.float(), weight.float(), b.float())
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(got.float(), reference, rtol=eps, atol=1e-4 * in_features ** 0.5)
+
+
+@needs_kernels
 def test_strided_rows_and_each_row_its_own():
     """Rows with a stride past their length (a slice of a wider tensor) read each row where it is, and
     each output row depends on its input row only."""
@@ -55,7 +73,8 @@ def test_strided_rows_and_each_row_its_own():
 
 
 @needs_kernels
-@pytest.mark.parametrize("case", ["nine rows", "no rows", "weight transposed", "bfloat16", "wrong in"])
+@pytest.mark.parametrize("case", ["nine rows", "no rows", "weight transposed", "mixed dtypes", "float64",
+                                  "wrong in"])
 def test_what_it_refuses(case):
     x, weight = torch.randn(2, 32), torch.randn(48, 32)
     if case == "nine rows":
@@ -64,8 +83,10 @@ def test_what_it_refuses(case):
         x = torch.randn(0, 32)
     elif case == "weight transposed":
         weight = torch.randn(32, 48).t()
-    elif case == "bfloat16":
+    elif case == "mixed dtypes":
         x = x.bfloat16()
+    elif case == "float64":
+        x, weight = x.double(), weight.double()
     else:
         x = torch.randn(2, 33)
     with pytest.raises(RuntimeError, match="few_rows_linear"):

@@ -84,13 +84,34 @@ def test_the_weight_is_shared_and_a_tied_one_stays_tied():
     assert model["head"].weight is embed.weight  # no copy: the embedding's own tensor
 
 
-def test_split_is_the_default_and_stays_off_other_devices_and_dtypes():
+def test_split_is_the_default_and_stays_off_other_devices_and_dtypes(monkeypatch):
     assert DEFAULT_LINEAR_BACKEND == "split"
+    monkeypatch.setattr(kernels, "LINEAR_ENABLED", False)  # 16-bit linears split only through the kernel
     bf16 = pack_linears(torch.nn.Sequential(torch.nn.Linear(8, 8).bfloat16()), torch.device("cpu"), "split")
     assert type(bf16[0]) is torch.nn.Linear
     with torch.device("meta"):
         meta = torch.nn.Sequential(torch.nn.Linear(8, 8))
     assert type(pack_linears(meta, torch.device("meta"), "split")[0]) is torch.nn.Linear
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9])
+def test_16_bit_linears_split_through_the_kernel(dtype, rows, monkeypatch):
+    """Where the kernel is built a bfloat16/float16 model's linears are `SplitLinear`s that run it at
+    the probed row counts: the output in the model's dtype, within one rounding of `F.linear`'s."""
+    if not kernels.available():
+        pytest.skip("C++ kernels not built (tests/unit/test_few_rows_kernel.py fails where a compiler is)")
+    monkeypatch.setattr(kernels, "LINEAR_ENABLED", True)
+    monkeypatch.setattr(split_linear, "probe_split_rows", lambda layers: tuple(SPLIT_ROWS))
+    torch.manual_seed(rows)
+    model = pack_linears(torch.nn.Sequential(torch.nn.Linear(96, 80).to(dtype)), torch.device("cpu"), "split")
+    assert isinstance(model[0], SplitLinear) and model[0].split_rows == tuple(SPLIT_ROWS)
+    calls = spy_split_products(monkeypatch)
+    x = torch.randn(rows, 96).to(dtype)
+    with torch.inference_mode():
+        got, expected = model(x), F.linear(x, model[0].weight, model[0].bias)
+    assert got.dtype == dtype and calls == (["kernel"] if rows in SPLIT_ROWS else [])
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
 
 
 PROMPTS = [[(i * 31 + k) % 120 + 3 for i in range(n)] for k, n in ((1, 9), (5, 23), (11, 40))]

@@ -66,6 +66,11 @@ def float32_on_cpu(linear: nn.Linear) -> bool:
     return linear.weight.dtype == torch.float32 and linear.weight.device.type == "cpu"
 
 
+def half_on_cpu(linear: nn.Linear) -> bool:
+    """A bfloat16 or float16 linear on the CPU."""
+    return linear.weight.dtype in (torch.bfloat16, torch.float16) and linear.weight.device.type == "cpu"
+
+
 class FusedProjections(nn.Module):
     """Linear layers that read the same input, run as one (`linear`, their weights stacked by output
     row); the output is split back into the parts, `sizes` wide."""

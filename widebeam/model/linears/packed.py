@@ -90,9 +90,10 @@ class PackedLinear(torch.nn.Module):
 
 def pack_linears(model: torch.nn.Module, device: torch.device,
                  backend: str = DEFAULT_LINEAR_BACKEND) -> torch.nn.Module:
-    """The float32 linears of a CPU model under `backend`, in place: "split" (the default) as
-    `SplitLinear`s (linears/split.py); "onednn" or "auto" as `PackedLinear`s when this build has
-    oneDNN; otherwise, and on other devices, the model unchanged (`F.linear`)."""
+    """The linears of a CPU model under `backend`, in place: "split" (the default) as `SplitLinear`s
+    (linears/split.py: float32 ones, and bfloat16/float16 ones where the C++ kernels are built);
+    "onednn" or "auto" the float32 ones as `PackedLinear`s when this build has oneDNN; otherwise, and
+    on other devices, the model unchanged (`F.linear`)."""
     if backend not in LINEAR_BACKENDS:
         raise ValueError(f"linear_backend must be one of {', '.join(LINEAR_BACKENDS)}, got {backend!r}")
     if backend == "split" and device.type == "cpu":

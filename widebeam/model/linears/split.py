@@ -23,6 +23,10 @@ Where the C++ kernels are built (`make setup`), the split product is `few_rows_l
 thread, but it writes [rows, out] directly (the blocks' [out, rows] result cost a transposing copy, 1.7 ms
 a step on SmolLM2's output layer at 4 rows) and keeps 3-4 rows of a wide input at the memory's speed
 where the blocks halved it (issue #43). The start-up probe times whichever of the two this process runs.
+The kernel also takes bfloat16 and float16 weights (widened to float32 as they load, summed in float32,
+rounded once, as `F.linear`'s 16-bit kernels do): where it is built a 16-bit model's linears are
+`SplitLinear`s too (not stacked), and the probe decides their row counts the same way; without it they
+stay `nn.Linear` (the blocks are float32 only here).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import torch
 from torch.nn import functional as F
 
 from widebeam.model import kernels
-from widebeam.model.families.layers import float32_on_cpu, swap_linears
+from widebeam.model.families.layers import float32_on_cpu, half_on_cpu, swap_linears
 
 SPLIT_BLOCKS = 8  # blocks of output rows: a few per thread, each still thousands of weights
 SPLIT_ROWS = range(1, 9)  # the row counts the split product may run (the start-up probe decides)
@@ -56,8 +60,8 @@ class SplitLinear(torch.nn.Module):
 
     def can_split(self) -> bool:
         """Whether a split product exists for this layer here: the kernel (any shape, a contiguous
-        weight, no gradient wanted), else the batched blocks (whole blocks)."""
-        return self._kernel_serves() or self.splits
+        weight, no gradient wanted), else the batched blocks (float32, whole blocks)."""
+        return self._kernel_serves() or (self.splits and self.weight.dtype == torch.float32)
 
     def _kernel_serves(self) -> bool:
         return (kernels.linear_enabled() and self.weight.is_contiguous()
@@ -113,6 +117,8 @@ def split_linears(model: torch.nn.Module) -> torch.nn.Module:
     thread for the batched product) plus the weight's bytes: 7 products a layer become 4, the bytes
     stay the same (A/B vs 53534e3: benchmarks/results/w1perf_ab_*.json)."""
     swap_linears(model, SplitLinear, where=float32_on_cpu)
+    if kernels.linear_enabled():
+        swap_linears(model, SplitLinear, where=half_on_cpu)
     for module in list(model.modules()):
         fuse = getattr(module, "fuse_projections", None)
         if fuse is not None and _all_split(module):
@@ -156,11 +162,13 @@ def probe_split_rows(layers: list[SplitLinear]) -> tuple[int, ...]:
     float32 rounding); the answer is kept per process, shape and product, so every engine of a process
     runs the same kernels."""
     layers = _probe_sample(layers)
-    key = (tuple((layer.out_features, layer.in_features) for layer in layers), torch.get_num_threads(),
+    dtype = layers[0].weight.dtype
+    key = (tuple((layer.out_features, layer.in_features) for layer in layers), dtype, torch.get_num_threads(),
            kernels.linear_enabled())
     if key in _PROBED:
         return _PROBED[key]
-    inputs = {n: torch.randn(max(SPLIT_ROWS), layer.in_features) for n, layer in enumerate(layers)}
+    inputs = {n: torch.randn(max(SPLIT_ROWS), layer.in_features).to(layer.weight.dtype)
+              for n, layer in enumerate(layers)}
 
     def pass_s(num_rows: int, split: bool) -> float:
         start = time.perf_counter()
@@ -187,7 +195,9 @@ def probe_split_rows(layers: list[SplitLinear]) -> tuple[int, ...]:
 
 
 def _all_split(module: torch.nn.Module) -> bool:
-    """Every linear a `fuse_projections` would stack is a `SplitLinear` (a layer left as `nn.Linear`,
-    say bfloat16, keeps its parts apart)."""
+    """Every linear a `fuse_projections` would stack is a float32 `SplitLinear` (a layer left as
+    `nn.Linear`, or a 16-bit one, keeps its parts apart)."""
     names = getattr(module, "FUSED_PARTS", ())
-    return bool(names) and all(isinstance(getattr(module, name, None), SplitLinear) for name in names)
+    parts = [getattr(module, name, None) for name in names]
+    return bool(names) and all(isinstance(part, SplitLinear) and part.weight.dtype == torch.float32
+                               for part in parts)

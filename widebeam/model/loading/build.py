@@ -67,7 +67,7 @@ def load_model(source: ModelSource, dtype: str, device: torch.device,
     model = model.to(device=device, dtype=torch_dtype(dtype)).eval()
     if dtype == "int8":
         return fuse_int8_projections(quantize_int8(model, device))
-    return pack_linears(model, device, linear_backend) if dtype == "float32" else model
+    return pack_linears(model, device, linear_backend)
 
 
 def load_tokenizer(source: ModelSource):
