@@ -1,6 +1,6 @@
 """C++ kernels on the CPU, one library: the int8 KV cache's (`int8_kv.cpp`: `torch.ops.widebeam.
 quantize_write`, `int8_attention`, `int8_group_attention`), a beam step's selection (`row_top.cpp`:
-`torch.ops.widebeam.log_softmax_topk`) and float32 linears at 1-4 rows (`few_rows.cpp`:
+`torch.ops.widebeam.log_softmax_topk`) and linears at 1-8 rows, float32 or 16-bit (`few_rows.cpp`:
 `torch.ops.widebeam.few_rows_linear`, run by model/linears/split.py).
 
 Why: at small beam widths an int8 cache's cost is kernel launches, not bytes: per layer ~15 eager ops to
