@@ -61,24 +61,32 @@ class SplitLinear(torch.nn.Module):
     def can_split(self) -> bool:
         """Whether a split product exists for this layer here: the kernel (any shape, a contiguous
         weight, no gradient wanted), else the batched blocks (float32, whole blocks)."""
-        return self._kernel_serves() or (self.splits and self.weight.dtype == torch.float32)
+        return self._kernel_serves() or self._blocks_serve()
 
     def _kernel_serves(self) -> bool:
         return (kernels.linear_enabled() and self.weight.is_contiguous()
                 and not (torch.is_grad_enabled() and self.weight.requires_grad))
 
+    def _blocks_serve(self) -> bool:
+        return self.splits and self.weight.dtype == torch.float32
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] not in self.split_rows or not self.can_split():
-            return F.linear(x, self.weight, self.bias)
-        return self.split_product(rows).reshape(*x.shape[:-1], self.out_features)
+        if rows.shape[0] in self.split_rows:
+            out = self.split_product(rows)
+            if out is not None:
+                return out.reshape(*x.shape[:-1], self.out_features)
+        return F.linear(x, self.weight, self.bias)
 
-    def split_product(self, rows: torch.Tensor) -> torch.Tensor:
-        """`rows` [num_rows, in] (1-8 rows) times the weight, plus the bias: [num_rows, out]."""
+    def split_product(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """`rows` [num_rows, in] (1-8 rows) times the weight, plus the bias: [num_rows, out]; None where
+        no split product serves this layer here (`can_split`), asked once a call."""
         if self._kernel_serves():
             if rows.stride(-1) != 1:
                 rows = rows.contiguous()
             return torch.ops.widebeam.few_rows_linear(rows, self.weight, self.bias)
+        if not self._blocks_serve():
+            return None
         blocks = self.weight.view(SPLIT_BLOCKS, self.out_features // SPLIT_BLOCKS, self.in_features)
         # [blocks, out / blocks, in] x [blocks, in, rows] -> [blocks, out / blocks, rows]
         out = (torch.bmm(blocks, rows.t().expand(SPLIT_BLOCKS, -1, -1)).view(self.out_features, -1)
