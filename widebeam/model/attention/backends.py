@@ -45,7 +45,7 @@ FUSED_PREFIX_MIN_ROWS = 96
 # for 3 KV heads of 64 dims: 0.4 MB in float32, in cache), so no full-precision copy of the prompt is made.
 PREFIX_CHUNK_TOKENS = 512
 # An int8 cache's reads with at most this many query rows (a KV head's grouped heads times the beams)
-# go through the C++ kernel (kernels/int8_kv.cpp: dequantized on the fly, float32), wider ones through
+# go through the C++ kernel (kernels/attention.cpp: dequantized on the fly, float32), wider ones through
 # the chunked dequantize and PyTorch's flash kernel, which wins at many rows. Measured
 # on a shared prefix of 512 tokens, 3 KV heads of 64, 2 threads (kernel / torch path, us a layer): 3 rows
 # 62 / 190, 48 rows 262 / 333, 96 rows 423 / 477, 192 rows 823 / 701.
@@ -56,6 +56,12 @@ KERNEL_MAX_ROWS = 96
 # 907, 192 rows 1,097 / 1,313, 384 rows 2,302 / 2,288; 2,048 prefix tokens, 96 rows 1,808 / 2,692, 192
 # rows 3,909 / 3,883.
 KERNEL_GROUP_MAX_ROWS = 192
+# A float32 or bfloat16 cache's reads go through the kernel (nothing to dequantize: what it saves is the
+# torch path's ops, gathers and score tensors) up to this many rows. Measured (`_attend_group`, 16 own
+# keys a beam, 3 KV heads of 64, us a layer, kernel / torch path): float32, 128 prefix tokens, 12 rows 57 /
+# 165, 48 rows 130 / 243; 1,024 tokens 12 rows 187 / 282, 48 rows 543 / 589, 96 rows 999 / 883; bfloat16
+# 12 rows 62 / 302 (128 tokens), 170 / 444 (1,024), 96 rows 923 / 1,033.
+DENSE_KERNEL_MAX_ROWS = 64
 ATTENTION_BACKEND_ENV = "WIDEBEAM_ATTENTION_BACKEND"
 
 
@@ -255,7 +261,7 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return fused_attention(q[:, :, None, :], k, v, attn_mask=mask,
                                               scale=scale, enable_gqa=True)[:, :, 0, :]
     if position_bias is None and _use_kernel(k_cache, v_cache, rows, KERNEL_GROUP_MAX_ROWS):
-        return _kernel_group(q, k_cache, group, scale)
+        return _kernel_group(q, k_cache, v_cache, group, scale)
     # [KV, B*G, d]: the heads of one KV head, for every beam, as the rows of one matrix. The scale
     # goes on q (B x H x d numbers), not on the scores (B x H x (P + S)).
     q_rows = (q * scale).to(k_cache.dtype).view(batch, num_kv_heads, group_size, head_dim).transpose(0, 1)
@@ -322,8 +328,9 @@ def _prefix_attention(q_rows: torch.Tensor, k_cache, v_cache, group: DecodeGroup
     num_tokens = group.prefix_tokens
     if _use_kernel(k_cache, v_cache, q_rows.shape[1]):
         if group.prefix_start is not None:
-            return _kernel_attention(q_rows, k_cache, group.prefix_start, group.prefix_start + num_tokens)
-        return _kernel_attention(q_rows, k_cache, index=group.prefix_slots)
+            return _kernel_attention(q_rows, k_cache, v_cache, group.prefix_start,
+                                     group.prefix_start + num_tokens)
+        return _kernel_attention(q_rows, k_cache, v_cache, index=group.prefix_slots)
     chunk = PREFIX_CHUNK_TOKENS if isinstance(k_cache, QuantizedKV) else num_tokens
     out = lse = None
     for start in range(0, num_tokens, chunk):
@@ -340,27 +347,35 @@ def _prefix_attention(q_rows: torch.Tensor, k_cache, v_cache, group: DecodeGroup
 
 
 def _use_kernel(k_cache, v_cache, rows: int, max_rows: int = KERNEL_MAX_ROWS) -> bool:
-    """Whether an int8 read of `rows` query rows goes through the C++ kernel: a CPU pair read in the
-    stored domain (nothing to un-rotate), few rows, read as float32 or bfloat16 (which the kernel rounds
-    to as the torch path does), the kernels built and on."""
-    return (rows <= max_rows and is_pair(k_cache, v_cache) and k_cache.unrotate is None
-            and v_cache.unrotate is None and k_cache.device.type == "cpu" and kernels.enabled()
-            and k_cache.read_dtype in (torch.float32, torch.bfloat16))
+    """Whether a read of `rows` query rows goes through the C++ kernel (kernels/attention.cpp): a CPU
+    cache, few rows, the kernels built and on; an int8 pair read in the stored domain (nothing to
+    un-rotate) as float32 or bfloat16 (which the kernel rounds to as the torch path does), or a float32 or
+    bfloat16 cache laid out as the pools allocate it."""
+    if rows > max_rows or k_cache.device.type != "cpu":
+        return False
+    if not isinstance(k_cache, torch.Tensor):
+        return (is_pair(k_cache, v_cache) and k_cache.unrotate is None and v_cache.unrotate is None
+                and kernels.enabled() and k_cache.read_dtype in (torch.float32, torch.bfloat16))
+    return (rows <= DENSE_KERNEL_MAX_ROWS and kernels.dense_attention_enabled()
+            and k_cache.dtype in (torch.float32, torch.bfloat16) and v_cache.dtype == k_cache.dtype
+            and k_cache.is_contiguous() and v_cache.is_contiguous())
 
 
-def _kernel_attention(q_rows: torch.Tensor, k_cache: QuantizedKV, start: int = 0, end: int = 0,
+def _kernel_attention(q_rows: torch.Tensor, k_cache, v_cache, start: int = 0, end: int = 0,
                       index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`chunk_attention` of q_rows [KV, R, d] (scaled) against an int8 pair's slots start..end (or the
-    slots `index`) in one op: (out [KV, R, d], lse [KV, R, 1]), float32, K/V dequantized as read (and
-    rounded to the cache's read dtype)."""
-    return torch.ops.widebeam.int8_attention(q_rows.float().contiguous(), k_cache.pair_values,
-                                             k_cache.pair_scales, start, end, index,
-                                             k_cache.read_dtype == torch.bfloat16)
+    """`chunk_attention` of q_rows [KV, R, d] (scaled) against the slots start..end (or the slots
+    `index`) in one op: (out [KV, R, d], lse [KV, R, 1]), float32; an int8 pair's K/V dequantized as read
+    (and rounded to the cache's read dtype)."""
+    q_rows = q_rows.float().contiguous()
+    if isinstance(k_cache, torch.Tensor):
+        return torch.ops.widebeam.dense_attention(q_rows, k_cache, v_cache, start, end, index)
+    return torch.ops.widebeam.int8_attention(q_rows, k_cache.pair_values, k_cache.pair_scales, start, end,
+                                             index, k_cache.read_dtype == torch.bfloat16)
 
 
-def _kernel_group(q: torch.Tensor, k_cache: QuantizedKV, group: DecodeGroup, scale: float) -> torch.Tensor:
+def _kernel_group(q: torch.Tensor, k_cache, v_cache, group: DecodeGroup, scale: float) -> torch.Tensor:
     """`_attend_group`'s prefix and suffix parts, merged, in one op of the C++ kernel: q [B, H, d] ->
-    [B, H, d], nothing gathered or dequantized in between."""
+    [B, H, d], nothing gathered (or dequantized) in between."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group_size = num_heads // num_kv_heads
@@ -370,9 +385,14 @@ def _kernel_group(q: torch.Tensor, k_cache: QuantizedKV, group: DecodeGroup, sca
         start, end, index = group.prefix_start, group.prefix_start + group.prefix_tokens, None
     else:
         start, end, index = 0, 0, group.prefix_slots.contiguous()
-    out = torch.ops.widebeam.int8_group_attention(
-        q_rows, k_cache.pair_values, k_cache.pair_scales, start, end, index, group.suffix_slots.contiguous(),
-        group.suffix_mask.contiguous(), k_cache.read_dtype == torch.bfloat16)
+    suffix_slots, suffix_mask = group.suffix_slots.contiguous(), group.suffix_mask.contiguous()
+    if isinstance(k_cache, torch.Tensor):
+        out = torch.ops.widebeam.dense_group_attention(q_rows, k_cache, v_cache, start, end, index,
+                                                       suffix_slots, suffix_mask)
+    else:
+        out = torch.ops.widebeam.int8_group_attention(
+            q_rows, k_cache.pair_values, k_cache.pair_scales, start, end, index, suffix_slots, suffix_mask,
+            k_cache.read_dtype == torch.bfloat16)
     return (out.view(num_kv_heads, batch, group_size, head_dim).transpose(0, 1)
             .reshape(batch, num_heads, head_dim).to(q.dtype))
 
@@ -419,18 +439,21 @@ def _attend_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """A few loose rows whose keys each fill one run of consecutive slots (width 1): q [B, H, d] ->
     [B, H, d], each row against a view of the cache, so nothing is gathered, padded or masked
     (1.8x faster than the gathered batch for one row of 544 keys: no copy of its K/V per layer). An
-    int8 cache's rows go through the C++ kernel when it is on (`_use_kernel`)."""
+    int8 or bfloat16 cache's rows go through the C++ kernel when it is on (`_use_kernel`); a float32
+    cache's stay with PyTorch's fused kernel, which reads one row as fast (one row of 3 KV heads, us a
+    layer, kernel / fused: 150 keys 32 / 29, 1,050 keys 111 / 117; bfloat16 34 / 103, 109 / 605)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
-    if _use_kernel(k_cache, v_cache, num_heads // num_kv_heads):
+    dense_float32 = isinstance(k_cache, torch.Tensor) and k_cache.dtype == torch.float32
+    if not dense_float32 and _use_kernel(k_cache, v_cache, num_heads // num_kv_heads):
         # one row's heads as the kernel's [KV, G, d] rows (head h = kv * G + g), scaled as SDPA scales
         rows = (q.float() * scale).view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
         if batch == 1:
             first_slot, num_keys = key_ranges[0]
-            out, _ = _kernel_attention(rows[0], k_cache, first_slot, first_slot + num_keys)
+            out, _ = _kernel_attention(rows[0], k_cache, v_cache, first_slot, first_slot + num_keys)
             return out.view(1, num_heads, head_dim).to(q.dtype)
-        return torch.stack([_kernel_attention(rows[row], k_cache, first_slot, first_slot + num_keys)[0]
-                            for row, (first_slot, num_keys) in enumerate(key_ranges)]).view(
+        return torch.stack([_kernel_attention(rows[row], k_cache, v_cache, first, first + num_keys)[0]
+                            for row, (first, num_keys) in enumerate(key_ranges)]).view(
                                 batch, num_heads, head_dim).to(q.dtype)
     if len(key_ranges) == 1:  # width 1: the kernel's output is the answer, no copy into `out`
         first_slot, num_keys = key_ranges[0]

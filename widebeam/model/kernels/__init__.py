@@ -1,7 +1,8 @@
-"""C++ kernels on the CPU, one library: the int8 KV cache's (`int8_kv.cpp`: `torch.ops.widebeam.
-quantize_write`, `int8_attention`, `int8_group_attention`), a beam step's selection (`row_top.cpp`:
-`torch.ops.widebeam.log_softmax_topk`) and linears at 1-8 rows, float32 or 16-bit (`few_rows.cpp`:
-`torch.ops.widebeam.few_rows_linear`, run by model/linears/split.py).
+"""C++ kernels on the CPU, one library: the int8 KV cache's write (`int8_kv.cpp`: `torch.ops.widebeam.
+quantize_write`), attention of a few rows over an int8 or a float32/bfloat16 cache (`attention.cpp`:
+`int8_attention`, `int8_group_attention`, `dense_attention`, `dense_group_attention`), a beam step's
+selection (`row_top.cpp`: `torch.ops.widebeam.log_softmax_topk`) and linears at 1-8 rows, float32 or
+16-bit (`few_rows.cpp`: `torch.ops.widebeam.few_rows_linear`, run by model/linears/split.py).
 
 Why: at small beam widths an int8 cache's cost is kernel launches, not bytes: per layer ~15 eager ops to
 quantize and write a step's K/V and ~8 to dequantize what attention reads (one decode step of
@@ -16,8 +17,8 @@ reference, and the only path on CUDA) serves everything. `log_softmax_topk` is b
 capability torch dispatches to at build time (its values are torch's log-softmax bit for bit only there),
 so it serves only while torch still reports that capability (`ATEN_CPU_CAPABILITY` can change it).
 WIDEBEAM_KERNELS=0 turns the kernels off for a process; `ENABLED` (read at every call through `enabled()`;
-`SELECTION_ENABLED` for the selection, `LINEAR_ENABLED` for the linears) turns them off from code, so
-benchmarks A/B them in one process.
+`SELECTION_ENABLED` for the selection, `LINEAR_ENABLED` for the linears, `DENSE_ATTENTION_ENABLED` for a
+float cache's attention) turns them off from code, so benchmarks A/B them in one process.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-SOURCES = (HERE / "int8_kv.cpp", HERE / "row_top.cpp", HERE / "few_rows.cpp")
+SOURCES = (HERE / "int8_kv.cpp", HERE / "attention.cpp", HERE / "row_top.cpp", HERE / "few_rows.cpp")
+HEADERS = (HERE / "common.h",)  # in the stamp, not on the compile line
 BUILD_DIR = HERE / "_build"
 LIBRARY = BUILD_DIR / "kernels.so"
 # the sources' hash, the torch version and the vector capability the library was built for
@@ -41,6 +43,8 @@ ENABLED = os.environ.get(KERNELS_ENV, "1") != "0"
 SELECTION_ENABLED = ENABLED
 # the few-row linears' own switch (model/linears/split.py probes again when it changes)
 LINEAR_ENABLED = ENABLED
+# float32/bfloat16 caches' attention through `dense_attention` (model/attention/backends.py)
+DENSE_ATTENTION_ENABLED = ENABLED
 
 
 def cpu_capability() -> str:
@@ -51,7 +55,7 @@ def cpu_capability() -> str:
 def source_stamp(capability: str | None = None) -> str:
     """What a current build's stamp holds: the sources' sha256, the torch it was compiled against and the
     capability `row_top.cpp` was compiled for (today's, unless given)."""
-    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES)).hexdigest()
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in (*SOURCES, *HEADERS))).hexdigest()
     return f"{digest} torch {torch.__version__} {capability or cpu_capability()}\n"
 
 
@@ -89,6 +93,12 @@ def selection_enabled() -> bool:
     """Whether `log_softmax_topk` serves: loaded, switched on, and torch dispatches to the capability it was
     built for."""
     return _AVAILABLE and SELECTION_ENABLED and _BUILT_FOR == cpu_capability()
+
+
+def dense_attention_enabled() -> bool:
+    """Whether a float32 or bfloat16 cache's few-row reads go through `dense_attention` and
+    `dense_group_attention`: loaded and switched on."""
+    return _AVAILABLE and DENSE_ATTENTION_ENABLED
 
 
 def linear_enabled() -> bool:

@@ -1,0 +1,179 @@
+"""A float32 or bfloat16 cache's attention through the C++ kernel (widebeam/model/kernels/attention.cpp:
+`dense_attention`, `dense_group_attention`) against plain attention in float64, against the torch path
+it replaces in the backend (`_attend_group`, `_attend_in_place`), and through the engine with the kernel
+on and off.
+
+Tolerances: float32 caches within 1e-5 (summation order, the kernel's polynomial exp). bfloat16 caches are
+read as the torch path's bfloat16 attention rounds (q, the weights and the output to bfloat16, products
+and sums in float32), so a value a summation order away from a rounding boundary may land one bfloat16
+step (2^-8 relative) the other way: 1e-2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from widebeam.llm import LLM
+from widebeam.model import kernels
+from widebeam.model.attention import backends
+from widebeam.model.attention.metadata import DecodeGroup
+from widebeam.params import BeamSearchParams, SamplingParams
+
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason="C++ kernels not built")
+
+DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)]
+# the real ones, for spies to call through
+KERNEL_GROUP, KERNEL_ATTENTION = backends._kernel_group, backends._kernel_attention
+
+
+def filled_cache(slots: int, heads: int, head_dim: int, dtype: torch.dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    return ((torch.randn(slots, heads, head_dim, generator=gen) * 2).to(dtype),
+            torch.randn(slots, heads, head_dim, generator=gen).to(dtype))
+
+
+def reference_attention(q_rows, k_cache, v_cache, slots):
+    """q_rows [KV, R, d] against the K/V of `slots` in float64, a bfloat16 cache's q, weights and output
+    rounded as its reads round them: (out [KV, R, d], lse [KV, R, 1])."""
+    bf16 = k_cache.dtype == torch.bfloat16
+    rounded = (lambda x: x.to(torch.bfloat16).double()) if bf16 else (lambda x: x.double())
+    k, v = k_cache[slots].double().transpose(0, 1), v_cache[slots].double().transpose(0, 1)  # [KV, S, d]
+    scores = rounded(q_rows) @ k.transpose(1, 2)
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    weights = (scores - scores.amax(dim=-1, keepdim=True)).exp()
+    out = (rounded(weights) @ v) / weights.sum(dim=-1, keepdim=True)
+    return rounded(out).float(), lse.float()
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype, tolerance", DTYPES, ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 48])
+@pytest.mark.parametrize("num_keys", [1, 65, 700])
+@pytest.mark.parametrize("rows", [1, 3, 17, 64])
+def test_the_attention_matches_plain_attention(dtype, tolerance, head_dim, num_keys, rows):
+    """head_dim 64 and 128 through the unrolled loops, 48 through the plain ones; slot runs and lists."""
+    k_cache, v_cache = filled_cache(800, 2, head_dim, dtype, seed=num_keys)
+    gen = torch.Generator().manual_seed(rows)
+    q_rows = torch.randn(2, rows, head_dim, generator=gen) * head_dim ** -0.5 * 3  # peaked and flat rows
+    index = torch.randperm(800, generator=gen)[:num_keys]
+    for slots, args in ((torch.arange(50, 50 + num_keys), (50, 50 + num_keys, None)), (index, (0, 0, index))):
+        out, lse = torch.ops.widebeam.dense_attention(q_rows, k_cache, v_cache, *args)
+        expected_out, expected_lse = reference_attention(q_rows, k_cache, v_cache, slots)
+        assert out.shape == (2, rows, head_dim) and lse.shape == (2, rows, 1)
+        torch.testing.assert_close(out, expected_out, atol=tolerance, rtol=tolerance)
+        torch.testing.assert_close(lse, expected_lse, atol=1e-4, rtol=1e-5)
+
+
+@needs_kernels
+def test_the_attention_checks_its_arguments():
+    k_cache, v_cache = filled_cache(16, 2, 64, torch.float32, seed=0)
+    q_rows = torch.randn(2, 3, 64)
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.widebeam.dense_attention(q_rows, k_cache, v_cache, 10, 17, None)
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.widebeam.dense_attention(q_rows, k_cache, v_cache, 0, 0, torch.tensor([3, 16]))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        torch.ops.widebeam.dense_attention(q_rows, k_cache.half(), v_cache.half(), 0, 4, None)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch.ops.widebeam.dense_attention(q_rows, k_cache.transpose(0, 1), v_cache.transpose(0, 1), 0, 2,
+                                           None)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        torch.ops.widebeam.dense_attention(q_rows, k_cache, v_cache.bfloat16(), 0, 4, None)
+    out, lse = torch.ops.widebeam.dense_attention(q_rows, k_cache, v_cache, 4, 4, None)  # no keys
+    assert torch.all(out == 0) and torch.all(lse == float("-inf"))
+
+
+def decode_group(beams: int, prefix_tokens: int, own_keys: list[int], consecutive: bool, seed: int):
+    """A request's beams over a shared prefix (slots 100.. or a shuffled list) and their own keys, beam b
+    holding own_keys[b] of them (0: the prefix alone), padded to the longest."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(max(own_keys), 1)
+    suffix_slots = torch.arange(3000, 3000 + beams * width).view(beams, width)
+    suffix_mask = torch.arange(width)[None, :] < torch.tensor(own_keys)[:, None]
+    shuffled = torch.randperm(2900, generator=gen)[:prefix_tokens]
+    prefix_slots = torch.arange(100, 100 + prefix_tokens) if consecutive else shuffled
+    return DecodeGroup(token_index=torch.arange(beams), prefix_slots=prefix_slots, suffix_slots=suffix_slots,
+                       suffix_mask=suffix_mask, suffix_hidden=~suffix_mask[:, None, :],
+                       prefix_tokens=prefix_tokens, prefix_start=100 if consecutive else None)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype, tolerance", DTYPES, ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("consecutive", [True, False], ids=["prefix a run of slots", "prefix gathered"])
+@pytest.mark.parametrize("beams, own_keys", [(1, [5]), (4, [3, 0, 7, 1]), (16, [9] * 16)])
+def test_a_decode_group_reads_the_same_through_the_kernel(monkeypatch, dtype, tolerance, consecutive, beams,
+                                                          own_keys):
+    """`_attend_group` with the kernel against the torch path (a beam with no own keys included); a spy
+    proves which ran."""
+    k_cache, v_cache = filled_cache(3200, 3, 64, dtype, seed=beams)
+    group = decode_group(beams, 600, own_keys, consecutive, seed=beams)
+    q = (torch.randn(beams, 9, 64, generator=torch.Generator().manual_seed(7)) * 0.5).to(dtype)
+    calls = []
+    monkeypatch.setattr(backends, "_kernel_group", lambda *a: calls.append(1) or KERNEL_GROUP(*a))
+    results = {}
+    for on in (True, False):
+        monkeypatch.setattr(kernels, "DENSE_ATTENTION_ENABLED", on)
+        results[on] = backends._attend_group(q, k_cache, v_cache, group, 0.125)
+    assert calls == [1], "the kernel serves the group with it on, the torch path with it off"
+    torch.testing.assert_close(results[True], results[False], atol=tolerance, rtol=tolerance)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype, kernel_in_place", [(torch.float32, False), (torch.bfloat16, True)])
+def test_which_reads_go_through_the_dense_kernel(monkeypatch, dtype, kernel_in_place):
+    """Groups up to DENSE_KERNEL_MAX_ROWS rows; one row in place only for bfloat16 (a float32 row reads
+    as fast through PyTorch's fused kernel); off when switched off; the same answer every way."""
+    k_cache, v_cache = filled_cache(600, 3, 64, dtype, seed=1)
+    monkeypatch.setattr(kernels, "DENSE_ATTENTION_ENABLED", True)
+    assert backends._use_kernel(k_cache, v_cache, backends.DENSE_KERNEL_MAX_ROWS)
+    assert not backends._use_kernel(k_cache, v_cache, backends.DENSE_KERNEL_MAX_ROWS + 1)
+    assert not backends._use_kernel(k_cache.half(), v_cache.half(), 3)
+    calls = []
+    monkeypatch.setattr(backends, "_kernel_attention", lambda *a: calls.append(1) or KERNEL_ATTENTION(*a))
+    q = (torch.randn(1, 9, 64, generator=torch.Generator().manual_seed(2)) * 0.5).to(dtype)
+    on = backends._attend_in_place(q, k_cache, v_cache, [(40, 300)], 0.125)
+    assert len(calls) == int(kernel_in_place)
+    monkeypatch.setattr(kernels, "DENSE_ATTENTION_ENABLED", False)
+    assert not backends._use_kernel(k_cache, v_cache, 3)
+    off = backends._attend_in_place(q, k_cache, v_cache, [(40, 300)], 0.125)
+    assert len(calls) == int(kernel_in_place)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(on, off, atol=tolerance, rtol=tolerance)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from tiny_models import save_tiny_model
+
+    # head_dim 64, two query heads a KV head: W=4 gives 8 rows a KV head
+    path = tmp_path_factory.mktemp("tiny-llama-dense-kernel")
+    save_tiny_model(path, "llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
+    return path
+
+
+PROMPTS = [[(i * 31 + k) % 120 + 3 for i in range(n)] for k, n in ((1, 9), (5, 23), (11, 70))]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_engine_generates_the_same_with_the_kernel_on_and_off(monkeypatch, model_dir, dtype):
+    """Greedy (W=1 rows in place) and beam search at W=4 (decode groups) through the public engine, the
+    prefix cache off, 4-token blocks (a prefix over several blocks)."""
+    llm = LLM(str(model_dir), device="cpu", dtype=dtype, kv_cache_memory="4MiB", tokens_per_block=4,
+              enable_prefix_caching=False)
+    requests = [{"prompt_token_ids": p} for p in PROMPTS]
+    tolerance = 1e-4 if dtype == "float32" else 3e-2
+    outputs = {}
+    for on in (True, False):
+        monkeypatch.setattr(kernels, "DENSE_ATTENTION_ENABLED", on)
+        outputs[on] = (
+            llm.generate(requests, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True),
+                         use_tqdm=False),
+            llm.generate(requests, BeamSearchParams(beam_width=4, max_new_tokens=12, num_return_sequences=4),
+                         use_tqdm=False))
+    for kind in (0, 1):
+        for on, off in zip(outputs[True][kind], outputs[False][kind], strict=True):
+            assert on.outputs[0].token_ids == off.outputs[0].token_ids
+            if kind == 1:
+                assert [a.score for a in on.outputs] == pytest.approx([b.score for b in off.outputs],
+                                                                      abs=tolerance)

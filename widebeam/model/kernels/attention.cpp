@@ -1,0 +1,470 @@
+// Attention of a few query rows over a layer's cached K/V on the CPU, one op instead of the ~8 eager ops
+// (and the gathers) the torch path launches: rows against a run of slots or a list of them (`attend`:
+// backends.chunk_attention's (out, lse)), and a decode group's shared prefix merged with each beam's own
+// keys (`attend_group`: backends._attend_group). The K/V come from a source: the int8 pool (dequantized as
+// read; quantized_kv.py is the format and the reference) or a float32/bfloat16 cache (widened as read).
+//
+// Why a dense path too: at W=1 PyTorch's fused CPU attention spends ~30 us a layer on one query row of a
+// short prompt (SmolLM2-135M, 150 keys: 30 layers, ~1 ms of a 27 ms step) where the reads take a few.
+//
+// Built by build.py (never at import or run time) with -O3 -march=native; no -ffast-math.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "common.h"
+
+namespace {
+
+using namespace widebeam_kernels;
+
+constexpr int64_t kKeyBlock = 64;  // keys read at a time (K transposed: head_dim x 64 floats, in L1)
+
+// One (KV head, run of keys) of attention: the rows' running max m [R], sum of exponentials l [R] and
+// unnormalized output o [R, head_dim] over keys key_begin..key_end, merged across runs afterwards.
+struct Partial {
+  float* m;
+  float* l;
+  float* o;
+};
+
+// Where a layer's K (or V) is read from, one token's head at a time, as floats.
+// The int8 pool's half (K or V): values int8 [num_slots, kv_heads, head_dim], scales float16 [num_slots,
+// kv_heads, groups]; dequantized as read.
+struct Int8Source {
+  const int8_t* values;
+  const c10::Half* scales;
+  int64_t kv_heads, head_dim, groups;
+  static constexpr bool kRoundsOnRead = true;  // a bfloat16 read rounds what it dequantizes
+  void read(int64_t slot, int64_t head, float* dst) const {
+    const int64_t group_size = head_dim / groups;
+    const int8_t* src = values + (slot * kv_heads + head) * head_dim;
+    const c10::Half* scale = scales + (slot * kv_heads + head) * groups;
+    for (int64_t g = 0; g < groups; ++g) {
+      const float s = static_cast<float>(scale[g]);
+      for (int64_t j = g * group_size; j < (g + 1) * group_size; ++j) dst[j] = static_cast<float>(src[j]) * s;
+    }
+  }
+};
+
+// A float32 or bfloat16 cache [num_slots, kv_heads, head_dim], widened to float32 as read (a bfloat16
+// value is exact in float32: nothing to round).
+template <typename T>
+struct DenseSource {
+  const T* data;
+  int64_t kv_heads, head_dim;
+  static constexpr bool kRoundsOnRead = false;
+  void read(int64_t slot, int64_t head, float* dst) const {
+    const T* src = data + (slot * kv_heads + head) * head_dim;
+    for (int64_t j = 0; j < head_dim; ++j) dst[j] = static_cast<float>(src[j]);
+  }
+};
+
+// `count` keys' heads (keys key.., their slots from slot_index or consecutive from first_slot) into rows
+// of `out` ([count][head_dim] floats).
+template <typename Source>
+inline void read_rows(const Source& source, int64_t head, const int64_t* slot_index, int64_t first_slot,
+                      int64_t key, int64_t count, bool bf16, float* out) {
+  for (int64_t b = 0; b < count; ++b) {
+    const int64_t slot = slot_index != nullptr ? slot_index[key + b] : first_slot + key + b;
+    float* dst = out + b * source.head_dim;
+    source.read(slot, head, dst);
+    if (Source::kRoundsOnRead && bf16) {
+      for (int64_t j = 0; j < source.head_dim; ++j) dst[j] = round_bf16(dst[j]);
+    }
+  }
+}
+
+// kDim: head_dim as a compile-time constant (a multiple of 16: the loops over it unroll into registers),
+// or 0 for any head_dim (the same arithmetic through plain loops).
+template <int64_t kDim, typename Source>
+void attend_keys(const float* q, int64_t rows, int64_t head_dim_arg, const Source& k_source,
+                 const Source& v_source, int64_t head, const int64_t* slot_index, int64_t first_slot,
+                 int64_t key_begin, int64_t key_end, bool bf16, Partial partial) {
+  const int64_t head_dim = kDim != 0 ? kDim : head_dim_arg;
+  const int64_t num_keys = key_end - key_begin;
+  std::vector<float> scores(rows * num_keys);
+  std::vector<float> block(kKeyBlock * head_dim);  // a block of K or V, as floats: [key][head_dim]
+  std::vector<float> k_t(head_dim * kKeyBlock);    // the K block transposed: [head_dim][key]
+  // Pass 1: scores [R, keys] = q . k a block of 64 keys at a time; the inner loop runs over the block's
+  // keys (four 16-float accumulators), not a reduction over head_dim, so no sum is reassociated.
+  for (int64_t b0 = key_begin; b0 < key_end; b0 += kKeyBlock) {
+    const int64_t nb = std::min(kKeyBlock, key_end - b0);
+    read_rows(k_source, head, slot_index, first_slot, b0, nb, bf16, block.data());
+    for (int64_t b = 0; b < nb; ++b) {
+      for (int64_t j = 0; j < head_dim; ++j) k_t[j * kKeyBlock + b] = block[b * head_dim + j];
+    }
+    // two rows at a time: eight independent accumulator chains (enough to cover the FMA latency), and
+    // each K load used twice
+    for (int64_t r = 0; r < rows; r += 2) {
+      const bool pair = r + 1 < rows;
+      const float* q0 = q + r * head_dim;
+      const float* q1 = pair ? q0 + head_dim : q0;
+      Vec16 a0 = {}, a1 = {}, a2 = {}, a3 = {}, c0 = {}, c1 = {}, c2 = {}, c3 = {};
+      for (int64_t j = 0; j < head_dim; ++j) {
+        const float* kj = k_t.data() + j * kKeyBlock;
+        const Vec16 k0 = load16(kj), k1 = load16(kj + 16), k2 = load16(kj + 32), k3 = load16(kj + 48);
+        a0 += q0[j] * k0;
+        a1 += q0[j] * k1;
+        a2 += q0[j] * k2;
+        a3 += q0[j] * k3;
+        c0 += q1[j] * k0;
+        c1 += q1[j] * k1;
+        c2 += q1[j] * k2;
+        c3 += q1[j] * k3;
+      }
+      float acc[2 * kKeyBlock];
+      store16(acc, a0);
+      store16(acc + 16, a1);
+      store16(acc + 32, a2);
+      store16(acc + 48, a3);
+      store16(acc + 64, c0);
+      store16(acc + 80, c1);
+      store16(acc + 96, c2);
+      store16(acc + 112, c3);
+      std::copy(acc, acc + nb, scores.begin() + r * num_keys + (b0 - key_begin));
+      if (pair) std::copy(acc + kKeyBlock, acc + kKeyBlock + nb, scores.begin() + (r + 1) * num_keys + (b0 - key_begin));
+    }
+  }
+  // Pass 2: each row's max, exponentials (in place) and their sum, in 16 lanes so each loop vectorizes.
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = scores.data() + r * num_keys;
+    float lanes[16];
+    std::fill(lanes, lanes + 16, -std::numeric_limits<float>::infinity());
+    int64_t i = 0;
+    for (; i + 16 <= num_keys; i += 16) {
+      for (int64_t t = 0; t < 16; ++t) lanes[t] = lanes[t] < s[i + t] ? s[i + t] : lanes[t];
+    }
+    float m = *std::max_element(lanes, lanes + 16);
+    for (; i < num_keys; ++i) m = std::max(m, s[i]);
+    for (i = 0; i < num_keys; ++i) s[i] = exp_nonpositive(s[i] - m);
+    std::fill(lanes, lanes + 16, 0.0f);
+    for (i = 0; i + 16 <= num_keys; i += 16) {
+      for (int64_t t = 0; t < 16; ++t) lanes[t] += s[i + t];
+    }
+    float l = 0.0f;
+    for (; i < num_keys; ++i) l += s[i];
+    for (int64_t t = 0; t < 16; ++t) l += lanes[t];
+    if (bf16) {  // the weights as the bfloat16 product with V takes them (the sum from the unrounded ones)
+      for (i = 0; i < num_keys; ++i) s[i] = round_bf16(s[i]);
+    }
+    partial.m[r] = m;
+    partial.l[r] = l;
+  }
+  // Pass 3: o [R, d] += p [R, key] * v [key, d], V dequantized a block at a time for every row.
+  std::fill(partial.o, partial.o + rows * head_dim, 0.0f);
+  for (int64_t b0 = key_begin; b0 < key_end; b0 += kKeyBlock) {
+    const int64_t nb = std::min(kKeyBlock, key_end - b0);
+    read_rows(v_source, head, slot_index, first_slot, b0, nb, bf16, block.data());
+    for (int64_t r = 0; r < rows; r += 2) {  // two rows at a time, as in pass 1
+      const bool pair = r + 1 < rows;
+      const float* p0 = scores.data() + r * num_keys + (b0 - key_begin);
+      const float* p1 = pair ? p0 + num_keys : p0;
+      float* o0 = partial.o + r * head_dim;
+      if constexpr (kDim != 0) {
+        constexpr int64_t kVecs = kDim / 16;
+        Vec16 acc0[kVecs], acc1[kVecs];
+        for (int64_t c = 0; c < kVecs; ++c) {
+          acc0[c] = load16(o0 + 16 * c);
+          acc1[c] = Vec16{};
+        }
+        for (int64_t b = 0; b < nb; ++b) {
+          const float* vb = block.data() + b * kDim;
+          for (int64_t c = 0; c < kVecs; ++c) {
+            const Vec16 vc = load16(vb + 16 * c);
+            acc0[c] += p0[b] * vc;
+            acc1[c] += p1[b] * vc;
+          }
+        }
+        for (int64_t c = 0; c < kVecs; ++c) store16(o0 + 16 * c, acc0[c]);
+        if (pair) {
+          float* o1 = o0 + kDim;
+          for (int64_t c = 0; c < kVecs; ++c) store16(o1 + 16 * c, load16(o1 + 16 * c) + acc1[c]);
+        }
+      } else {
+        for (int64_t rr = r; rr < std::min(rows, r + 2); ++rr) {
+          const float* p = scores.data() + rr * num_keys + (b0 - key_begin);
+          float* o = partial.o + rr * head_dim;
+          for (int64_t b = 0; b < nb; ++b) {
+            const float* vb = block.data() + b * head_dim;
+            for (int64_t j = 0; j < head_dim; ++j) o[j] += p[b] * vb[j];
+          }
+        }
+      }
+    }
+  }
+}
+
+// q_rows float32 [KV, R, d] against `num_keys` keys of K/V (slots first_slot.. consecutively, or the
+// slots slot_index): (out float32 [KV, R, d], lse float32 [KV, R, 1]), as backends.chunk_attention returns
+// them. K/V are read into a small block at a time (an int8 pool dequantized there); no [S, KV, d] copy is
+// made. `bf16`: q, K, V, the weights and the output rounded to bfloat16 as the torch path's bfloat16 reads
+// and products round them (products and sums in float32, as its flash kernel keeps them).
+template <typename Source>
+std::tuple<at::Tensor, at::Tensor> attend(const at::Tensor& q_rows, const Source& k_source,
+                                          const Source& v_source, int64_t first_slot, int64_t num_keys,
+                                          const int64_t* slot_index, bool bf16) {
+  const int64_t kv_heads = k_source.kv_heads, head_dim = k_source.head_dim;
+  TORCH_CHECK(q_rows.scalar_type() == at::kFloat && q_rows.dim() == 3 && q_rows.size(0) == kv_heads &&
+                  q_rows.size(2) == head_dim && q_rows.is_contiguous() && q_rows.device().is_cpu(),
+              "q_rows: contiguous float32 [kv_heads, rows, head_dim] matching the cache");
+  const int64_t rows = q_rows.size(1);
+  at::Tensor out = at::empty({kv_heads, rows, head_dim}, q_rows.options());
+  at::Tensor lse = at::empty({kv_heads, rows, 1}, q_rows.options());
+  if (num_keys == 0 || rows == 0) {  // no keys: nothing attended (lse -inf, as a logsumexp of nothing)
+    out.zero_();
+    lse.fill_(-std::numeric_limits<float>::infinity());
+    return {out, lse};
+  }
+  // Split each head's keys into runs so that every thread has work even with fewer KV heads than threads
+  // (SmolLM2: 3 heads); runs of at least 64 keys keep the per-run overhead and the merge small.
+  const int64_t threads = at::get_num_threads();
+  const int64_t max_runs = std::max<int64_t>(1, num_keys / kKeyBlock);
+  const int64_t runs = std::min(max_runs, std::max<int64_t>(1, (4 * threads + kv_heads - 1) / kv_heads));
+  const int64_t run_len = (num_keys + runs - 1) / runs;
+  std::vector<float> m(kv_heads * runs * rows), l(kv_heads * runs * rows), o(kv_heads * runs * rows * head_dim);
+  std::vector<float> q_bf16;
+  const float* q = q_rows.data_ptr<float>();
+  if (bf16) {
+    q_bf16.assign(q, q + q_rows.numel());
+    for (float& x : q_bf16) x = round_bf16(x);
+    q = q_bf16.data();
+  }
+  at::parallel_for(0, kv_heads * runs, 1, [&](int64_t begin, int64_t finish) {
+    for (int64_t task = begin; task < finish; ++task) {
+      const int64_t head = task / runs, run = task % runs;
+      const int64_t key_begin = run * run_len, key_end = std::min(num_keys, key_begin + run_len);
+      if (key_begin >= key_end) {
+        std::fill(m.begin() + task * rows, m.begin() + (task + 1) * rows, -std::numeric_limits<float>::infinity());
+        std::fill(l.begin() + task * rows, l.begin() + (task + 1) * rows, 0.0f);
+        std::fill(o.begin() + task * rows * head_dim, o.begin() + (task + 1) * rows * head_dim, 0.0f);
+        continue;
+      }
+      const Partial partial{m.data() + task * rows, l.data() + task * rows, o.data() + task * rows * head_dim};
+      const float* q_head = q + head * rows * head_dim;
+      switch (head_dim) {  // the common head sizes unrolled; any other through plain loops
+#define WIDEBEAM_ATTEND(DIM)                                                                             \
+  attend_keys<DIM>(q_head, rows, head_dim, k_source, v_source, head, slot_index, first_slot, key_begin, \
+                   key_end, bf16, partial)
+        case 64: WIDEBEAM_ATTEND(64); break;
+        case 80: WIDEBEAM_ATTEND(80); break;
+        case 128: WIDEBEAM_ATTEND(128); break;
+        default: WIDEBEAM_ATTEND(0);
+#undef WIDEBEAM_ATTEND
+      }
+    }
+  });
+  // Merge each head's runs by log-sum-exp.
+  float* out_data = out.data_ptr<float>();
+  float* lse_data = lse.data_ptr<float>();
+  for (int64_t head = 0; head < kv_heads; ++head) {
+    for (int64_t r = 0; r < rows; ++r) {
+      float row_max = -std::numeric_limits<float>::infinity();
+      for (int64_t run = 0; run < runs; ++run) row_max = std::max(row_max, m[(head * runs + run) * rows + r]);
+      float total = 0.0f;
+      float* dst = out_data + (head * rows + r) * head_dim;
+      std::fill(dst, dst + head_dim, 0.0f);
+      for (int64_t run = 0; run < runs; ++run) {
+        const int64_t at = (head * runs + run) * rows + r;
+        if (l[at] == 0.0f) continue;  // an empty run
+        const float weight = std::exp(m[at] - row_max);
+        total += l[at] * weight;
+        const float* src = o.data() + at * head_dim;
+        for (int64_t j = 0; j < head_dim; ++j) dst[j] += src[j] * weight;
+      }
+      for (int64_t j = 0; j < head_dim; ++j) dst[j] = bf16 ? round_bf16(dst[j] / total) : dst[j] / total;
+      lse_data[head * rows + r] = row_max + std::log(total);
+    }
+  }
+  return {out, lse};
+}
+
+// A decode group (the beams of one request): q_rows float32 [KV, B*G, d] (row b * G + g is beam b's head g
+// of the KV head) against the shared prefix (slots first_slot.., or slot_index) and each beam's own keys
+// (suffix_slots [B, S], real where suffix_mask [B, S]), merged by log-sum-exp: out float32 [KV, B*G, d], as
+// backends._attend_group's prefix and suffix parts compute it together.
+template <typename Source>
+at::Tensor attend_group(const at::Tensor& q_rows, const Source& k_source, const Source& v_source,
+                        int64_t num_slots, int64_t first_slot, int64_t num_keys, const int64_t* slot_index,
+                        const at::Tensor& suffix_slots, const at::Tensor& suffix_mask, bool bf16) {
+  at::Tensor prefix_out, prefix_lse;
+  std::tie(prefix_out, prefix_lse) = attend(q_rows, k_source, v_source, first_slot, num_keys, slot_index, bf16);
+  const int64_t kv_heads = k_source.kv_heads, head_dim = k_source.head_dim, rows = q_rows.size(1);
+  TORCH_CHECK(suffix_slots.scalar_type() == at::kLong && suffix_slots.dim() == 2 && suffix_slots.is_contiguous(),
+              "suffix_slots: contiguous int64 [beams, keys]");
+  TORCH_CHECK(suffix_mask.scalar_type() == at::kBool && suffix_mask.sizes() == suffix_slots.sizes() &&
+                  suffix_mask.is_contiguous(),
+              "suffix_mask: contiguous bool [beams, keys]");
+  const int64_t beams = suffix_slots.size(0), keys = suffix_slots.size(1);
+  TORCH_CHECK(beams > 0 && rows % beams == 0, "q_rows: beams x grouped heads rows");
+  const int64_t group_heads = rows / beams;
+  const int64_t* slot = suffix_slots.data_ptr<int64_t>();
+  const bool* real = suffix_mask.data_ptr<bool>();
+  for (int64_t i = 0; i < beams * keys; ++i) {
+    TORCH_CHECK(!real[i] || (slot[i] >= 0 && slot[i] < num_slots), "suffix slot ", slot[i], " out of range");
+  }
+  const float* q = q_rows.data_ptr<float>();
+  float* out = prefix_out.data_ptr<float>();  // the prefix's normalized output, merged in place
+  const float* lse = prefix_lse.data_ptr<float>();
+  at::parallel_for(0, kv_heads * beams, 1, [&](int64_t begin, int64_t finish) {
+    std::vector<int64_t> own;  // the beam's real keys' slots
+    std::vector<float> k(keys * head_dim), v(keys * head_dim), q_row(head_dim), p(keys);
+    for (int64_t task = begin; task < finish; ++task) {
+      const int64_t head = task / beams, beam = task % beams;
+      own.clear();
+      for (int64_t i = 0; i < keys; ++i) {
+        if (real[beam * keys + i]) own.push_back(slot[beam * keys + i]);
+      }
+      const int64_t n = static_cast<int64_t>(own.size());
+      if (n == 0) continue;  // the prefix alone: its output stands
+      read_rows(k_source, head, own.data(), 0, 0, n, bf16, k.data());
+      read_rows(v_source, head, own.data(), 0, 0, n, bf16, v.data());
+      for (int64_t g = 0; g < group_heads; ++g) {
+        const int64_t row = head * rows + beam * group_heads + g;
+        for (int64_t j = 0; j < head_dim; ++j) q_row[j] = bf16 ? round_bf16(q[row * head_dim + j]) : q[row * head_dim + j];
+        float m = lse[row];
+        for (int64_t i = 0; i < n; ++i) {
+          p[i] = dot(q_row.data(), k.data() + i * head_dim, head_dim);
+          m = std::max(m, p[i]);
+        }
+        // the prefix counts as exp(lse) of summed weight, its output already normalized by it
+        const float prefix_weight = std::exp(lse[row] - m);
+        float total = prefix_weight;
+        float* o = out + row * head_dim;
+        for (int64_t j = 0; j < head_dim; ++j) o[j] *= prefix_weight;
+        for (int64_t i = 0; i < n; ++i) {
+          const float w = std::exp(p[i] - m);
+          total += w;
+          const float wv = bf16 ? round_bf16(w) : w;
+          for (int64_t j = 0; j < head_dim; ++j) o[j] += wv * v[i * head_dim + j];
+        }
+        for (int64_t j = 0; j < head_dim; ++j) o[j] = bf16 ? round_bf16(o[j] / total) : o[j] / total;
+      }
+    }
+  });
+  return prefix_out;
+}
+
+// The keys an op reads: slots start..end of the cache, or the slots `index` (then start is 0):
+// (first_slot, num_keys, slot_index or nullptr), checked against num_slots.
+std::tuple<int64_t, int64_t, const int64_t*> key_slots(int64_t start, int64_t end,
+                                                       const std::optional<at::Tensor>& index,
+                                                       int64_t num_slots) {
+  if (index.has_value() && index->defined()) {
+    const at::Tensor& idx = *index;
+    TORCH_CHECK(idx.scalar_type() == at::kLong && idx.dim() == 1 && idx.is_contiguous() && idx.device().is_cpu(),
+                "index: contiguous int64 [keys]");
+    const int64_t* slot_index = idx.data_ptr<int64_t>();
+    for (int64_t i = 0; i < idx.size(0); ++i) {
+      TORCH_CHECK(slot_index[i] >= 0 && slot_index[i] < num_slots, "slot ", slot_index[i], " out of range");
+    }
+    return {0, idx.size(0), slot_index};
+  }
+  TORCH_CHECK(0 <= start && start <= end && end <= num_slots, "slots ", start, "..", end, " out of range");
+  return {start, end - start, nullptr};
+}
+
+// The int8 pool's K and V halves as sources.
+std::pair<Int8Source, Int8Source> int8_sources(const at::Tensor& pair_values, const at::Tensor& pair_scales) {
+  check_pool(pair_values, pair_scales);
+  const int64_t num_slots = pair_values.size(1), kv_heads = pair_values.size(2);
+  const int64_t head_dim = pair_values.size(3), groups = pair_scales.size(3);
+  const int8_t* values = pair_values.data_ptr<int8_t>();
+  const c10::Half* scales = pair_scales.data_ptr<c10::Half>();
+  return {Int8Source{values, scales, kv_heads, head_dim, groups},
+          Int8Source{values + num_slots * kv_heads * head_dim, scales + num_slots * kv_heads * groups, kv_heads,
+                     head_dim, groups}};
+}
+
+// int8 pool: q_rows [KV, R, d] (scaled, in K's stored domain) against slots start..end (or `index`).
+std::tuple<at::Tensor, at::Tensor> int8_attention(const at::Tensor& q_rows, const at::Tensor& pair_values,
+                                                  const at::Tensor& pair_scales, int64_t start, int64_t end,
+                                                  const std::optional<at::Tensor>& index, bool bf16) {
+  auto [k_source, v_source] = int8_sources(pair_values, pair_scales);
+  auto [first_slot, num_keys, slot_index] = key_slots(start, end, index, pair_values.size(1));
+  return attend(q_rows, k_source, v_source, first_slot, num_keys, slot_index, bf16);
+}
+
+at::Tensor int8_group_attention(const at::Tensor& q_rows, const at::Tensor& pair_values,
+                                const at::Tensor& pair_scales, int64_t start, int64_t end,
+                                const std::optional<at::Tensor>& index, const at::Tensor& suffix_slots,
+                                const at::Tensor& suffix_mask, bool bf16) {
+  auto [k_source, v_source] = int8_sources(pair_values, pair_scales);
+  const int64_t num_slots = pair_values.size(1);
+  auto [first_slot, num_keys, slot_index] = key_slots(start, end, index, num_slots);
+  return attend_group(q_rows, k_source, v_source, num_slots, first_slot, num_keys, slot_index, suffix_slots,
+                      suffix_mask, bf16);
+}
+
+// A float32 or bfloat16 cache pair, each [num_slots, kv_heads, head_dim]: `fn` called with their sources
+// (a bfloat16 cache reads as the torch path's bfloat16 attention rounds: bf16 = true).
+template <typename Fn>
+auto with_dense_sources(const at::Tensor& k_cache, const at::Tensor& v_cache, Fn fn) {
+  TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu(), "dense attention: CPU caches");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "k_cache, v_cache: contiguous [num_slots, kv_heads, head_dim], one dtype");
+  const int64_t kv_heads = k_cache.size(1), head_dim = k_cache.size(2);
+  if (k_cache.scalar_type() == at::kBFloat16) {
+    using T = c10::BFloat16;
+    return fn(DenseSource<T>{k_cache.data_ptr<T>(), kv_heads, head_dim},
+              DenseSource<T>{v_cache.data_ptr<T>(), kv_heads, head_dim}, true);
+  }
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat, "dense attention: float32 or bfloat16 caches");
+  return fn(DenseSource<float>{k_cache.data_ptr<float>(), kv_heads, head_dim},
+            DenseSource<float>{v_cache.data_ptr<float>(), kv_heads, head_dim}, false);
+}
+
+// A float32 or bfloat16 cache: q_rows [KV, R, d] (scaled) against slots start..end (or `index`).
+std::tuple<at::Tensor, at::Tensor> dense_attention(const at::Tensor& q_rows, const at::Tensor& k_cache,
+                                                   const at::Tensor& v_cache, int64_t start, int64_t end,
+                                                   const std::optional<at::Tensor>& index) {
+  auto [first_slot, num_keys, slot_index] = key_slots(start, end, index, k_cache.size(0));
+  return with_dense_sources(k_cache, v_cache, [&](const auto& k_source, const auto& v_source, bool bf16) {
+    return attend(q_rows, k_source, v_source, first_slot, num_keys, slot_index, bf16);
+  });
+}
+
+at::Tensor dense_group_attention(const at::Tensor& q_rows, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                 int64_t start, int64_t end, const std::optional<at::Tensor>& index,
+                                 const at::Tensor& suffix_slots, const at::Tensor& suffix_mask) {
+  const int64_t num_slots = k_cache.size(0);
+  auto [first_slot, num_keys, slot_index] = key_slots(start, end, index, num_slots);
+  return with_dense_sources(k_cache, v_cache, [&](const auto& k_source, const auto& v_source, bool bf16) {
+    return attend_group(q_rows, k_source, v_source, num_slots, first_slot, num_keys, slot_index, suffix_slots,
+                        suffix_mask, bf16);
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(widebeam, m) {
+  m.def("int8_attention(Tensor q_rows, Tensor pair_values, Tensor pair_scales, int start, int end, "
+        "Tensor? index, bool bf16) -> (Tensor, Tensor)");
+  m.def("int8_group_attention(Tensor q_rows, Tensor pair_values, Tensor pair_scales, int start, int end, "
+        "Tensor? index, Tensor suffix_slots, Tensor suffix_mask, bool bf16) -> Tensor");
+  m.def("dense_attention(Tensor q_rows, Tensor k_cache, Tensor v_cache, int start, int end, Tensor? index) "
+        "-> (Tensor, Tensor)");
+  m.def("dense_group_attention(Tensor q_rows, Tensor k_cache, Tensor v_cache, int start, int end, "
+        "Tensor? index, Tensor suffix_slots, Tensor suffix_mask) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(widebeam, CPU, m) {
+  m.impl("int8_attention", &int8_attention);
+  m.impl("int8_group_attention", &int8_group_attention);
+  m.impl("dense_attention", &dense_attention);
+  m.impl("dense_group_attention", &dense_group_attention);
+}
