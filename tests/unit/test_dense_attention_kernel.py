@@ -101,13 +101,14 @@ def decode_group(beams: int, prefix_tokens: int, own_keys: list[int], consecutiv
 @pytest.mark.parametrize("dtype, tolerance", DTYPES, ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("consecutive", [True, False], ids=["prefix a run of slots", "prefix gathered"])
 @pytest.mark.parametrize("beams, own_keys", [(1, [5]), (4, [3, 0, 7, 1]), (16, [9] * 16)])
+@pytest.mark.parametrize("num_heads", [9, 3], ids=["3 heads a KV head", "one head a KV head"])
 def test_a_decode_group_reads_the_same_through_the_kernel(monkeypatch, dtype, tolerance, consecutive, beams,
-                                                          own_keys):
+                                                          own_keys, num_heads):
     """`_attend_group` with the kernel against the torch path (a beam with no own keys included); a spy
-    proves which ran."""
+    proves which ran. With one head a KV head (BART, Marian) the rows' reshape is a strided view."""
     k_cache, v_cache = filled_cache(3200, 3, 64, dtype, seed=beams)
     group = decode_group(beams, 600, own_keys, consecutive, seed=beams)
-    q = (torch.randn(beams, 9, 64, generator=torch.Generator().manual_seed(7)) * 0.5).to(dtype)
+    q = (torch.randn(beams, num_heads, 64, generator=torch.Generator().manual_seed(7)) * 0.5).to(dtype)
     calls = []
     monkeypatch.setattr(backends, "_kernel_group", lambda *a: calls.append(1) or KERNEL_GROUP(*a))
     results = {}

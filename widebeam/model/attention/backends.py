@@ -379,8 +379,9 @@ def _kernel_group(q: torch.Tensor, k_cache, v_cache, group: DecodeGroup, scale: 
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group_size = num_heads // num_kv_heads
+    # contiguous: with one head a KV head (no grouping) the reshape is a strided view
     q_rows = ((q.float() * scale).view(batch, num_kv_heads, group_size, head_dim).transpose(0, 1)
-              .reshape(num_kv_heads, batch * group_size, head_dim))
+              .reshape(num_kv_heads, batch * group_size, head_dim).contiguous())
     if group.prefix_start is not None:
         start, end, index = group.prefix_start, group.prefix_start + group.prefix_tokens, None
     else:

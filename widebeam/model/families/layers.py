@@ -10,6 +10,7 @@ from torch.nn import functional as F
 
 # Re-exported: both moved to torch-free modules so the family table can raise and parse them.
 from widebeam.errors import UnsupportedModelError
+from widebeam.model import kernels
 from widebeam.model.families.decoder_config import SUPPORTED_ROPE_TYPES
 
 
@@ -24,6 +25,13 @@ class Embedding(nn.Embedding):
             super().reset_parameters()
 
 
+def _one_op(x: torch.Tensor, *tensors: torch.Tensor) -> bool:
+    """Whether an elementwise step runs as one C++ op: built and on, on the CPU, no gradient wanted (the
+    ops have no backward)."""
+    return (x.device.type == "cpu" and kernels.elementwise_enabled()
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *tensors))))
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float, unit_offset: bool = False):
         super().__init__()
@@ -33,6 +41,8 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _one_op(x, self.weight):  # the formulas below as one C++ op (kernels/elementwise.cpp)
+            return torch.ops.widebeam.rms_norm(x.contiguous(), self.weight, self.eps, self.unit_offset)
         if x.dtype == torch.float32 and not self.unit_offset:
             # the same kernels as below, minus the no-op casts, the weight applied in place
             return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).mul_(self.weight)
@@ -174,6 +184,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     rotary_dims = cos.shape[-1]
     if rotary_dims < x.shape[-1]:
         return torch.cat((apply_rotary(x[..., :rotary_dims], cos, sin), x[..., rotary_dims:]), dim=-1)
+    if (x.dtype != torch.float64 and x.stride(-1) == 1 and cos.dtype == sin.dtype == x.dtype
+            and cos.is_contiguous() and sin.is_contiguous() and _one_op(x, cos, sin)):  # one C++ op
+        return torch.ops.widebeam.rotary(x, cos, sin)
     half = x.shape[-1] // 2
     if x.dtype != torch.float32:
         # transformers' formula, op for op: in bfloat16 each product rounds before the sum.

@@ -2,7 +2,8 @@
 quantize_write`), attention of a few rows over an int8 or a float32/bfloat16 cache (`attention.cpp`:
 `int8_attention`, `int8_group_attention`, `dense_attention`, `dense_group_attention`), a beam step's
 selection (`row_top.cpp`: `torch.ops.widebeam.log_softmax_topk`) and linears at 1-8 rows, float32 or
-16-bit (`few_rows.cpp`: `torch.ops.widebeam.few_rows_linear`, run by model/linears/split.py).
+16-bit (`few_rows.cpp`: `torch.ops.widebeam.few_rows_linear`, run by model/linears/split.py), RMSNorm and
+the rotary embedding (`elementwise.cpp`: `rms_norm`, `rotary`, run by model/families/layers.py).
 
 Why: at small beam widths an int8 cache's cost is kernel launches, not bytes: per layer ~15 eager ops to
 quantize and write a step's K/V and ~8 to dequantize what attention reads (one decode step of
@@ -18,7 +19,7 @@ capability torch dispatches to at build time (its values are torch's log-softmax
 so it serves only while torch still reports that capability (`ATEN_CPU_CAPABILITY` can change it).
 WIDEBEAM_KERNELS=0 turns the kernels off for a process; `ENABLED` (read at every call through `enabled()`;
 `SELECTION_ENABLED` for the selection, `LINEAR_ENABLED` for the linears, `DENSE_ATTENTION_ENABLED` for a
-float cache's attention) turns them off from code, so benchmarks A/B them in one process.
+float cache's attention, `ELEMENTWISE_ENABLED` for the norms and rotary) turns them off from code, so benchmarks A/B them in one process.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-SOURCES = (HERE / "int8_kv.cpp", HERE / "attention.cpp", HERE / "row_top.cpp", HERE / "few_rows.cpp")
+SOURCES = (HERE / "int8_kv.cpp", HERE / "attention.cpp", HERE / "row_top.cpp", HERE / "few_rows.cpp",
+           HERE / "elementwise.cpp")
 HEADERS = (HERE / "common.h",)  # in the stamp, not on the compile line
 BUILD_DIR = HERE / "_build"
 LIBRARY = BUILD_DIR / "kernels.so"
@@ -45,6 +47,8 @@ SELECTION_ENABLED = ENABLED
 LINEAR_ENABLED = ENABLED
 # float32/bfloat16 caches' attention through `dense_attention` (model/attention/backends.py)
 DENSE_ATTENTION_ENABLED = ENABLED
+# RMSNorm and the rotary embedding as one op each (model/families/layers.py)
+ELEMENTWISE_ENABLED = ENABLED
 
 
 def cpu_capability() -> str:
@@ -99,6 +103,11 @@ def dense_attention_enabled() -> bool:
     """Whether a float32 or bfloat16 cache's few-row reads go through `dense_attention` and
     `dense_group_attention`: loaded and switched on."""
     return _AVAILABLE and DENSE_ATTENTION_ENABLED
+
+
+def elementwise_enabled() -> bool:
+    """Whether `rms_norm` and `rotary` serve the decoders' norms and rotary embeddings: loaded and on."""
+    return _AVAILABLE and ELEMENTWISE_ENABLED
 
 
 def linear_enabled() -> bool:

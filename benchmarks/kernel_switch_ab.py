@@ -1,11 +1,13 @@
-"""A/B in one process: a float32 or bfloat16 cache's attention through the C++ kernel against the torch path.
+"""A/B in one process: one of the C++ kernels on against the torch path it replaces, through the engine.
 
-    python benchmarks/dense_attention_ab.py --dtype float32 --widths 1 4 8 16 --prompt-lens 128 1024
+    python benchmarks/kernel_switch_ab.py --switch DENSE_ATTENTION_ENABLED --dtype float32 --widths 1 4 8 16 \
+        --prompt-lens 128 1024
 
-One engine; `kernels.DENSE_ATTENTION_ENABLED` (read at every layer's call) flips between the arms, which
+One engine; the switch (a `widebeam.model.kernels` flag read at every call: DENSE_ATTENTION_ENABLED for a
+float cache's attention, ELEMENTWISE_ENABLED for the norms and rotary) flips between the arms, which
 alternate every repeat (the order flips each time); each keeps its best time after a warm-up. Beam search
 with `min_new_tokens = N`, the prefix cache off; the best beams must be equal. Writes
-benchmarks/results/dense_attention_ab_<dtype>.json.
+benchmarks/results/<switch>_ab_<dtype>.json.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ import torch
 from interleaved import best_times
 
 ROOT = Path(__file__).resolve().parent.parent
+SWITCHES = ("DENSE_ATTENTION_ENABLED", "ELEMENTWISE_ENABLED")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--switch", choices=SWITCHES, required=True)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--widths", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 1024])
@@ -41,11 +45,11 @@ def main() -> None:
     llm = LLM(kv_cache_memory="1GiB", dtype=args.dtype, enable_prefix_caching=False)
 
     def run(enabled: bool, prompt: dict, params: BeamSearchParams):
-        kernels.DENSE_ATTENTION_ENABLED = enabled
+        setattr(kernels, args.switch, enabled)
         try:
             return llm.generate(prompt, params, use_tqdm=False)
         finally:
-            kernels.DENSE_ATTENTION_ENABLED = True
+            setattr(kernels, args.switch, True)
 
     rows = []
     for prompt_len in args.prompt_lens:
@@ -63,9 +67,9 @@ def main() -> None:
                    "same_best_beam": beams["torch"] == beams["kernel"]}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    out = args.out or ROOT / f"benchmarks/results/dense_attention_ab_{args.dtype}.json"
+    out = args.out or ROOT / f"benchmarks/results/{args.switch.lower()}_ab_{args.dtype}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
+    out.write_text(json.dumps({"switch": args.switch, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
                                "repeats": args.repeats, "threads": args.threads, "rows": rows},
                               indent=2) + "\n")
 
