@@ -69,8 +69,9 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     out = args.out or ROOT / f"benchmarks/results/{args.switch.lower()}_ab_{args.dtype}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"switch": args.switch, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
-                               "repeats": args.repeats, "threads": args.threads, "rows": rows},
+    out.write_text(json.dumps({"switch": args.switch, "dtype": args.dtype,
+                               "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+                               "threads": args.threads, "rows": rows},
                               indent=2) + "\n")
 
 

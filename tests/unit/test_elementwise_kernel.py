@@ -104,7 +104,8 @@ def test_the_ops_check_their_arguments():
     with pytest.raises(RuntimeError, match="cos, sin"):
         torch.ops.widebeam.rotary(torch.randn(2, 3, 8), torch.randn(2, 6), torch.randn(2, 6))
     with pytest.raises(RuntimeError, match="dtype"):
-        torch.ops.widebeam.rotary(torch.randn(2, 3, 8), torch.randn(2, 8).double(), torch.randn(2, 8).double())
+        wide = torch.randn(2, 8).double()
+        torch.ops.widebeam.rotary(torch.randn(2, 3, 8), wide, wide)
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +121,8 @@ def model_dir(tmp_path_factory):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_engine_generates_the_same_with_the_ops_on_and_off(monkeypatch, model_dir, dtype):
     llm = LLM(str(model_dir), device="cpu", dtype=dtype, kv_cache_memory="4MiB", enable_prefix_caching=False)
-    requests = [{"prompt_token_ids": [(i * 31 + k) % 120 + 3 for i in range(n)]} for k, n in ((1, 9), (5, 40))]
+    requests = [{"prompt_token_ids": [(i * 31 + k) % 120 + 3 for i in range(n)]}
+                for k, n in ((1, 9), (5, 40))]
     params = BeamSearchParams(beam_width=4, max_new_tokens=10, num_return_sequences=4)
     on, off, ran = both_ways(monkeypatch, lambda: llm.generate(requests, params, use_tqdm=False))
     assert ran > 0

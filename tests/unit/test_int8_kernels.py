@@ -1,5 +1,5 @@
-"""The int8 KV cache's C++ kernels (widebeam/model/kernels/int8_kv.cpp, attention.cpp) against the torch path they
-replace on the CPU: the write bit for bit (values and scales, K rotated, ties rounded half to even,
+"""The int8 KV cache's C++ kernels (widebeam/model/kernels/int8_kv.cpp, attention.cpp) against the torch
+path they replace on the CPU: the write bit for bit (values and scales, K rotated, ties rounded half to even,
 saturation, all-zero groups), the attention against float32 attention over the dequantized K/V (slot
 ranges and index sets, 1-48 rows, 1-2,000 keys, head_dim 64 and 80), and the engine generating the
 same tokens with the kernels on and off.

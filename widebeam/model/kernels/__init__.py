@@ -19,7 +19,8 @@ capability torch dispatches to at build time (its values are torch's log-softmax
 so it serves only while torch still reports that capability (`ATEN_CPU_CAPABILITY` can change it).
 WIDEBEAM_KERNELS=0 turns the kernels off for a process; `ENABLED` (read at every call through `enabled()`;
 `SELECTION_ENABLED` for the selection, `LINEAR_ENABLED` for the linears, `DENSE_ATTENTION_ENABLED` for a
-float cache's attention, `ELEMENTWISE_ENABLED` for the norms and rotary) turns them off from code, so benchmarks A/B them in one process.
+float cache's attention, `ELEMENTWISE_ENABLED` for the norms and rotary) turns them off from code, so
+benchmarks A/B them in one process.
 """
 
 from __future__ import annotations
