@@ -4,7 +4,9 @@
         --prompt-lens 128 1024
 
 One engine; the switch (a `widebeam.model.kernels` flag read at every call: DENSE_ATTENTION_ENABLED for a
-float cache's attention, ELEMENTWISE_ENABLED for the norms and rotary) flips between the arms, which
+float cache's attention, ELEMENTWISE_ENABLED for the norms and rotary; or ONEDNN_MANY_ROWS, the float32
+split linears' oneDNN product past 8 rows, set on every layer the start-up probe gave it) flips between the
+arms, which
 alternate every repeat (the order flips each time); each keeps its best time after a warm-up. Beam search
 with `min_new_tokens = N`, the prefix cache off; the best beams must be equal. Writes
 benchmarks/results/<switch>_ab_<dtype>.json.
@@ -20,7 +22,7 @@ import torch
 from interleaved import best_times
 
 ROOT = Path(__file__).resolve().parent.parent
-SWITCHES = ("DENSE_ATTENTION_ENABLED", "ELEMENTWISE_ENABLED")
+SWITCHES = ("DENSE_ATTENTION_ENABLED", "ELEMENTWISE_ENABLED", "ONEDNN_MANY_ROWS")
 
 
 def main() -> None:
@@ -43,13 +45,23 @@ def main() -> None:
     if not kernels.available():
         raise SystemExit("the C++ kernels are not built: run `make setup`")
     llm = LLM(kv_cache_memory="1GiB", dtype=args.dtype, enable_prefix_caching=False)
+    onednn_layers = [m for m in llm.engine.model.modules() if getattr(m, "onednn_many_rows", False)]
+    if args.switch == "ONEDNN_MANY_ROWS" and not onednn_layers:
+        raise SystemExit("the start-up probe kept F.linear past 8 rows here: nothing to switch")
+
+    def switch(enabled: bool) -> None:
+        if args.switch == "ONEDNN_MANY_ROWS":
+            for layer in onednn_layers:
+                layer.onednn_many_rows = enabled
+        else:
+            setattr(kernels, args.switch, enabled)
 
     def run(enabled: bool, prompt: dict, params: BeamSearchParams):
-        setattr(kernels, args.switch, enabled)
+        switch(enabled)
         try:
             return llm.generate(prompt, params, use_tqdm=False)
         finally:
-            setattr(kernels, args.switch, True)
+            switch(True)
 
     rows = []
     for prompt_len in args.prompt_lens:

@@ -244,3 +244,70 @@ def test_the_probe_streams_a_bounded_sample(monkeypatch):
     layers = [SplitLinear(torch.nn.Linear(64, 128)) for _ in range(10)]
     assert split_linear._probe_sample(layers) == layers[:3]
     assert split_linear._probe_sample(layers[:2]) == layers[:2]
+
+
+needs_onednn = pytest.mark.skipif(not split_linear.onednn_plain_available(),
+                                  reason="this torch build has no oneDNN inner product")
+
+
+def spy_inner_product(monkeypatch) -> list[int]:
+    calls = []
+    inner_product = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
+                        lambda *a: calls.append(1) or inner_product(*a))
+    return calls
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [9, 64, 300])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("in_features, out_features", [(576, 192), (37, 101)])
+def test_past_the_split_rows_onednn_equals_f_linear(monkeypatch, rows, bias, in_features, out_features):
+    """Rows past `SPLIT_ROWS` through oneDNN's inner product where the probe chose it (a spy proves it
+    ran), within float32 rounding of `F.linear`; a 3-D input keeps its leading shape."""
+    torch.manual_seed(rows + in_features)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias)
+    layer = SplitLinear(linear)
+    layer.onednn_many_rows = True
+    calls = spy_inner_product(monkeypatch)
+    x = torch.randn(rows, 1, in_features)
+    with torch.inference_mode():
+        got, expected = layer(x), F.linear(x, linear.weight, linear.bias)
+    assert calls == [1] and got.shape == (rows, 1, out_features)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_onednn
+def test_onednn_serves_no_gradient_and_no_empty_input(monkeypatch):
+    layer = SplitLinear(torch.nn.Linear(16, 8))
+    layer.onednn_many_rows = True
+    calls = spy_inner_product(monkeypatch)
+    layer(torch.randn(20, 16)).sum().backward()  # the weight wants a gradient: F.linear
+    assert layer.weight.grad is not None
+    with torch.inference_mode():
+        assert layer(torch.randn(0, 16)).shape == (0, 8)
+    assert calls == []
+
+
+@needs_onednn
+@pytest.mark.parametrize("pays", [True, False])
+def test_the_probe_decides_oneDNN_past_the_split_rows(monkeypatch, pays):
+    """`split_linears` gives every float32 layer oneDNN past 8 rows exactly when the probe finds it faster
+    (timed here with the probe's passes replaced: oneDNN's pass 1 s or 3 s against F.linear's 2 s)."""
+    monkeypatch.setattr(split_linear, "_PROBED", {})
+    monkeypatch.setattr(split_linear, "_interleaved_best_s",
+                        lambda candidate, reference, repeats=5: (candidate(), reference(),
+                                                                 (1.0 if pays else 3.0, 2.0))[-1])
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8))
+    split_linears(model)
+    assert [layer.onednn_many_rows for layer in model] == [pays, pays]
+
+
+@needs_onednn
+def test_a_model_class_may_keep_f_linear_past_the_split_rows(monkeypatch):
+    """`onednn_many_rows = False` on the model (T5: large activations, a parity bound MKL's sums meet)."""
+    monkeypatch.setattr(split_linear, "probe_many_rows", lambda layers: True)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32))
+    model.onednn_many_rows = False
+    split_linears(model)
+    assert not model[0].onednn_many_rows

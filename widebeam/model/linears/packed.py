@@ -23,7 +23,7 @@ import torch
 
 from widebeam.defaults import DEFAULT_LINEAR_BACKEND, LINEAR_BACKENDS
 from widebeam.model.families.layers import float32_on_cpu, swap_linears
-from widebeam.model.linears.split import split_linears
+from widebeam.model.linears.split import onednn_plain_available, split_linears
 
 # "auto": the row counts the packed weight runs (a single row and long prefill chunks: F.linear)
 PACKED_ROWS = range(4, 129)
@@ -31,7 +31,7 @@ PACKED_ROWS = range(4, 129)
 
 def onednn_available() -> bool:
     """Whether this build can pack a linear weight for oneDNN and run it."""
-    if not torch.backends.mkldnn.is_available():
+    if not onednn_plain_available():
         return False
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(torch.ones(2, 2))

@@ -27,6 +27,14 @@ The kernel also takes bfloat16 and float16 weights (widened to float32 as they l
 rounded once, as `F.linear`'s 16-bit kernels do): where it is built a 16-bit model's linears are
 `SplitLinear`s too (not stacked), and the probe decides their row counts the same way; without it they
 stay `nn.Linear` (the blocks are float32 only here).
+
+Past 8 rows (a prompt's chunk, a wide step) a float32 linear is a matrix product bound by arithmetic, and
+`F.linear` hands it to MKL, whose sgemm ran 40-190 GFLOP/s on the AMD EPYC of issue #43 where oneDNN's
+inner product on the same plain weight ran 87-215 (1.1-1.6x at 16-1,024 rows; the 49k-row output layer
+at 16 rows 42 vs 87). `SplitLinear` runs such rows through oneDNN (`torch.ops.mkldnn._linear_pointwise`,
+the weight as it is: no packed copy, no extra memory) where a start-up probe at `_MANY_PROBE_ROWS` rows
+finds it faster on this CPU (`probe_many_rows`); the same dot products, summed in another order (a model
+class may keep F.linear: `onednn_many_rows = False`, T5's).
 """
 
 from __future__ import annotations
@@ -43,6 +51,21 @@ SPLIT_BLOCKS = 8  # blocks of output rows: a few per thread, each still thousand
 SPLIT_ROWS = range(1, 9)  # the row counts the split product may run (the start-up probe decides)
 # each row count's probe: timed at 1 row for 1-2, at 4 for 3-4, at 8 for 5-8
 _PROBE_ROWS = {1: 1, 2: 1, 3: 4, 4: 4, 5: 8, 6: 8, 7: 8, 8: 8}
+# rows past SPLIT_ROWS: oneDNN against F.linear timed at this many (a wide step's, a prompt chunk's order)
+_MANY_PROBE_ROWS = 64
+# a product of this many rows is bound by arithmetic, not by reading the weight: a small sample will do
+_MANY_PROBE_BYTES = 32 * 2**20
+
+
+def onednn_plain_available() -> bool:
+    """Whether this build runs oneDNN's inner product (`torch.ops.mkldnn`) on a plain float32 weight."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        out = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 2), torch.ones(2, 2), None, "none", [], "")
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+    return bool(torch.equal(out, torch.full((1, 2), 2.0)))
 
 
 class SplitLinear(torch.nn.Module):
@@ -57,6 +80,7 @@ class SplitLinear(torch.nn.Module):
         self.bias = linear.bias
         self.splits = self.out_features % SPLIT_BLOCKS == 0  # the batched blocks need whole blocks
         self.split_rows: tuple[int, ...] = tuple(SPLIT_ROWS)  # narrowed by the start-up probe
+        self.onednn_many_rows = False  # rows past split_rows through oneDNN: set by the start-up probe
 
     def can_split(self) -> bool:
         """Whether a split product exists for this layer here: the kernel (any shape, a contiguous
@@ -76,7 +100,15 @@ class SplitLinear(torch.nn.Module):
             out = self.split_product(rows)
             if out is not None:
                 return out.reshape(*x.shape[:-1], self.out_features)
+        elif self.onednn_many_rows and rows.shape[0] and not (torch.is_grad_enabled()
+                                                              and self.weight.requires_grad):
+            return self.many_rows_product(rows).reshape(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight, self.bias)
+
+    def many_rows_product(self, rows: torch.Tensor) -> torch.Tensor:
+        """`rows` [num_rows, in] times the float32 weight, plus the bias, through oneDNN's inner product
+        (no backward: not where a gradient is wanted)."""
+        return torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")
 
     def split_product(self, rows: torch.Tensor) -> torch.Tensor | None:
         """`rows` [num_rows, in] (1-8 rows) times the weight, plus the bias: [num_rows, out]; None where
@@ -137,6 +169,12 @@ def split_linears(model: torch.nn.Module) -> torch.nn.Module:
         split_rows = probe_split_rows(layers)
         for layer in layers:
             layer.split_rows = split_rows
+    float32_layers = [m for m in model.modules() if isinstance(m, SplitLinear)
+                      and m.weight.dtype == torch.float32 and m.weight.is_contiguous()]
+    if (float32_layers and getattr(model, "onednn_many_rows", True) and onednn_plain_available()
+            and probe_many_rows(float32_layers)):
+        for layer in float32_layers:
+            layer.onednn_many_rows = True
     return model
 
 
@@ -149,15 +187,45 @@ _PROBE_MARGIN = 0.97  # the split product must be this much faster: within it, k
 _PROBE_BYTES = 256 * 2**20
 
 
-def _probe_sample(layers: list[SplitLinear]) -> list[SplitLinear]:
-    """The first layers (in model order) whose weights add up to `_PROBE_BYTES`, or all of them."""
+def _probe_sample(layers: list[SplitLinear], budget_bytes: int | None = None) -> list[SplitLinear]:
+    """The first layers (in model order) whose weights add up to `budget_bytes` (`_PROBE_BYTES`), or all."""
+    budget_bytes = _PROBE_BYTES if budget_bytes is None else budget_bytes
     sample, total_bytes = [], 0
     for layer in layers:
         sample.append(layer)
         total_bytes += layer.weight.numel() * layer.weight.element_size()
-        if total_bytes >= _PROBE_BYTES:
+        if total_bytes >= budget_bytes:
             break
     return sample
+
+
+def _interleaved_best_s(candidate, reference, repeats: int = _PROBE_REPEATS) -> tuple[float, float]:
+    """(candidate's, reference's) best seconds over `repeats` passes each, alternating, after a warm-up."""
+    candidate(), reference()
+    candidate_s, reference_s = [], []
+    for _ in range(repeats):
+        for run, times in ((candidate, candidate_s), (reference, reference_s)):
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+    return min(candidate_s), min(reference_s)
+
+
+def probe_many_rows(layers: list[SplitLinear]) -> bool:
+    """Whether oneDNN's inner product beats `F.linear` at `_MANY_PROBE_ROWS` rows over the first
+    `_MANY_PROBE_BYTES` of these float32 layers' weights (best of interleaved passes, `_PROBE_MARGIN`);
+    kept per process, shapes and threads."""
+    layers = _probe_sample(layers, _MANY_PROBE_BYTES)
+    shapes = tuple((layer.out_features, layer.in_features) for layer in layers)
+    key = ("many", shapes, torch.get_num_threads())
+    if key not in _PROBED:
+        inputs = [torch.randn(_MANY_PROBE_ROWS, layer.in_features) for layer in layers]
+        with torch.inference_mode():
+            onednn_s, linear_s = _interleaved_best_s(
+                lambda: [layer.many_rows_product(x) for layer, x in zip(layers, inputs)],
+                lambda: [F.linear(x, layer.weight, layer.bias) for layer, x in zip(layers, inputs)])
+        _PROBED[key] = onednn_s < _PROBE_MARGIN * linear_s
+    return _PROBED[key]
 
 
 def probe_split_rows(layers: list[SplitLinear]) -> tuple[int, ...]:
@@ -178,25 +246,20 @@ def probe_split_rows(layers: list[SplitLinear]) -> tuple[int, ...]:
     inputs = {n: torch.randn(max(SPLIT_ROWS), layer.in_features).to(layer.weight.dtype)
               for n, layer in enumerate(layers)}
 
-    def pass_s(num_rows: int, split: bool) -> float:
-        start = time.perf_counter()
+    def split_pass(num_rows: int) -> None:
         for n, layer in enumerate(layers):
-            x = inputs[n][:num_rows]
-            if split:
-                layer.split_product(x)
-            else:
-                F.linear(x, layer.weight, layer.bias)  # the same work as the split product
-        return time.perf_counter() - start
+            layer.split_product(inputs[n][:num_rows])
+
+    def linear_pass(num_rows: int) -> None:  # the same work as the split product
+        for n, layer in enumerate(layers):
+            F.linear(inputs[n][:num_rows], layer.weight, layer.bias)
 
     pays = {}
     with torch.inference_mode():
         for num_rows in sorted(set(_PROBE_ROWS.values())):
-            pass_s(num_rows, True), pass_s(num_rows, False)  # warm-up
-            split_s, linear_s = [], []
-            for _ in range(_PROBE_REPEATS):
-                split_s.append(pass_s(num_rows, True))
-                linear_s.append(pass_s(num_rows, False))
-            pays[num_rows] = min(split_s) < _PROBE_MARGIN * min(linear_s)
+            split_s, linear_s = _interleaved_best_s(lambda n=num_rows: split_pass(n),
+                                                    lambda n=num_rows: linear_pass(n))
+            pays[num_rows] = split_s < _PROBE_MARGIN * linear_s
     split_rows = tuple(r for r in SPLIT_ROWS if pays[_PROBE_ROWS[r]])
     _PROBED[key] = split_rows
     return split_rows
