@@ -49,6 +49,7 @@ from tables import machine_info, markdown_table, print_table
 
 import widebeam.engine as engine_module
 import widebeam.request as request_module
+from widebeam.bench import linear_products
 from widebeam.heap import freeze_startup_heap
 from widebeam.llm import LLM
 from widebeam.model.attention import backends as attention_backends
@@ -68,12 +69,15 @@ PARTS = ("linears", "lm_head", "attention: prompt", "attention: own tokens", "K/
 
 
 def gemm_flops_per_s(threads: int) -> float:
+    """A large float32 product's rate through the fastest product this build offers (torch's and, where
+    built, oneDNN's: `widebeam.bench.linear_products`)."""
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - start)
+    for product in linear_products(torch.float32, "cpu"):
+        for _ in range(5):
+            start = time.perf_counter()
+            product(a, b)
+            best = min(best, time.perf_counter() - start)
     return 2 * 2048**3 / best
 
 

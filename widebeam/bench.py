@@ -112,8 +112,24 @@ def synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def linear_products(dtype, device) -> list:
+    """The matrix products a floor may time a linear with (x, weight -> x W^T): `F.linear` everywhere, and
+    for float32 on the CPU oneDNN's inner product where this build has it (faster than MKL's sgemm on
+    some CPUs: an AMD EPYC, issue #43), so a floor is the best kernel's, not only torch's default."""
+    import torch
+
+    products = [torch.nn.functional.linear]
+    if torch.device(device).type == "cpu" and dtype == torch.float32:
+        from widebeam.model.linears.split import onednn_plain_available
+
+        if onednn_plain_available():
+            products.append(lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))
+    return products
+
+
 def compute_floor_s(hf_model, prompt_len: int, width: int, new_tokens: int, dtype) -> float:
-    """Dense matmuls only: every linear layer's weight times the step's activations."""
+    """Dense matmuls only: every linear layer's weight times the step's activations, through the fastest
+    product this build offers (`linear_products`)."""
     import torch
 
     weights = [m.weight for m in hf_model.modules() if isinstance(m, torch.nn.Linear)]
@@ -125,18 +141,22 @@ def compute_floor_s(hf_model, prompt_len: int, width: int, new_tokens: int, dtyp
     widths = {w.shape[1] for w in weights}
     inputs = {rows: {n: torch.randn(rows, n, dtype=dtype, device=device) for n in widths}
               for rows in (prompt_len, width, 1)}
-    with torch.inference_mode():
+
+    def pass_s(linear) -> float:
         synchronize(device)
         start = time.perf_counter()
         for rows, steps in ((prompt_len, 1), (width, new_tokens)):
             for _ in range(steps):
                 for w in weights:
                     if w is not head:
-                        torch.nn.functional.linear(inputs[rows][w.shape[1]], w)
+                        linear(inputs[rows][w.shape[1]], w)
                 head_rows = 1 if rows == prompt_len else rows  # prefill needs only the last token's logits
-                torch.nn.functional.linear(inputs[head_rows][hidden], head)
+                linear(inputs[head_rows][hidden], head)
         synchronize(device)
         return time.perf_counter() - start
+
+    with torch.inference_mode():
+        return min(pass_s(linear) for linear in linear_products(dtype, device))
 
 
 def attention_floor_s(hf_model, prompt_len: int, width: int, new_tokens: int, dtype) -> float:
