@@ -242,15 +242,18 @@ def run_hf(hf_model, prompt_ids: list[int], width: int, new_tokens: int, eos_id:
 
 def fastest_runs(sides: dict, repeats: int, settle_s: float) -> dict[str, dict]:
     """Each side's fastest result (a dict with "wall_s") over `repeats` runs of every side, the order
-    reversed every other repeat so load drift favours none; `settle_s` idle before each run."""
+    reversed every other repeat so load drift favours none; `settle_s` idle before each run. Each result
+    also lists every run's seconds in run order ("runs_s"), so a comparison can be read run by run."""
     best: dict[str, dict] = {}
+    runs_s: dict[str, list[float]] = {name: [] for name in sides}
     for repeat in range(repeats):
         for name in (list(sides) if repeat % 2 == 0 else list(reversed(sides))):
             time.sleep(settle_s)
             result = sides[name]()
+            runs_s[name].append(result["wall_s"])
             if name not in best or result["wall_s"] < best[name]["wall_s"]:
                 best[name] = result
-    return best
+    return {name: {**result, "runs_s": runs_s[name]} for name, result in best.items()}
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -329,7 +332,10 @@ def run(args: argparse.Namespace) -> list[dict]:
         for name in ct2:
             result = best[name]
             row[name] = {"wall_s": result["wall_s"], "same_best_sequence": result["best"] == wb["best"],
-                         "widebeam_speedup": result["wall_s"] / wb["wall_s"]}
+                         "widebeam_speedup": result["wall_s"] / wb["wall_s"], "runs_s": result["runs_s"],
+                         # run i of each side ran back to back: the comparison run by run
+                         "widebeam_speedup_by_run": [peer_s / widebeam_s for peer_s, widebeam_s
+                                                     in zip(result["runs_s"], wb["runs_s"])]}
         for side in ("widebeam", "transformers", *ct2):
             if "wall_s" in row[side]:
                 row[side]["beam_tokens_per_s"] = width * n / row[side]["wall_s"]

@@ -21,6 +21,8 @@ def test_each_side_keeps_its_fastest_run_and_the_order_alternates():
     assert {name: result["wall_s"] for name, result in best.items()} == {
         "widebeam": 1.1, "transformers": 1.9, "ctranslate2 float32": 1.2}
     assert best["widebeam"]["best"] == [6]  # the result of the fastest run itself, not the last one
+    assert best["widebeam"]["runs_s"] == [1.4, 1.1, 1.3]  # every run, in run order
+    assert best["transformers"]["runs_s"] == [2.0, 2.5, 1.9]
     order = ["widebeam", "transformers", "ctranslate2 float32"]
     assert calls == order + order[::-1] + order
 
