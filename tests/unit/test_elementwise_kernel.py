@@ -24,7 +24,7 @@ TOLERANCE = {torch.float32: 1e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}
 def both_ways(monkeypatch, fn):
     """fn() with the kernels on, then off, and how many times the ops ran with them on."""
     calls = []
-    for name in ("rms_norm", "rotary"):
+    for name in ("rms_norm", "rotary", "silu_and_mul"):
         op = getattr(torch.ops.widebeam, name)
         monkeypatch.setattr(torch.ops.widebeam, name, lambda *a, op=op: calls.append(1) or op(*a))
     monkeypatch.setattr(kernels, "ELEMENTWISE_ENABLED", True)
@@ -95,6 +95,37 @@ def test_with_a_gradient_wanted_the_torch_formulas_run(monkeypatch):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows, inter", [(1, 1536), (5, 37), (300, 64)])
+def test_silu_and_mul_matches_the_torch_formula(dtype, rows, inter):
+    """A width with a partial vector at its tail (37), rows past the parallel grain (300 x 64)."""
+    gen = torch.Generator().manual_seed(rows + inter)
+    fused = (torch.randn(rows, 2 * inter, generator=gen) * 4).to(dtype)
+    gate, up = fused.split(inter, dim=-1)
+    got = torch.ops.widebeam.silu_and_mul(fused)
+    assert got.shape == (rows, inter) and got.dtype == dtype
+    torch.testing.assert_close(got, torch.nn.functional.silu(gate) * up, atol=TOLERANCE[dtype] * 4,
+                               rtol=TOLERANCE[dtype])
+
+
+@needs_kernels
+def test_a_fused_gated_mlp_runs_its_activation_as_one_op(monkeypatch):
+    """A float32 model's MLP with gate/up stacked (the split backend's fusion): the op serves it, and the
+    output equals the two-op formula's."""
+    from widebeam.model.families.layers import GatedMLP
+    from widebeam.model.linears.split import SplitLinear
+
+    torch.manual_seed(0)
+    mlp = GatedMLP(64, 96, "silu")
+    mlp.fuse_projections(SplitLinear.concat)
+    x = torch.randn(6, 64)
+    with torch.no_grad():
+        on, off, ran = both_ways(monkeypatch, lambda: mlp(x))
+    assert ran == 1
+    torch.testing.assert_close(on, off, atol=1e-6, rtol=1e-6)
+
+
+@needs_kernels
 def test_the_ops_check_their_arguments():
     x = torch.randn(2, 8)
     with pytest.raises(RuntimeError, match="weight"):
@@ -103,6 +134,8 @@ def test_the_ops_check_their_arguments():
         torch.ops.widebeam.rms_norm(x.t(), torch.ones(2), 1e-6, False)
     with pytest.raises(RuntimeError, match="cos, sin"):
         torch.ops.widebeam.rotary(torch.randn(2, 3, 8), torch.randn(2, 6), torch.randn(2, 6))
+    with pytest.raises(RuntimeError, match="silu_and_mul"):
+        torch.ops.widebeam.silu_and_mul(torch.randn(2, 7))
     with pytest.raises(RuntimeError, match="dtype"):
         wide = torch.randn(2, 8).double()
         torch.ops.widebeam.rotary(torch.randn(2, 3, 8), wide, wide)

@@ -3,7 +3,8 @@ quantize_write`), attention of a few rows over an int8 or a float32/bfloat16 cac
 `int8_attention`, `int8_group_attention`, `dense_attention`, `dense_group_attention`), a beam step's
 selection (`row_top.cpp`: `torch.ops.widebeam.log_softmax_topk`) and linears at 1-8 rows, float32 or
 16-bit (`few_rows.cpp`: `torch.ops.widebeam.few_rows_linear`, run by model/linears/split.py), RMSNorm and
-the rotary embedding (`elementwise.cpp`: `rms_norm`, `rotary`, run by model/families/layers.py).
+the rotary embedding and the gated MLP's activation (`elementwise.cpp`: `rms_norm`, `rotary`, `silu_and_mul`,
+run by model/families/layers.py).
 
 Why: at small beam widths an int8 cache's cost is kernel launches, not bytes: per layer ~15 eager ops to
 quantize and write a step's K/V and ~8 to dequantize what attention reads (one decode step of
@@ -19,8 +20,8 @@ capability torch dispatches to at build time (its values are torch's log-softmax
 so it serves only while torch still reports that capability (`ATEN_CPU_CAPABILITY` can change it).
 WIDEBEAM_KERNELS=0 turns the kernels off for a process; `ENABLED` (read at every call through `enabled()`;
 `SELECTION_ENABLED` for the selection, `LINEAR_ENABLED` for the linears, `DENSE_ATTENTION_ENABLED` for a
-float cache's attention, `ELEMENTWISE_ENABLED` for the norms and rotary) turns them off from code, so
-benchmarks A/B them in one process.
+float cache's attention, `ELEMENTWISE_ENABLED` for the norms, rotary and activation) turns them off from
+code, so benchmarks A/B them in one process.
 """
 
 from __future__ import annotations
@@ -107,7 +108,8 @@ def dense_attention_enabled() -> bool:
 
 
 def elementwise_enabled() -> bool:
-    """Whether `rms_norm` and `rotary` serve the decoders' norms and rotary embeddings: loaded and on."""
+    """Whether `rms_norm`, `rotary` and `silu_and_mul` serve the decoders' norms, rotary embeddings and
+    gated MLPs: loaded and on."""
     return _AVAILABLE and ELEMENTWISE_ENABLED
 
 
