@@ -122,7 +122,9 @@ class GatedMLP(nn.Module):
         self.gate_up = fuse_linears(self, list(self.FUSED_PARTS), concat)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up is not None and self.act is F.silu and _one_op(x, self.gate_up.linear.weight):
+        # any linear (an int8 one holds no float `weight`): its parameters, if any, must want no gradient
+        if (self.gate_up is not None and self.act is F.silu and _one_op(x) and not (
+                torch.is_grad_enabled() and any(p.requires_grad for p in self.gate_up.parameters()))):
             # silu(gate) * up in one pass over the fused projection's output (kernels/elementwise.cpp)
             return self.down_proj(torch.ops.widebeam.silu_and_mul(self.gate_up.linear(x).contiguous()))
         gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
