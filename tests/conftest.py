@@ -70,6 +70,15 @@ def tiny_llama_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_head64_dir(tmp_path_factory):
+    """A tiny llama with head_dim 64 and two query heads a KV head (W=4 gives 8 rows a KV head): the C++
+    kernels' unrolled head size, for the tests that run them through the engine."""
+    path = tmp_path_factory.mktemp("tiny-llama-head64")
+    save_tiny_model(path, "llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-qwen2")
     save_tiny_model(path, "qwen2", num_key_value_heads=1, tie_word_embeddings=True)

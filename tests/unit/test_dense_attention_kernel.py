@@ -142,26 +142,16 @@ def test_which_reads_go_through_the_dense_kernel(monkeypatch, dtype, kernel_in_p
     torch.testing.assert_close(on, off, atol=tolerance, rtol=tolerance)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from tiny_models import save_tiny_model
-
-    # head_dim 64, two query heads a KV head: W=4 gives 8 rows a KV head
-    path = tmp_path_factory.mktemp("tiny-llama-dense-kernel")
-    save_tiny_model(path, "llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
-    return path
-
-
 PROMPTS = [[(i * 31 + k) % 120 + 3 for i in range(n)] for k, n in ((1, 9), (5, 23), (11, 70))]
 
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_engine_generates_the_same_with_the_kernel_on_and_off(monkeypatch, model_dir, dtype):
+def test_the_engine_generates_the_same_with_the_kernel_on_and_off(monkeypatch, tiny_llama_head64_dir, dtype):
     """Greedy (W=1 rows in place) and beam search at W=4 (decode groups) through the public engine, the
     prefix cache off, 4-token blocks (a prefix over several blocks)."""
-    llm = LLM(str(model_dir), device="cpu", dtype=dtype, kv_cache_memory="4MiB", tokens_per_block=4,
-              enable_prefix_caching=False)
+    llm = LLM(str(tiny_llama_head64_dir), device="cpu", dtype=dtype, kv_cache_memory="4MiB",
+              tokens_per_block=4, enable_prefix_caching=False)
     requests = [{"prompt_token_ids": p} for p in PROMPTS]
     tolerance = 1e-4 if dtype == "float32" else 3e-2
     outputs = {}

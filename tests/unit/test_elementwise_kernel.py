@@ -141,22 +141,14 @@ def test_the_ops_check_their_arguments():
         torch.ops.widebeam.rotary(torch.randn(2, 3, 8), wide, wide)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from tiny_models import save_tiny_model
-
-    path = tmp_path_factory.mktemp("tiny-llama-elementwise")
-    save_tiny_model(path, "llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
-    return path
-
-
 @needs_kernels
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
-def test_the_engine_generates_the_same_with_the_ops_on_and_off(monkeypatch, model_dir, dtype):
+def test_the_engine_generates_the_same_with_the_ops_on_and_off(monkeypatch, tiny_llama_head64_dir, dtype):
     """int8: its fused gate/up is an int8 linear (no float weight) whose float32 output the op reads; its
     linears quantize each activation row, so a last-bit change of an activation may round one of its
     int8 values the other way: scores within 2e-2, as bfloat16's."""
-    llm = LLM(str(model_dir), device="cpu", dtype=dtype, kv_cache_memory="4MiB", enable_prefix_caching=False)
+    llm = LLM(str(tiny_llama_head64_dir), device="cpu", dtype=dtype, kv_cache_memory="4MiB",
+              enable_prefix_caching=False)
     requests = [{"prompt_token_ids": [(i * 31 + k) % 120 + 3 for i in range(n)]}
                 for k, n in ((1, 9), (5, 40))]
     params = BeamSearchParams(beam_width=4, max_new_tokens=10, num_return_sequences=4)

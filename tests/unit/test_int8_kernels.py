@@ -222,16 +222,6 @@ def test_a_decode_group_attends_the_same_through_the_kernel(monkeypatch, consecu
     torch.testing.assert_close(results[True], results[False], atol=tolerance, rtol=tolerance)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from tiny_models import save_tiny_model
-
-    # head_dim 64 (two scale groups), two query heads a KV head: W=4 gives 8 rows a KV head
-    path = tmp_path_factory.mktemp("tiny-llama-int8-kernels")
-    save_tiny_model(path, "llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
-    return path
-
-
 PROMPTS = [[(i * 31 + k) % 120 + 3 for i in range(n)] for k, n in ((1, 9), (5, 23), (11, 70))]
 
 
@@ -245,12 +235,13 @@ def generate_both_ways(monkeypatch, llm, params):
 
 @needs_kernels
 @pytest.mark.parametrize("read_as", ["float32", "bfloat16"])
-def test_the_engine_generates_the_same_with_the_kernels_on_and_off(monkeypatch, model_dir, read_as):
+def test_the_engine_generates_the_same_with_the_kernels_on_and_off(monkeypatch, tiny_llama_head64_dir,
+                                                                   read_as):
     """Greedy and beam search at W=4 through the public engine, prefix cache off (every prompt written
     and read back through the path under test), 4-token blocks (a prefix over several blocks)."""
     with monkeypatch.context() as patch:
         patch.setattr(runner_module, "int8_read_dtype", lambda model_dtype, device: getattr(torch, read_as))
-        llm = LLM(str(model_dir), device="cpu", kv_cache_memory="4MiB", tokens_per_block=4,
+        llm = LLM(str(tiny_llama_head64_dir), device="cpu", kv_cache_memory="4MiB", tokens_per_block=4,
                   enable_prefix_caching=False, kv_cache_dtype="int8")
     tolerance = 1e-4 if read_as == "float32" else 2e-2
     greedy = generate_both_ways(monkeypatch, llm, SamplingParams(max_new_tokens=12, temperature=0,

@@ -250,6 +250,12 @@ needs_onednn = pytest.mark.skipif(not split_linear.onednn_plain_available(),
                                   reason="this torch build has no oneDNN inner product")
 
 
+def test_onednn_is_found_wherever_torch_has_it():
+    """The oneDNN tests below skip without it: a build that has it must not look as if it had not."""
+    if torch.backends.mkldnn.is_available():
+        assert split_linear.onednn_plain_available()
+
+
 def spy_inner_product(monkeypatch) -> list[int]:
     calls = []
     inner_product = torch.ops.mkldnn._linear_pointwise
