@@ -127,6 +127,8 @@ def test_which_reads_go_through_the_dense_kernel(monkeypatch, dtype, kernel_in_p
     k_cache, v_cache = filled_cache(600, 3, 64, dtype, seed=1)
     monkeypatch.setattr(kernels, "DENSE_ATTENTION_ENABLED", True)
     assert backends._use_kernel(k_cache, v_cache, backends.DENSE_KERNEL_MAX_ROWS)
+    # past the cap only tiled (test_flash_rows_kernel.py)
+    monkeypatch.setattr(kernels, "FLASH_ROWS_ENABLED", False)
     assert not backends._use_kernel(k_cache, v_cache, backends.DENSE_KERNEL_MAX_ROWS + 1)
     assert not backends._use_kernel(k_cache.half(), v_cache.half(), 3)
     calls = []

@@ -275,7 +275,9 @@ def test_which_reads_go_through_the_kernel(monkeypatch):
     stored = k_cache.in_stored_domain(), v_cache.in_stored_domain()
     monkeypatch.setattr(kernels, "ENABLED", True)
     assert backends._use_kernel(*stored, backends.KERNEL_MAX_ROWS) == kernels.available()
-    assert not backends._use_kernel(*stored, backends.KERNEL_MAX_ROWS + 1)
+    with monkeypatch.context() as patch:  # past the cap only tiled (test_flash_rows_kernel.py)
+        patch.setattr(kernels, "FLASH_ROWS_ENABLED", False)
+        assert not backends._use_kernel(*stored, backends.KERNEL_MAX_ROWS + 1)
     assert backends._use_kernel(*stored, backends.KERNEL_GROUP_MAX_ROWS,
                                 backends.KERNEL_GROUP_MAX_ROWS) == kernels.available()
     assert not backends._use_kernel(k_cache, v_cache, 4)  # K un-rotated as read: not what the kernel does

@@ -348,15 +348,20 @@ def _prefix_attention(q_rows: torch.Tensor, k_cache, v_cache, group: DecodeGroup
 
 def _use_kernel(k_cache, v_cache, rows: int, max_rows: int = KERNEL_MAX_ROWS) -> bool:
     """Whether a read of `rows` query rows goes through the C++ kernel (kernels/attention.cpp): a CPU
-    cache, few rows, the kernels built and on; an int8 pair read in the stored domain (nothing to
+    cache, few rows (or any number, tiled, at a head size `kernels.FLASH_HEAD_DIMS` lists), the kernels
+    built and on; an int8 pair read in the stored domain (nothing to
     un-rotate) as float32 or bfloat16 (which the kernel rounds to as the torch path does), or a float32 or
     bfloat16 cache laid out as the pools allocate it."""
-    if rows > max_rows or k_cache.device.type != "cpu":
+    if k_cache.device.type != "cpu":
         return False
-    if not isinstance(k_cache, torch.Tensor):
+    dense = isinstance(k_cache, torch.Tensor)
+    if rows > (min(max_rows, DENSE_KERNEL_MAX_ROWS) if dense else max_rows) and not (
+            kernels.flash_rows_enabled() and k_cache.shape[-1] in kernels.FLASH_HEAD_DIMS):
+        return False
+    if not dense:
         return (is_pair(k_cache, v_cache) and k_cache.unrotate is None and v_cache.unrotate is None
                 and kernels.enabled() and k_cache.read_dtype in (torch.float32, torch.bfloat16))
-    return (rows <= DENSE_KERNEL_MAX_ROWS and kernels.dense_attention_enabled()
+    return (kernels.dense_attention_enabled()
             and k_cache.dtype in (torch.float32, torch.bfloat16) and v_cache.dtype == k_cache.dtype
             and k_cache.is_contiguous() and v_cache.is_contiguous())
 

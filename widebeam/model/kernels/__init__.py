@@ -35,7 +35,8 @@ import torch
 HERE = Path(__file__).resolve().parent
 SOURCES = (HERE / "int8_kv.cpp", HERE / "attention.cpp", HERE / "row_top.cpp", HERE / "few_rows.cpp",
            HERE / "elementwise.cpp")
-HEADERS = (HERE / "common.h",)  # in the stamp, not on the compile line
+# in the stamp, not on the compile line
+HEADERS = (HERE / "common.h", HERE / "sources.h", HERE / "flash_rows.h")
 BUILD_DIR = HERE / "_build"
 LIBRARY = BUILD_DIR / "kernels.so"
 # the sources' hash, the torch version and the vector capability the library was built for
@@ -51,6 +52,14 @@ LINEAR_ENABLED = ENABLED
 DENSE_ATTENTION_ENABLED = ENABLED
 # RMSNorm and the rotary embedding as one op each (model/families/layers.py)
 ELEMENTWISE_ENABLED = ENABLED
+# many query rows (a wide group against its prompt) through the tiled kernel (flash_rows.h), past the
+# few-row caps of model/attention/backends.py; `set_flash_rows` moves the C++ side with it
+FLASH_ROWS_ENABLED = ENABLED
+# the head sizes flash_rows.h serves (its products are unrolled for them)
+FLASH_HEAD_DIMS = (64, 128)
+# from this many rows the C++ reads take the tiled path (kernel / few-row path at 2,048 keys, 5 KV heads:
+# 6 rows 0.85, 12 rows 0.81, 48 rows 0.66; at 300 keys, 3 KV heads: 6 rows 1.07, 12 rows 0.95)
+FLASH_MIN_ROWS = 12
 
 
 def cpu_capability() -> str:
@@ -107,6 +116,21 @@ def dense_attention_enabled() -> bool:
     return _AVAILABLE and DENSE_ATTENTION_ENABLED
 
 
+def flash_rows_enabled() -> bool:
+    """Whether reads of many query rows (past backends.py's few-row caps) go through the tiled C++ kernel:
+    loaded and on."""
+    return _AVAILABLE and FLASH_ROWS_ENABLED
+
+
+def set_flash_rows(enabled: bool) -> None:
+    """Turn the tiled path on or off on both sides: the Python caps (`FLASH_ROWS_ENABLED`) and the row
+    count from which the C++ reads tile (`FLASH_MIN_ROWS`, or never)."""
+    global FLASH_ROWS_ENABLED
+    FLASH_ROWS_ENABLED = enabled
+    if _AVAILABLE:
+        torch.ops.widebeam.set_flash_min_rows(FLASH_MIN_ROWS if enabled else 2**62)
+
+
 def elementwise_enabled() -> bool:
     """Whether `rms_norm`, `rotary` and `silu_and_mul` serve the decoders' norms, rotary embeddings and
     gated MLPs: loaded and on."""
@@ -117,3 +141,6 @@ def linear_enabled() -> bool:
     """Whether `few_rows_linear` serves the split linears' 1-4 row products: loaded and switched on (it is
     compiled for this machine, and reads and writes no torch kernel's bits, so any capability serves)."""
     return _AVAILABLE and LINEAR_ENABLED
+
+
+set_flash_rows(FLASH_ROWS_ENABLED)  # the C++ side's row count from this module's switch

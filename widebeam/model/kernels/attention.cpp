@@ -26,12 +26,17 @@
 #include <vector>
 
 #include "common.h"
+#include "flash_rows.h"
+#include "sources.h"
 
 namespace {
 
 using namespace widebeam_kernels;
 
-constexpr int64_t kKeyBlock = 64;  // keys read at a time (K transposed: head_dim x 64 floats, in L1)
+constexpr int64_t kKeyBlock = 64;
+// From this many query rows a read goes through flash_rows.h (a head size it serves); settable
+// (`set_flash_min_rows`) so tests reach both paths at any row count and A/Bs can move the switch.
+int64_t flash_min_rows = 12;  // keys read at a time (K transposed: head_dim x 64 floats, in L1)
 
 // One (KV head, run of keys) of attention: the rows' running max m [R], sum of exponentials l [R] and
 // unnormalized output o [R, head_dim] over keys key_begin..key_end, merged across runs afterwards.
@@ -40,53 +45,6 @@ struct Partial {
   float* l;
   float* o;
 };
-
-// Where a layer's K (or V) is read from, one token's head at a time, as floats.
-// The int8 pool's half (K or V): values int8 [num_slots, kv_heads, head_dim], scales float16 [num_slots,
-// kv_heads, groups]; dequantized as read.
-struct Int8Source {
-  const int8_t* values;
-  const c10::Half* scales;
-  int64_t kv_heads, head_dim, groups;
-  static constexpr bool kRoundsOnRead = true;  // a bfloat16 read rounds what it dequantizes
-  void read(int64_t slot, int64_t head, float* dst) const {
-    const int64_t group_size = head_dim / groups;
-    const int8_t* src = values + (slot * kv_heads + head) * head_dim;
-    const c10::Half* scale = scales + (slot * kv_heads + head) * groups;
-    for (int64_t g = 0; g < groups; ++g) {
-      const float s = static_cast<float>(scale[g]);
-      for (int64_t j = g * group_size; j < (g + 1) * group_size; ++j) dst[j] = static_cast<float>(src[j]) * s;
-    }
-  }
-};
-
-// A float32 or bfloat16 cache [num_slots, kv_heads, head_dim], widened to float32 as read (a bfloat16
-// value is exact in float32: nothing to round).
-template <typename T>
-struct DenseSource {
-  const T* data;
-  int64_t kv_heads, head_dim;
-  static constexpr bool kRoundsOnRead = false;
-  void read(int64_t slot, int64_t head, float* dst) const {
-    const T* src = data + (slot * kv_heads + head) * head_dim;
-    for (int64_t j = 0; j < head_dim; ++j) dst[j] = static_cast<float>(src[j]);
-  }
-};
-
-// `count` keys' heads (keys key.., their slots from slot_index or consecutive from first_slot) into rows
-// of `out` ([count][head_dim] floats).
-template <typename Source>
-inline void read_rows(const Source& source, int64_t head, const int64_t* slot_index, int64_t first_slot,
-                      int64_t key, int64_t count, bool bf16, float* out) {
-  for (int64_t b = 0; b < count; ++b) {
-    const int64_t slot = slot_index != nullptr ? slot_index[key + b] : first_slot + key + b;
-    float* dst = out + b * source.head_dim;
-    source.read(slot, head, dst);
-    if (Source::kRoundsOnRead && bf16) {
-      for (int64_t j = 0; j < source.head_dim; ++j) dst[j] = round_bf16(dst[j]);
-    }
-  }
-}
 
 // kDim: head_dim as a compile-time constant (a multiple of 16: the loops over it unroll into registers),
 // or 0 for any head_dim (the same arithmetic through plain loops).
@@ -229,13 +187,6 @@ std::tuple<at::Tensor, at::Tensor> attend(const at::Tensor& q_rows, const Source
     lse.fill_(-std::numeric_limits<float>::infinity());
     return {out, lse};
   }
-  // Split each head's keys into runs so that every thread has work even with fewer KV heads than threads
-  // (SmolLM2: 3 heads); runs of at least 64 keys keep the per-run overhead and the merge small.
-  const int64_t threads = at::get_num_threads();
-  const int64_t max_runs = std::max<int64_t>(1, num_keys / kKeyBlock);
-  const int64_t runs = std::min(max_runs, std::max<int64_t>(1, (4 * threads + kv_heads - 1) / kv_heads));
-  const int64_t run_len = (num_keys + runs - 1) / runs;
-  std::vector<float> m(kv_heads * runs * rows), l(kv_heads * runs * rows), o(kv_heads * runs * rows * head_dim);
   std::vector<float> q_bf16;
   const float* q = q_rows.data_ptr<float>();
   if (bf16) {
@@ -243,6 +194,23 @@ std::tuple<at::Tensor, at::Tensor> attend(const at::Tensor& q_rows, const Source
     for (float& x : q_bf16) x = round_bf16(x);
     q = q_bf16.data();
   }
+  if (rows >= flash_min_rows && flash_supports(head_dim)) {  // many rows: tiles, register-blocked products
+    if (head_dim == 64) {
+      flash_rows<64>(q, rows, k_source, v_source, slot_index, first_slot, num_keys, bf16, out.data_ptr<float>(),
+                     lse.data_ptr<float>());
+    } else {
+      flash_rows<128>(q, rows, k_source, v_source, slot_index, first_slot, num_keys, bf16,
+                      out.data_ptr<float>(), lse.data_ptr<float>());
+    }
+    return {out, lse};
+  }
+  // Split each head's keys into runs so that every thread has work even with fewer KV heads than threads
+  // (SmolLM2: 3 heads); runs of at least 64 keys keep the per-run overhead and the merge small.
+  const int64_t threads = at::get_num_threads();
+  const int64_t max_runs = std::max<int64_t>(1, num_keys / kKeyBlock);
+  const int64_t runs = std::min(max_runs, std::max<int64_t>(1, (4 * threads + kv_heads - 1) / kv_heads));
+  const int64_t run_len = (num_keys + runs - 1) / runs;
+  std::vector<float> m(kv_heads * runs * rows), l(kv_heads * runs * rows), o(kv_heads * runs * rows * head_dim);
   at::parallel_for(0, kv_heads * runs, 1, [&](int64_t begin, int64_t finish) {
     for (int64_t task = begin; task < finish; ++task) {
       const int64_t head = task / runs, run = task % runs;
@@ -449,9 +417,20 @@ at::Tensor dense_group_attention(const at::Tensor& q_rows, const at::Tensor& k_c
   });
 }
 
+int64_t get_flash_min_rows() { return flash_min_rows; }
+
+int64_t set_flash_min_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 1, "flash_min_rows: at least 1");
+  const int64_t before = flash_min_rows;
+  flash_min_rows = rows;
+  return before;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(widebeam, m) {
+  m.def("flash_min_rows() -> int", &get_flash_min_rows);
+  m.def("set_flash_min_rows(int rows) -> int", &set_flash_min_rows);
   m.def("int8_attention(Tensor q_rows, Tensor pair_values, Tensor pair_scales, int start, int end, "
         "Tensor? index, bool bf16) -> (Tensor, Tensor)");
   m.def("int8_group_attention(Tensor q_rows, Tensor pair_values, Tensor pair_scales, int start, int end, "
