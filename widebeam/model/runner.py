@@ -19,6 +19,7 @@ import torch
 
 from widebeam.defaults import FLOAT_DTYPES, KV_CACHE_DTYPES
 from widebeam.kv.spec import int8_scale_groups
+from widebeam.model import kernels
 from widebeam.model.attention.backends import get_attention_backend
 from widebeam.model.attention.cross import CrossAttentionMetadata
 from widebeam.model.attention.metadata import AttentionMetadata, tree_depths
@@ -109,13 +110,19 @@ class ModelRunner:
         written = offsets < num_tokens[:, None]  # [copies, t]: the slots each copy carries
         src = (src_blocks[:, None] * t + offsets)[written].to(self.device)
         dst = (dst_blocks[:, None] * t + offsets)[written].to(self.device)
+        # copied straight across (no gathered copy of every row first) unless a block both gives and takes
+        direct = (self.device.type == "cpu" and kernels.copy_rows_enabled()
+                  and not set(src_blocks.tolist()) & set(dst_blocks.tolist()))
         # an int8 pool's scales move with their values
         for tensor in (self.kv_tensors[pool_name], self.kv_scales.get(pool_name)):
             if tensor is None:
                 continue
             # [layers x K/V, slots, kv_heads x d]
             flat = tensor.view(tensor.shape[0] * 2, tensor.shape[2], -1)
-            flat.index_copy_(1, dst, flat.index_select(1, src))
+            if direct:
+                torch.ops.widebeam.copy_rows(flat, dst, flat, src)
+            else:
+                flat.index_copy_(1, dst, flat.index_select(1, src))
 
     @torch.inference_mode()
     def execute(self, seqs: list[SequenceInput], all_logits: bool = False,

@@ -4,7 +4,9 @@ quantize_write`), attention of a few rows over an int8 or a float32/bfloat16 cac
 selection (`row_top.cpp`: `torch.ops.widebeam.log_softmax_topk`) and linears at 1-8 rows, float32 or
 16-bit (`few_rows.cpp`: `torch.ops.widebeam.few_rows_linear`, run by model/linears/split.py), RMSNorm and
 the rotary embedding and the gated MLP's activation (`elementwise.cpp`: `rms_norm`, `rotary`, `silu_and_mul`,
-run by model/families/layers.py).
+run by model/families/layers.py), many query rows tiled (`flash_rows.h`, through the attention ops past
+`FLASH_MIN_ROWS`), and rows of a KV cache copied by index (`copy_rows.cpp`: the step's K/V write and the
+copy-on-write copies).
 
 Why: at small beam widths an int8 cache's cost is kernel launches, not bytes: per layer ~15 eager ops to
 quantize and write a step's K/V and ~8 to dequantize what attention reads (one decode step of
@@ -34,7 +36,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 SOURCES = (HERE / "int8_kv.cpp", HERE / "attention.cpp", HERE / "row_top.cpp", HERE / "few_rows.cpp",
-           HERE / "elementwise.cpp")
+           HERE / "elementwise.cpp", HERE / "copy_rows.cpp")
 # in the stamp, not on the compile line
 HEADERS = (HERE / "common.h", HERE / "sources.h", HERE / "flash_rows.h")
 BUILD_DIR = HERE / "_build"
@@ -55,6 +57,8 @@ ELEMENTWISE_ENABLED = ENABLED
 # many query rows (a wide group against its prompt) through the tiled kernel (flash_rows.h), past the
 # few-row caps of model/attention/backends.py; `set_flash_rows` moves the C++ side with it
 FLASH_ROWS_ENABLED = ENABLED
+# the step's K/V write and the copy-on-write copies as one row-copying op each (copy_rows.cpp)
+COPY_ROWS_ENABLED = ENABLED
 # the head sizes flash_rows.h serves (its products are unrolled for them)
 FLASH_HEAD_DIMS = (64, 128)
 # from this many rows the C++ reads take the tiled path (kernel / few-row path at 2,048 keys, 5 KV heads:
@@ -120,6 +124,12 @@ def flash_rows_enabled() -> bool:
     """Whether reads of many query rows (past backends.py's few-row caps) go through the tiled C++ kernel:
     loaded and on."""
     return _AVAILABLE and FLASH_ROWS_ENABLED
+
+
+def copy_rows_enabled() -> bool:
+    """Whether `copy_rows` writes the step's K/V into a float cache and runs the copy-on-write copies:
+    loaded and on."""
+    return _AVAILABLE and COPY_ROWS_ENABLED
 
 
 def set_flash_rows(enabled: bool) -> None:
