@@ -52,11 +52,11 @@ def reference(q_rows, k, v, bf16):
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 2e-5), (torch.bfloat16, 1e-2)],
                          ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("num_keys", [1, 127, 128, 129, 700])
+@pytest.mark.parametrize("num_keys", [1, 63, 65, 255, 256, 257, 700])
 @pytest.mark.parametrize("rows", [1, 5, 47, 48, 49, 200])
 def test_the_tiled_path_matches_plain_attention(min_rows, dtype, tolerance, head_dim, num_keys, rows):
-    """Row tiles (48) and key blocks (128) with and without tails; a run of slots (V read in place) and a
-    list (V widened)."""
+    """Row tiles (48), score tiles (64 keys) and key blocks (256) with and without tails; a run of slots (V
+    read in place) and a list (V widened)."""
     min_rows(1)
     k_cache, v_cache = dense_cache(900, 2, head_dim, dtype, seed=num_keys)
     gen = torch.Generator().manual_seed(rows)

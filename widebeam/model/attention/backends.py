@@ -380,27 +380,19 @@ def _kernel_attention(q_rows: torch.Tensor, k_cache, v_cache, start: int = 0, en
 
 def _kernel_group(q: torch.Tensor, k_cache, v_cache, group: DecodeGroup, scale: float) -> torch.Tensor:
     """`_attend_group`'s prefix and suffix parts, merged, in one op of the C++ kernel: q [B, H, d] ->
-    [B, H, d], nothing gathered (or dequantized) in between."""
-    batch, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
-    group_size = num_heads // num_kv_heads
-    # contiguous: with one head a KV head (no grouping) the reshape is a strided view
-    q_rows = ((q.float() * scale).view(batch, num_kv_heads, group_size, head_dim).transpose(0, 1)
-              .reshape(num_kv_heads, batch * group_size, head_dim).contiguous())
+    [B, H, d], nothing gathered (or dequantized) in between; q scaled and regrouped into the kernel's
+    [KV, B*G, d] rows, and the output back into [B, H, d], inside the op."""
     if group.prefix_start is not None:
         start, end, index = group.prefix_start, group.prefix_start + group.prefix_tokens, None
     else:
         start, end, index = 0, 0, group.prefix_slots.contiguous()
     suffix_slots, suffix_mask = group.suffix_slots.contiguous(), group.suffix_mask.contiguous()
     if isinstance(k_cache, torch.Tensor):
-        out = torch.ops.widebeam.dense_group_attention(q_rows, k_cache, v_cache, start, end, index,
-                                                       suffix_slots, suffix_mask)
-    else:
-        out = torch.ops.widebeam.int8_group_attention(
-            q_rows, k_cache.pair_values, k_cache.pair_scales, start, end, index, suffix_slots, suffix_mask,
-            k_cache.read_dtype == torch.bfloat16)
-    return (out.view(num_kv_heads, batch, group_size, head_dim).transpose(0, 1)
-            .reshape(batch, num_heads, head_dim).to(q.dtype))
+        return torch.ops.widebeam.dense_group_attention(q, scale, k_cache, v_cache, start, end, index,
+                                                        suffix_slots, suffix_mask)
+    return torch.ops.widebeam.int8_group_attention(
+        q, scale, k_cache.pair_values, k_cache.pair_scales, start, end, index, suffix_slots, suffix_mask,
+        k_cache.read_dtype == torch.bfloat16)
 
 
 def chunk_attention(q_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

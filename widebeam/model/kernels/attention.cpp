@@ -10,6 +10,7 @@
 // Built by build.py (never at import or run time) with -O3 -march=native; no -ffast-math.
 
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -260,70 +261,109 @@ std::tuple<at::Tensor, at::Tensor> attend(const at::Tensor& q_rows, const Source
   return {out, lse};
 }
 
-// A decode group (the beams of one request): q_rows float32 [KV, B*G, d] (row b * G + g is beam b's head g
-// of the KV head) against the shared prefix (slots first_slot.., or slot_index) and each beam's own keys
-// (suffix_slots [B, S], real where suffix_mask [B, S]), merged by log-sum-exp: out float32 [KV, B*G, d], as
-// backends._attend_group's prefix and suffix parts compute it together.
+// q [B, H, d] (float32, bfloat16 or float16) as the kernel's rows: float32 [KV, B*G, d], row b * G + g of
+// KV head h being beam b's head h * G + g, times `scale` (as backends.py's `(q.float() * scale)` and
+// regrouping compute it, in one pass instead of three tensor copies).
+at::Tensor group_rows(const at::Tensor& q, int64_t kv_heads, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.device().is_cpu() && q.size(1) % kv_heads == 0,
+              "q: [beams, heads, head_dim], heads a multiple of the KV heads");
+  const at::Tensor q_float = q.to(at::kFloat).contiguous();  // a float32 q as it is
+  const int64_t beams = q.size(0), heads = q.size(1), head_dim = q.size(2), group_heads = heads / kv_heads;
+  at::Tensor rows = at::empty({kv_heads, beams * group_heads, head_dim}, q_float.options());
+  const float* src = q_float.data_ptr<float>();
+  float* dst = rows.data_ptr<float>();
+  const float factor = static_cast<float>(scale);
+  at::parallel_for(0, beams, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* from = src + (b * heads + h) * head_dim;
+        float* to = dst + ((h / group_heads) * beams * group_heads + b * group_heads + h % group_heads) * head_dim;
+        for (int64_t j = 0; j < head_dim; ++j) to[j] = from[j] * factor;
+      }
+    }
+  });
+  return rows;
+}
+
+// A decode group (the beams of one request): q [B, H, d] (unscaled; heads h * G .. h * G + G - 1 share KV
+// head h) against the shared prefix (slots first_slot.., or slot_index) and each beam's own keys
+// (suffix_slots [B, S], real where suffix_mask [B, S]), merged by log-sum-exp: out [B, H, d] in q's dtype,
+// as backends._attend_group's prefix and suffix parts compute it together.
 template <typename Source>
-at::Tensor attend_group(const at::Tensor& q_rows, const Source& k_source, const Source& v_source,
+at::Tensor attend_group(const at::Tensor& q, double scale, const Source& k_source, const Source& v_source,
                         int64_t num_slots, int64_t first_slot, int64_t num_keys, const int64_t* slot_index,
                         const at::Tensor& suffix_slots, const at::Tensor& suffix_mask, bool bf16) {
-  at::Tensor prefix_out, prefix_lse;
-  std::tie(prefix_out, prefix_lse) = attend(q_rows, k_source, v_source, first_slot, num_keys, slot_index, bf16);
-  const int64_t kv_heads = k_source.kv_heads, head_dim = k_source.head_dim, rows = q_rows.size(1);
+  const int64_t kv_heads = k_source.kv_heads, head_dim = k_source.head_dim;
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == head_dim, "q: [beams, heads, head_dim] matching the cache");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
+              "q: float32, bfloat16 or float16");
   TORCH_CHECK(suffix_slots.scalar_type() == at::kLong && suffix_slots.dim() == 2 && suffix_slots.is_contiguous(),
               "suffix_slots: contiguous int64 [beams, keys]");
   TORCH_CHECK(suffix_mask.scalar_type() == at::kBool && suffix_mask.sizes() == suffix_slots.sizes() &&
                   suffix_mask.is_contiguous(),
               "suffix_mask: contiguous bool [beams, keys]");
   const int64_t beams = suffix_slots.size(0), keys = suffix_slots.size(1);
-  TORCH_CHECK(beams > 0 && rows % beams == 0, "q_rows: beams x grouped heads rows");
-  const int64_t group_heads = rows / beams;
+  TORCH_CHECK(beams > 0 && q.size(0) == beams, "q: one row of heads per beam of the suffix");
+  const at::Tensor q_rows = group_rows(q, kv_heads, scale);
+  at::Tensor prefix_out, prefix_lse;
+  std::tie(prefix_out, prefix_lse) = attend(q_rows, k_source, v_source, first_slot, num_keys, slot_index, bf16);
+  const int64_t rows = q_rows.size(1), group_heads = rows / beams, heads = q.size(1);
   const int64_t* slot = suffix_slots.data_ptr<int64_t>();
   const bool* real = suffix_mask.data_ptr<bool>();
   for (int64_t i = 0; i < beams * keys; ++i) {
     TORCH_CHECK(!real[i] || (slot[i] >= 0 && slot[i] < num_slots), "suffix slot ", slot[i], " out of range");
   }
-  const float* q = q_rows.data_ptr<float>();
-  float* out = prefix_out.data_ptr<float>();  // the prefix's normalized output, merged in place
+  at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  const float* q_data = q_rows.data_ptr<float>();
+  float* prefix = prefix_out.data_ptr<float>();  // the prefix's normalized output, merged in place
   const float* lse = prefix_lse.data_ptr<float>();
-  at::parallel_for(0, kv_heads * beams, 1, [&](int64_t begin, int64_t finish) {
-    std::vector<int64_t> own;  // the beam's real keys' slots
-    std::vector<float> k(keys * head_dim), v(keys * head_dim), q_row(head_dim), p(keys);
-    for (int64_t task = begin; task < finish; ++task) {
-      const int64_t head = task / beams, beam = task % beams;
-      own.clear();
-      for (int64_t i = 0; i < keys; ++i) {
-        if (real[beam * keys + i]) own.push_back(slot[beam * keys + i]);
-      }
-      const int64_t n = static_cast<int64_t>(own.size());
-      if (n == 0) continue;  // the prefix alone: its output stands
-      read_rows(k_source, head, own.data(), 0, 0, n, bf16, k.data());
-      read_rows(v_source, head, own.data(), 0, 0, n, bf16, v.data());
-      for (int64_t g = 0; g < group_heads; ++g) {
-        const int64_t row = head * rows + beam * group_heads + g;
-        for (int64_t j = 0; j < head_dim; ++j) q_row[j] = bf16 ? round_bf16(q[row * head_dim + j]) : q[row * head_dim + j];
-        float m = lse[row];
-        for (int64_t i = 0; i < n; ++i) {
-          p[i] = dot(q_row.data(), k.data() + i * head_dim, head_dim);
-          m = std::max(m, p[i]);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attend_group", [&] {
+    scalar_t* out_data = out.data_ptr<scalar_t>();
+    at::parallel_for(0, kv_heads * beams, 16, [&](int64_t begin, int64_t finish) {
+      std::vector<int64_t> own;  // the beam's real keys' slots
+      std::vector<float> k(keys * head_dim), v(keys * head_dim), q_row(head_dim), p(keys);
+      for (int64_t task = begin; task < finish; ++task) {
+        const int64_t head = task / beams, beam = task % beams;
+        own.clear();
+        for (int64_t i = 0; i < keys; ++i) {
+          if (real[beam * keys + i]) own.push_back(slot[beam * keys + i]);
         }
-        // the prefix counts as exp(lse) of summed weight, its output already normalized by it
-        const float prefix_weight = std::exp(lse[row] - m);
-        float total = prefix_weight;
-        float* o = out + row * head_dim;
-        for (int64_t j = 0; j < head_dim; ++j) o[j] *= prefix_weight;
-        for (int64_t i = 0; i < n; ++i) {
-          const float w = std::exp(p[i] - m);
-          total += w;
-          const float wv = bf16 ? round_bf16(w) : w;
-          for (int64_t j = 0; j < head_dim; ++j) o[j] += wv * v[i * head_dim + j];
+        const int64_t n = static_cast<int64_t>(own.size());
+        if (n > 0) {
+          read_rows(k_source, head, own.data(), 0, 0, n, bf16, k.data());
+          read_rows(v_source, head, own.data(), 0, 0, n, bf16, v.data());
         }
-        for (int64_t j = 0; j < head_dim; ++j) o[j] = bf16 ? round_bf16(o[j] / total) : o[j] / total;
+        for (int64_t g = 0; g < group_heads; ++g) {
+          const int64_t row = head * rows + beam * group_heads + g;
+          float* o = prefix + row * head_dim;
+          if (n > 0) {  // else the prefix alone: its output stands
+            for (int64_t j = 0; j < head_dim; ++j) {
+              q_row[j] = bf16 ? round_bf16(q_data[row * head_dim + j]) : q_data[row * head_dim + j];
+            }
+            float m = lse[row];
+            for (int64_t i = 0; i < n; ++i) {
+              p[i] = dot(q_row.data(), k.data() + i * head_dim, head_dim);
+              m = std::max(m, p[i]);
+            }
+            // the prefix counts as exp(lse) of summed weight, its output already normalized by it
+            const float prefix_weight = exp_nonpositive(lse[row] - m);
+            float total = prefix_weight;
+            for (int64_t j = 0; j < head_dim; ++j) o[j] *= prefix_weight;
+            for (int64_t i = 0; i < n; ++i) {
+              const float w = exp_nonpositive(p[i] - m);
+              total += w;
+              const float wv = bf16 ? round_bf16(w) : w;
+              for (int64_t j = 0; j < head_dim; ++j) o[j] += wv * v[i * head_dim + j];
+            }
+            for (int64_t j = 0; j < head_dim; ++j) o[j] = bf16 ? round_bf16(o[j] / total) : o[j] / total;
+          }
+          scalar_t* dst = out_data + (beam * heads + head * group_heads + g) * head_dim;
+          for (int64_t j = 0; j < head_dim; ++j) dst[j] = static_cast<scalar_t>(o[j]);
+        }
       }
-    }
+    });
   });
-  return prefix_out;
+  return out;
 }
 
 // The keys an op reads: slots start..end of the cache, or the slots `index` (then start is 0):
@@ -366,14 +406,14 @@ std::tuple<at::Tensor, at::Tensor> int8_attention(const at::Tensor& q_rows, cons
   return attend(q_rows, k_source, v_source, first_slot, num_keys, slot_index, bf16);
 }
 
-at::Tensor int8_group_attention(const at::Tensor& q_rows, const at::Tensor& pair_values,
+at::Tensor int8_group_attention(const at::Tensor& q, double scale, const at::Tensor& pair_values,
                                 const at::Tensor& pair_scales, int64_t start, int64_t end,
                                 const std::optional<at::Tensor>& index, const at::Tensor& suffix_slots,
                                 const at::Tensor& suffix_mask, bool bf16) {
   auto [k_source, v_source] = int8_sources(pair_values, pair_scales);
   const int64_t num_slots = pair_values.size(1);
   auto [first_slot, num_keys, slot_index] = key_slots(start, end, index, num_slots);
-  return attend_group(q_rows, k_source, v_source, num_slots, first_slot, num_keys, slot_index, suffix_slots,
+  return attend_group(q, scale, k_source, v_source, num_slots, first_slot, num_keys, slot_index, suffix_slots,
                       suffix_mask, bf16);
 }
 
@@ -406,13 +446,13 @@ std::tuple<at::Tensor, at::Tensor> dense_attention(const at::Tensor& q_rows, con
   });
 }
 
-at::Tensor dense_group_attention(const at::Tensor& q_rows, const at::Tensor& k_cache, const at::Tensor& v_cache,
+at::Tensor dense_group_attention(const at::Tensor& q, double scale, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                  int64_t start, int64_t end, const std::optional<at::Tensor>& index,
                                  const at::Tensor& suffix_slots, const at::Tensor& suffix_mask) {
   const int64_t num_slots = k_cache.size(0);
   auto [first_slot, num_keys, slot_index] = key_slots(start, end, index, num_slots);
   return with_dense_sources(k_cache, v_cache, [&](const auto& k_source, const auto& v_source, bool bf16) {
-    return attend_group(q_rows, k_source, v_source, num_slots, first_slot, num_keys, slot_index, suffix_slots,
+    return attend_group(q, scale, k_source, v_source, num_slots, first_slot, num_keys, slot_index, suffix_slots,
                         suffix_mask, bf16);
   });
 }
@@ -433,11 +473,11 @@ TORCH_LIBRARY_FRAGMENT(widebeam, m) {
   m.def("set_flash_min_rows(int rows) -> int", &set_flash_min_rows);
   m.def("int8_attention(Tensor q_rows, Tensor pair_values, Tensor pair_scales, int start, int end, "
         "Tensor? index, bool bf16) -> (Tensor, Tensor)");
-  m.def("int8_group_attention(Tensor q_rows, Tensor pair_values, Tensor pair_scales, int start, int end, "
+  m.def("int8_group_attention(Tensor q, float scale, Tensor pair_values, Tensor pair_scales, int start, int end, "
         "Tensor? index, Tensor suffix_slots, Tensor suffix_mask, bool bf16) -> Tensor");
   m.def("dense_attention(Tensor q_rows, Tensor k_cache, Tensor v_cache, int start, int end, Tensor? index) "
         "-> (Tensor, Tensor)");
-  m.def("dense_group_attention(Tensor q_rows, Tensor k_cache, Tensor v_cache, int start, int end, "
+  m.def("dense_group_attention(Tensor q, float scale, Tensor k_cache, Tensor v_cache, int start, int end, "
         "Tensor? index, Tensor suffix_slots, Tensor suffix_mask) -> Tensor");
 }
 
