@@ -22,6 +22,7 @@ from tiny_t5 import T5_PAD as PAD
 from tiny_t5 import T5_SMALL_SHAPE, save_tiny_t5
 
 from widebeam.llm import LLM
+from widebeam.model.linears import split as split_linear
 from widebeam.params import BeamSearchParams, SamplingParams
 
 # Sources of several lengths (E = 2 .. 37; past the tiny model's max_distance of 20), ending with EOS
@@ -126,11 +127,26 @@ def test_loads_the_checkpoint_with_its_head(models):
     torch.testing.assert_close(model.lm_head.weight, hf.lm_head.weight)
 
 
-def test_t5_small_shape_at_two_layers(tmp_path):
-    """t5-small's widths (d_model 512, 8 x 64 heads, d_ff 2048, 32128 tokens, 32 buckets to 128)."""
+@pytest.mark.parametrize("onednn", [False, True], ids=["as probed", "oneDNN forced past 8 rows"])
+def test_t5_small_shape_at_two_layers(tmp_path, monkeypatch, onednn):
+    """t5-small's widths (d_model 512, 8 x 64 heads, d_ff 2048, 32128 tokens, 32 buckets to 128). With
+    oneDNN forced (as the start-up probe picks it on an AMD EPYC): the decoder's linears and head run it,
+    the encoder's and the cross K/V projections keep F.linear (`keeps_f_linear`), and parity holds."""
+    if onednn:
+        if not split_linear.onednn_plain_available():
+            pytest.skip("this torch build has no oneDNN")
+        monkeypatch.setattr(split_linear, "probe_many_rows", lambda layers: True)
     hf = save_tiny_t5(tmp_path, "t5", shape=T5_SMALL_SHAPE)
     llm = LLM(str(tmp_path), dtype="float32", device="cpu", tokens_per_block=16, kv_cache_memory="16MiB",
               max_num_batched_tokens=160, max_beam_width=4)
+    if onednn:
+        by_name = {name: m.onednn_many_rows for name, m in llm.engine.model.named_modules()
+                   if isinstance(m, split_linear.SplitLinear)}
+        kept = {name for name, on in by_name.items() if not on}
+        assert any(name.startswith("encoder.") for name in kept)
+        assert all(name.startswith("encoder.") or name.endswith(("EncDecAttention.k", "EncDecAttention.v"))
+                   for name in kept)
+        assert by_name["decoder.block.0.layer.0.SelfAttention.q"] and by_name["lm_head"]
     long_source = [(37 * i) % 32000 + 2 for i in range(150)] + [EOS]  # past max_distance 128
     sources = [SOURCES[0], long_source]
     check_logits(llm.engine, hf, sources, [[PAD, 4, 8], [PAD] + [3] * 140], steps=2, tol=2e-4)

@@ -317,3 +317,14 @@ def test_a_model_class_may_keep_f_linear_past_the_split_rows(monkeypatch):
     model.onednn_many_rows = False
     split_linears(model)
     assert not model[0].onednn_many_rows
+
+
+@needs_onednn
+def test_a_model_class_may_keep_f_linear_for_some_of_its_linears(monkeypatch):
+    """`keeps_f_linear(name)` on the model: the named linears keep F.linear, the rest take oneDNN where the
+    probe finds it faster (T5's encoder and cross K/V: tests/parity/test_t5_parity.py)."""
+    monkeypatch.setattr(split_linear, "probe_many_rows", lambda layers: True)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8))
+    model.keeps_f_linear = lambda name: name == "0"
+    split_linears(model)
+    assert [layer.onednn_many_rows for layer in model] == [False, True]

@@ -218,10 +218,14 @@ class T5ForConditionalGeneration(nn.Module):
     """`encode` fills the cross pool once per request; `forward` runs decoder tokens and returns the
     final-normed hidden states; `compute_logits` the float32 logits (v1.0's output scaling included)."""
 
-    # Past 8 rows the float32 linears keep F.linear (linears/split.py): T5's activations are large (no
-    # scaling in its feed-forward or attention), so another library's summation order moves the encoder's
-    # cross K/V by up to 3e-4 on t5-small's shape, past the 2e-4 its parity suite holds them to.
-    onednn_many_rows = False
+    # Past 8 rows the encoder's float32 linears and the cross K/V projections keep F.linear
+    # (linears/split.py): T5's activations are large (no scaling in its feed-forward or attention), so
+    # another library's summation order moves the encoder's cross K/V by up to 3e-4 on t5-small's shape,
+    # past the 2e-4 its parity suite holds them to. The decoder's own linears (a step's W x sources rows,
+    # where MKL's sgemm is slowest) take oneDNN where the start-up probe finds it faster.
+    @staticmethod
+    def keeps_f_linear(name: str) -> bool:
+        return name.startswith("encoder.") or name.endswith(("EncDecAttention.k", "EncDecAttention.v"))
 
     def __init__(self, arch: ModelArch, settings: T5Settings):
         super().__init__()

@@ -34,7 +34,8 @@ inner product on the same plain weight ran 87-215 (1.1-1.6x at 16-1,024 rows; th
 at 16 rows 42 vs 87). `SplitLinear` runs such rows through oneDNN (`torch.ops.mkldnn._linear_pointwise`,
 the weight as it is: no packed copy, no extra memory) where a start-up probe at `_MANY_PROBE_ROWS` rows
 finds it faster on this CPU (`probe_many_rows`); the same dot products, summed in another order (a model
-class may keep F.linear: `onednn_many_rows = False`, T5's).
+class may keep F.linear: `onednn_many_rows = False` for all of its linears, or `keeps_f_linear(name)` for
+some, as T5 names its encoder's and cross K/V's).
 """
 
 from __future__ import annotations
@@ -169,8 +170,10 @@ def split_linears(model: torch.nn.Module) -> torch.nn.Module:
         split_rows = probe_split_rows(layers)
         for layer in layers:
             layer.split_rows = split_rows
-    float32_layers = [m for m in model.modules() if isinstance(m, SplitLinear)
-                      and m.weight.dtype == torch.float32 and m.weight.is_contiguous()]
+    keeps_f_linear = getattr(model, "keeps_f_linear", lambda name: False)
+    float32_layers = [m for name, m in model.named_modules() if isinstance(m, SplitLinear)
+                      and m.weight.dtype == torch.float32 and m.weight.is_contiguous()
+                      and not keeps_f_linear(name)]
     if (float32_layers and getattr(model, "onednn_many_rows", True) and onednn_plain_available()
             and probe_many_rows(float32_layers)):
         for layer in float32_layers:
