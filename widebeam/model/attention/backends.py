@@ -395,6 +395,27 @@ def _kernel_group(q: torch.Tensor, k_cache, v_cache, group: DecodeGroup, scale: 
         k_cache.read_dtype == torch.bfloat16)
 
 
+def kernel_shared_keys(q: torch.Tensor, k_cache, v_cache, slots: torch.Tensor,
+                       slot_run: tuple[int, int] | None, scale: float) -> torch.Tensor | None:
+    """q [n, H, d] against every key at `slots` (a run of slots start..end when `slot_run` says so), no
+    mask: a cross-attention group (cross.py), through the kernel's group op with no own keys. None where
+    the kernel does not serve (the caller's torch path does)."""
+    num_kv_heads = k_cache.shape[1]
+    if not _use_kernel(k_cache, v_cache, q.shape[0] * (q.shape[1] // num_kv_heads), KERNEL_GROUP_MAX_ROWS):
+        return None
+    if isinstance(k_cache, QuantizedKV) and (k_cache.unrotate is not None or v_cache.unrotate is not None):
+        return None
+    start, end, index = (*slot_run, None) if slot_run is not None else (0, 0, slots.contiguous())
+    no_keys = torch.empty(q.shape[0], 0, dtype=torch.long, device=q.device)
+    no_mask = torch.empty(q.shape[0], 0, dtype=torch.bool, device=q.device)
+    if isinstance(k_cache, torch.Tensor):
+        return torch.ops.widebeam.dense_group_attention(q, scale, k_cache, v_cache, start, end, index,
+                                                        no_keys, no_mask)
+    return torch.ops.widebeam.int8_group_attention(q, scale, k_cache.pair_values, k_cache.pair_scales, start,
+                                                   end, index, no_keys, no_mask,
+                                                   k_cache.read_dtype == torch.bfloat16)
+
+
 def chunk_attention(q_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """q_rows [KV, R, d] (scaled) against k, v [n, KV, d]: (out [KV, R, d], lse [KV, R, 1]), float32.

@@ -10,16 +10,18 @@ share one cross block table (the beams of a request, with their prefill or decod
 group, their K/V are gathered once and every query of the group is scored against them in one
 matrix-matrix product, instead of one read and one matrix-vector product per beam. The runner builds
 the groups (`groups(device)`) once per step, before the forward; every layer then reads the same index
-tensors, with no host reads.
+tensors, with no host reads. Where the C++ kernels serve (backends.kernel_shared_keys) a group is one op:
+its encoder K/V read in place (a run of slots) or by index, nothing gathered.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
 
-from widebeam.model.attention.backends import fused_attention
+from widebeam.model.attention.backends import fused_attention, kernel_shared_keys
 
 
 @dataclass
@@ -56,9 +58,18 @@ class CrossAttentionMetadata:
                 rows = [r for i in members
                         for r in range(self.query_start_loc[i], self.query_start_loc[i + 1])]
                 groups.append(CrossGroup(torch.tensor(rows, dtype=torch.long, device=device),
-                                         self.key_slots(members[0], device)))
+                                         self.key_slots(members[0], device), self._slot_run(members[0])))
             self._cache[key] = groups
         return self._cache[key]
+
+
+    def _slot_run(self, seq_index: int) -> tuple[int, int] | None:
+        """(first slot, end) when the sequence's E encoder positions fill consecutive slots (its cross
+        blocks were allocated in a row), else None; from the host's block table, no device read."""
+        table, t = self.block_tables[seq_index], self.tokens_per_block
+        if any(b - a != 1 for a, b in itertools.pairwise(table)):
+            return None
+        return table[0] * t, table[0] * t + self.encoder_lens[seq_index]
 
 
 @dataclass
@@ -67,6 +78,7 @@ class CrossGroup:
 
     token_index: torch.Tensor  # [n] rows of the flattened tokens
     key_slots: torch.Tensor  # [E]
+    slot_run: tuple[int, int] | None = None  # (first, end) when key_slots are one run of slots
 
 
 def _attend_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -85,6 +97,10 @@ def cross_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty_like(q)
     for group in meta.groups(q.device):
         rows = q.index_select(0, group.token_index)
-        k, v = k_cache.index_select(0, group.key_slots), v_cache.index_select(0, group.key_slots)
-        out.index_copy_(0, group.token_index, _attend_all(rows, k, v, scale))
+        # the C++ kernel where it serves (no K/V gathered; many rows tiled), else PyTorch's fused kernel
+        attended = kernel_shared_keys(rows, k_cache, v_cache, group.key_slots, group.slot_run, scale)
+        if attended is None:
+            k, v = k_cache.index_select(0, group.key_slots), v_cache.index_select(0, group.key_slots)
+            attended = _attend_all(rows, k, v, scale)
+        out.index_copy_(0, group.token_index, attended)
     return out
