@@ -447,7 +447,7 @@ def main(argv=None) -> None:
             sides = Sides(model_dir, dtype, args.threads, max(args.widths), args.kv_cache_memory, args.sides)
             warm = sources[:2]
             for side in args.sides:  # loads the CT2 worker (and converts on first use), warms every kernel
-                sides.run(side, warm, 2, 4, args.peer_max_beams)
+                sides.run(side, warm, min(2, max(args.widths)), 4, args.peer_max_beams)
             for k, width in enumerate(args.widths):
                 order = args.sides[k % len(args.sides):] + args.sides[:k % len(args.sides)]
                 row = bench_point(sides, sources, width, args.new_tokens, order, args.peer_max_beams,
