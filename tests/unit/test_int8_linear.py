@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from widebeam.model import kernels
 from widebeam.model.linears.int8 import (
     Int8Linear,
     fbgemm_exact,
@@ -149,3 +150,51 @@ def test_an_int8_engine_runs_fused_projections_and_holds_each_weight_once(tiny_l
             == [arch.num_heads * arch.head_dim] + [arch.num_kv_heads * arch.head_dim] * 2)
     # 4 int8 layers a decoder layer (qkv, o, gate_up, down) and the lm_head
     assert sum(isinstance(m, Int8Linear) for m in model.modules()) == 4 * arch.num_layers + 1
+
+
+def _torch_quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The formula `quantize_rows` runs where the C++ op does not serve (switched off here)."""
+    scale = rows.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127.0
+    return torch.round(rows / scale).clamp_(-127, 127), scale
+
+
+@pytest.mark.skipif(not kernels.available(), reason="C++ kernels not built")
+@pytest.mark.parametrize("width", [1, 15, 16, 17, 576, 1000])
+def test_the_row_quantizer_op_is_the_torch_formula_bit_for_bit(monkeypatch, width):
+    """Ties (x / s exactly half-way: rounded to even), an all-zero row, a row of one value, huge and tiny
+    magnitudes, a NaN and an infinity (propagated as torch propagates them), any width."""
+    gen = torch.Generator().manual_seed(width)
+    rows = torch.randn(9, width, generator=gen) * torch.logspace(-30, 30, 9)[:, None]
+    rows[1] = 0.0
+    rows[2] = 3.0
+    rows[3, 0] = 127.0
+    rows[3, 1:] = torch.arange(1, width) % 7 - 3.5  # halves: ties to even after / (127 / 127)
+    rows[4, width // 2] = float("nan")
+    rows[5, -1] = float("inf")
+    calls = []
+    real = torch.ops.widebeam.quantize_rows
+    monkeypatch.setattr(torch.ops.widebeam, "quantize_rows", lambda r: calls.append(1) or real(r))
+    q, scale = quantize_rows(rows)
+    assert calls == [1]
+    expected_q, expected_scale = _torch_quantize_rows(rows)
+    assert torch.equal(scale.isnan(), expected_scale.isnan()) and torch.equal(q.isnan(), expected_q.isnan())
+    assert torch.equal(torch.nan_to_num(scale), torch.nan_to_num(expected_scale))
+    assert torch.equal(torch.nan_to_num(q), torch.nan_to_num(expected_q))
+    monkeypatch.setattr(kernels, "QUANTIZE_ROWS_ENABLED", False)
+    q_off, _ = quantize_rows(rows)
+    assert calls == [1] and torch.equal(torch.nan_to_num(q_off), torch.nan_to_num(q))
+
+
+@pytest.mark.skipif(not kernels.available(), reason="C++ kernels not built")
+def test_an_int8_engine_generates_bit_equal_with_the_row_quantizer_on_and_off(monkeypatch, tiny_llama_dir):
+    from widebeam.llm import LLM
+    from widebeam.params import BeamSearchParams
+
+    llm = LLM(str(tiny_llama_dir), dtype="int8", device="cpu", kv_cache_memory="2MiB")
+    prompts = [{"prompt_token_ids": [(i * 13 + k) % 100 + 3 for i in range(n)]} for k, n in ((1, 7), (3, 20))]
+    outputs = {}
+    for on in (True, False):
+        monkeypatch.setattr(kernels, "QUANTIZE_ROWS_ENABLED", on)
+        outputs[on] = llm.generate(prompts, BeamSearchParams(beam_width=4, max_new_tokens=8), use_tqdm=False)
+    for a, b in zip(outputs[True], outputs[False], strict=True):
+        assert [(o.token_ids, o.score) for o in a.outputs] == [(o.token_ids, o.score) for o in b.outputs]

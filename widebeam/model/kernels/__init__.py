@@ -6,7 +6,8 @@ selection (`row_top.cpp`: `torch.ops.widebeam.log_softmax_topk`) and linears at 
 the rotary embedding and the gated MLP's activation (`elementwise.cpp`: `rms_norm`, `rotary`, `silu_and_mul`,
 run by model/families/layers.py), many query rows tiled (`flash_rows.h`, through the attention ops past
 `FLASH_MIN_ROWS`), and rows of a KV cache copied by index (`copy_rows.cpp`: the step's K/V write and the
-copy-on-write copies).
+copy-on-write copies), and an int8 linear's activations quantized per row (`quantize_rows.cpp`, run by
+model/linears/int8.py).
 
 Why: at small beam widths an int8 cache's cost is kernel launches, not bytes: per layer ~15 eager ops to
 quantize and write a step's K/V and ~8 to dequantize what attention reads (one decode step of
@@ -36,7 +37,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 SOURCES = (HERE / "int8_kv.cpp", HERE / "attention.cpp", HERE / "row_top.cpp", HERE / "few_rows.cpp",
-           HERE / "elementwise.cpp", HERE / "copy_rows.cpp")
+           HERE / "elementwise.cpp", HERE / "copy_rows.cpp", HERE / "quantize_rows.cpp")
 # in the stamp, not on the compile line
 HEADERS = (HERE / "common.h", HERE / "sources.h", HERE / "flash_rows.h")
 BUILD_DIR = HERE / "_build"
@@ -57,6 +58,8 @@ ELEMENTWISE_ENABLED = ENABLED
 # many query rows (a wide group against its prompt) through the tiled kernel (flash_rows.h), past the
 # few-row caps of model/attention/backends.py; `set_flash_rows` moves the C++ side with it
 FLASH_ROWS_ENABLED = ENABLED
+# an int8 linear's activations quantized per row in one op (quantize_rows.cpp, model/linears/int8.py)
+QUANTIZE_ROWS_ENABLED = ENABLED
 # the step's K/V write and the copy-on-write copies as one row-copying op each (copy_rows.cpp)
 COPY_ROWS_ENABLED = ENABLED
 # the head sizes flash_rows.h serves (its products are unrolled for them)
@@ -124,6 +127,11 @@ def flash_rows_enabled() -> bool:
     """Whether reads of many query rows (past backends.py's few-row caps) go through the tiled C++ kernel:
     loaded and on."""
     return _AVAILABLE and FLASH_ROWS_ENABLED
+
+
+def quantize_rows_enabled() -> bool:
+    """Whether `quantize_rows` quantizes an int8 linear's activations: loaded and on."""
+    return _AVAILABLE and QUANTIZE_ROWS_ENABLED
 
 
 def copy_rows_enabled() -> bool:
