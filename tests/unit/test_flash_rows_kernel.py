@@ -71,6 +71,33 @@ def test_the_tiled_path_matches_plain_attention(min_rows, dtype, tolerance, head
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 2e-5), (torch.bfloat16, 1e-2)],
+                         ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("rows, num_keys", [(5, 1100), (60, 2600), (100, 3000)])
+def test_a_narrow_group_splits_its_keys_into_runs(min_rows, dtype, tolerance, threads, rows, num_keys):
+    """Few row tiles for the threads: each tile's keys in runs of whole 256-key blocks (a last run shorter),
+    merged by log-sum-exp; the answer does not depend on the thread count."""
+    min_rows(1)
+    k_cache, v_cache = dense_cache(3200, 2, 64, dtype, seed=rows)
+    gen = torch.Generator().manual_seed(num_keys)
+    q_rows = torch.randn(2, rows, 64, generator=gen) * 0.4
+    index = torch.randperm(3200, generator=gen)[:num_keys]
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        for slots, args in ((torch.arange(90, 90 + num_keys), (90, 90 + num_keys, None)),
+                            (index, (0, 0, index))):
+            out, lse = torch.ops.widebeam.dense_attention(q_rows, k_cache, v_cache, *args)
+            bf16 = dtype == torch.bfloat16
+            expected_out, expected_lse = reference(q_rows, k_cache[slots], v_cache[slots], bf16)
+            torch.testing.assert_close(out, expected_out, atol=tolerance, rtol=tolerance)
+            torch.testing.assert_close(lse, expected_lse, atol=1e-5, rtol=1e-5)
+    finally:
+        torch.set_num_threads(saved)
+
+
+@needs_kernels
 @pytest.mark.parametrize("head_dim", [64, 128, 48])
 @pytest.mark.parametrize("rows", [12, 100])
 def test_both_paths_agree_and_unserved_head_sizes_stay_on_the_few_row_path(min_rows, head_dim, rows):

@@ -117,13 +117,29 @@ void flash_rows(const float* q, int64_t rows, const Source& k_source, const Sour
     }
   });
   const int64_t tiles = (rows + kFlashRowTile - 1) / kFlashRowTile;
-  at::parallel_for(0, kv_heads * tiles, 1, [&](int64_t begin, int64_t finish) {
+  // Few tiles (a narrow group: 3 KV heads x one tile leave a thread of 2 idle a third of the time): each
+  // tile's keys split into runs of whole blocks, their partial sums merged by log-sum-exp afterwards.
+  const int64_t threads = at::get_num_threads();
+  int64_t runs = 1;
+  if (kv_heads * tiles < 4 * threads) {
+    runs = std::min((4 * threads + kv_heads * tiles - 1) / (kv_heads * tiles),
+                    std::max<int64_t>(1, num_keys / (2 * kFlashKeyBlock)));
+  }
+  const int64_t run_len = ((num_keys + runs - 1) / runs + kFlashKeyBlock - 1) / kFlashKeyBlock * kFlashKeyBlock;
+  runs = (num_keys + run_len - 1) / run_len;
+  const int64_t tasks = kv_heads * tiles * runs;
+  // per task's rows, with runs: the running max, the sum and the unnormalized output
+  std::unique_ptr<float[]> part_m(runs > 1 ? new float[tasks * kFlashRowTile] : nullptr);
+  std::unique_ptr<float[]> part_l(runs > 1 ? new float[tasks * kFlashRowTile] : nullptr);
+  std::unique_ptr<float[]> part_o(runs > 1 ? new float[tasks * kFlashRowTile * kDim] : nullptr);
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t finish) {
     std::unique_ptr<float[]> q_tile(new float[kFlashRowTile * kDim]);
     std::unique_ptr<float[]> s(new float[kFlashRowTile * kFlashKeyBlock]);
     std::unique_ptr<float[]> o(new float[kFlashRowTile * kDim]);
     float m[kFlashRowTile], l[kFlashRowTile];
     for (int64_t task = begin; task < finish; ++task) {
-      const int64_t head = task / tiles, r0 = (task % tiles) * kFlashRowTile;
+      const int64_t head = task / (tiles * runs), r0 = (task / runs % tiles) * kFlashRowTile;
+      const int64_t key_begin = task % runs * run_len, key_end = std::min(num_keys, key_begin + run_len);
       const int64_t nr = std::min(kFlashRowTile, rows - r0);
       const float* q_rows = q + (head * rows + r0) * kDim;
       std::copy(q_rows, q_rows + nr * kDim, q_tile.get());
@@ -146,8 +162,8 @@ void flash_rows(const float* q, int64_t rows, const Source& k_source, const Sour
         v_head = v_wide.get() + head * padded * kDim;
         v_stride = kDim;
       }
-      for (int64_t k0 = 0; k0 < num_keys; k0 += kFlashKeyBlock) {
-        const int64_t nk = std::min(kFlashKeyBlock, num_keys - k0);
+      for (int64_t k0 = key_begin; k0 < key_end; k0 += kFlashKeyBlock) {
+        const int64_t nk = std::min(kFlashKeyBlock, key_end - k0);
         for (int64_t r = 0; r < score_rows; r += kScoreRows) {
           for (int64_t c = 0; c < nk; c += 64) {
             score_tile<kDim>(q_tile.get() + r * kDim, k_head + k0 + c, padded, s.get() + r * kFlashKeyBlock + c);
@@ -197,12 +213,40 @@ void flash_rows(const float* q, int64_t rows, const Source& k_source, const Sour
                                        o.get() + r * kDim);
         }
       }
+      if (runs > 1) {  // merged below
+        std::copy(m, m + nr, part_m.get() + task * kFlashRowTile);
+        std::copy(l, l + nr, part_l.get() + task * kFlashRowTile);
+        std::copy(o.get(), o.get() + nr * kDim, part_o.get() + task * kFlashRowTile * kDim);
+        continue;
+      }
       for (int64_t r = 0; r < nr; ++r) {
         float* dst = out + (head * rows + r0 + r) * kDim;
         const float* src = o.get() + r * kDim;
         for (int64_t j = 0; j < kDim; ++j) dst[j] = bf16 ? round_bf16(src[j] / l[r]) : src[j] / l[r];
         lse[head * rows + r0 + r] = m[r] + std::log(l[r]);
       }
+    }
+  });
+  if (runs == 1) return;
+  at::parallel_for(0, kv_heads * rows, 16, [&](int64_t begin, int64_t finish) {
+    for (int64_t at_row = begin; at_row < finish; ++at_row) {
+      const int64_t head = at_row / rows, row = at_row % rows;
+      // the tasks of this row's tile, one per run: task = (head * tiles + tile) * runs + run
+      const int64_t first_task = (head * tiles + row / kFlashRowTile) * runs, r = row % kFlashRowTile;
+      float row_max = -std::numeric_limits<float>::infinity();
+      for (int64_t run = 0; run < runs; ++run) row_max = std::max(row_max, part_m[(first_task + run) * kFlashRowTile + r]);
+      float total = 0.0f;
+      float* dst = out + at_row * kDim;
+      std::fill(dst, dst + kDim, 0.0f);
+      for (int64_t run = 0; run < runs; ++run) {
+        const int64_t at = (first_task + run) * kFlashRowTile + r;
+        const float weight = exp_nonpositive(part_m[at] - row_max);
+        total += part_l[at] * weight;
+        const float* src = part_o.get() + at * kDim;
+        for (int64_t j = 0; j < kDim; ++j) dst[j] += src[j] * weight;
+      }
+      for (int64_t j = 0; j < kDim; ++j) dst[j] = bf16 ? round_bf16(dst[j] / total) : dst[j] / total;
+      lse[at_row] = row_max + std::log(total);
     }
   });
 }
