@@ -5,8 +5,9 @@
 
 One engine; the switch (a `widebeam.model.kernels` flag read at every call: DENSE_ATTENTION_ENABLED for a
 float cache's attention, ELEMENTWISE_ENABLED for the norms and rotary; or ONEDNN_MANY_ROWS, the float32
-split linears' oneDNN product past 8 rows, set on every layer the start-up probe gave it) flips between the
-arms, which
+split linears' oneDNN product past 8 rows, set on every layer the start-up probe gave it; FLASH_ROWS, the
+tiled read of many query rows, through `kernels.set_flash_rows`; COPY_ROWS_ENABLED, the K/V write and
+copy-on-write; QUANTIZE_ROWS_ENABLED, the int8 linears' row quantizer) flips between the arms, which
 alternate every repeat (the order flips each time); each keeps its best time after a warm-up. Beam search
 with `min_new_tokens = N`, the prefix cache off; the best beams must be equal. Writes
 benchmarks/results/<switch>_ab_<dtype>.json.
@@ -22,7 +23,8 @@ import torch
 from interleaved import best_times
 
 ROOT = Path(__file__).resolve().parent.parent
-SWITCHES = ("DENSE_ATTENTION_ENABLED", "ELEMENTWISE_ENABLED", "ONEDNN_MANY_ROWS")
+SWITCHES = ("DENSE_ATTENTION_ENABLED", "ELEMENTWISE_ENABLED", "ONEDNN_MANY_ROWS", "FLASH_ROWS",
+            "COPY_ROWS_ENABLED", "QUANTIZE_ROWS_ENABLED")
 
 
 def main() -> None:
@@ -53,6 +55,8 @@ def main() -> None:
         if args.switch == "ONEDNN_MANY_ROWS":
             for layer in onednn_layers:
                 layer.onednn_many_rows = enabled
+        elif args.switch == "FLASH_ROWS":  # both sides: the Python caps and the C++ row count
+            kernels.set_flash_rows(enabled)
         else:
             setattr(kernels, args.switch, enabled)
 

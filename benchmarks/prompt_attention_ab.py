@@ -34,12 +34,12 @@ def point(rows: int, keys: int, kv_heads: int, head_dim: int, repeats: int) -> d
     start, end = 32, 32 + keys
 
     def kernel(min_rows: int):
-        def run():
-            saved = torch.ops.widebeam.set_flash_min_rows(min_rows)
+        def run():  # min_rows 1 and any work: tiled; NEVER: the few-row path
+            saved = torch.ops.widebeam.set_flash_min_rows(min_rows, 0)
             try:
                 return torch.ops.widebeam.dense_attention(q_rows, k_cache, v_cache, start, end, None)
             finally:
-                torch.ops.widebeam.set_flash_min_rows(saved)
+                torch.ops.widebeam.set_flash_min_rows(saved, kernels.FLASH_MIN_WORK)
         return run
 
     runs = {"tiled": kernel(1), "few-row": kernel(NEVER),

@@ -25,11 +25,12 @@ NEVER = 2**62
 
 @pytest.fixture
 def min_rows():
-    """Set the C++ side's tiling row count for one test, restored after."""
+    """Set the C++ side's tiling row count for one test (any work: 1 forces the tiled path), restored
+    after."""
     saved = torch.ops.widebeam.flash_min_rows() if kernels.available() else None
-    yield lambda rows: torch.ops.widebeam.set_flash_min_rows(rows)
+    yield lambda rows: torch.ops.widebeam.set_flash_min_rows(rows, 0)
     if saved is not None:
-        torch.ops.widebeam.set_flash_min_rows(saved)
+        torch.ops.widebeam.set_flash_min_rows(saved, kernels.FLASH_MIN_WORK)
 
 
 def dense_cache(slots: int, heads: int, head_dim: int, dtype: torch.dtype, seed: int):
@@ -186,6 +187,8 @@ def test_the_switch_moves_both_sides(monkeypatch):
         kernels.set_flash_rows(True)
     with pytest.raises(RuntimeError, match="at least 1"):
         torch.ops.widebeam.set_flash_min_rows(0)
+    with pytest.raises(RuntimeError, match="not negative"):
+        torch.ops.widebeam.set_flash_min_rows(12, -1)
 
 
 @needs_kernels

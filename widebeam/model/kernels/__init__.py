@@ -67,6 +67,9 @@ FLASH_HEAD_DIMS = (64, 128)
 # from this many rows the C++ reads take the tiled path (kernel / few-row path at 2,048 keys, 5 KV heads:
 # 6 rows 0.85, 12 rows 0.81, 48 rows 0.66; at 300 keys, 3 KV heads: 6 rows 1.07, 12 rows 0.95)
 FLASH_MIN_ROWS = 12
+# ... and from this many rows x keys (a short prompt reads as fast on the few-row path); attention.cpp's
+# default, restated so `set_flash_rows` restores both
+FLASH_MIN_WORK = 6144
 
 
 def cpu_capability() -> str:
@@ -142,11 +145,11 @@ def copy_rows_enabled() -> bool:
 
 def set_flash_rows(enabled: bool) -> None:
     """Turn the tiled path on or off on both sides: the Python caps (`FLASH_ROWS_ENABLED`) and the row
-    count from which the C++ reads tile (`FLASH_MIN_ROWS`, or never)."""
+    count from which the C++ reads tile (`FLASH_MIN_ROWS` and `FLASH_MIN_WORK`, or never)."""
     global FLASH_ROWS_ENABLED
     FLASH_ROWS_ENABLED = enabled
     if _AVAILABLE:
-        torch.ops.widebeam.set_flash_min_rows(FLASH_MIN_ROWS if enabled else 2**62)
+        torch.ops.widebeam.set_flash_min_rows(FLASH_MIN_ROWS if enabled else 2**62, FLASH_MIN_WORK)
 
 
 def elementwise_enabled() -> bool:
