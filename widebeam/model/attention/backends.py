@@ -401,9 +401,8 @@ def kernel_shared_keys(q: torch.Tensor, k_cache, v_cache, slots: torch.Tensor,
     mask: a cross-attention group (cross.py), through the kernel's group op with no own keys. None where
     the kernel does not serve (the caller's torch path does)."""
     num_kv_heads = k_cache.shape[1]
+    # an int8 pool as the runner hands it is read un-rotated: `_use_kernel` leaves that to the torch path
     if not _use_kernel(k_cache, v_cache, q.shape[0] * (q.shape[1] // num_kv_heads), KERNEL_GROUP_MAX_ROWS):
-        return None
-    if isinstance(k_cache, QuantizedKV) and (k_cache.unrotate is not None or v_cache.unrotate is not None):
         return None
     start, end, index = (*slot_run, None) if slot_run is not None else (0, 0, slots.contiguous())
     no_keys = torch.empty(q.shape[0], 0, dtype=torch.long, device=q.device)
