@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace widebeam_kernels {
 
@@ -25,27 +26,6 @@ inline void check_pool(const at::Tensor& pair_values, const at::Tensor& pair_sca
               "pair_scales and pair_values: the same slots and KV heads");
   TORCH_CHECK(pair_values.size(3) % pair_scales.size(3) == 0, "head_dim a multiple of the scale groups");
   TORCH_CHECK(pair_values.is_contiguous() && pair_scales.is_contiguous(), "contiguous pools");
-}
-
-// exp(x) for x <= 0 (scores less their row's max), branch-free so the loops over it vectorize: Cephes'
-// expf (range reduction by ln 2 in two parts, degree-6 polynomial), within 2 ulp of std::exp; below -87
-// it flushes to ~0 as the true value does.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  // round to nearest by the 1.5 * 2^23 trick (no call to floor or nearbyint: the loop stays vectorized)
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
-  return p * two_n;
 }
 
 // x rounded to bfloat16 (to nearest, ties to even) and back: what the torch path's bfloat16 reads hold.
@@ -67,26 +47,38 @@ inline Vec16 load16(const float* p) {
 }
 inline void store16(float* p, const Vec16& v) { std::memcpy(p, &v, sizeof v); }
 
-// exp_nonpositive on 16 lanes at once (the same arithmetic, so each lane equals the scalar's result): written
-// out in vectors because GCC leaves the scalar one's loop partly scalar (~2x slower over a softmax's scores).
+// exp(x) for x <= 0 (scores less their row's max), branch-free so the loops over it vectorize: Cephes'
+// expf (range reduction by ln 2 in two parts, degree-6 polynomial), within 2 ulp of std::exp; below -87
+// it flushes to ~0 as the true value does. One formula for a float and for 16 lanes (Vec16, each lane the
+// float's result): written out in vectors because GCC leaves a loop over the float one partly scalar (~2x
+// slower over a softmax's scores).
 using IVec16 = int32_t __attribute__((vector_size(64)));
-inline Vec16 vexp_nonpositive(Vec16 x) {
-  const Vec16 floor_x = Vec16{} - 87.0f;
-  x = x < floor_x ? floor_x : x;
-  const Vec16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const Vec16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  Vec16 p = Vec16{} + 1.9875691500e-4f;
+template <typename T>
+inline T exp_nonpositive_of(T x) {
+  const T lowest = T{} - 87.0f;
+  x = x < lowest ? lowest : x;
+  // round to nearest by the 1.5 * 2^23 trick (no call to floor or nearbyint: the loop stays vectorized)
+  const T n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const T r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  T p = T{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const IVec16 bits = (__builtin_convertvector(n, IVec16) + 127) << 23;
-  Vec16 two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
+  T two_n;
+  if constexpr (std::is_same_v<T, float>) {
+    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+    std::memcpy(&two_n, &bits, sizeof two_n);
+  } else {
+    const IVec16 bits = (__builtin_convertvector(n, IVec16) + 127) << 23;
+    std::memcpy(&two_n, &bits, sizeof two_n);
+  }
   return p * two_n;
 }
+inline float exp_nonpositive(float x) { return exp_nonpositive_of(x); }
+inline Vec16 vexp_nonpositive(Vec16 x) { return exp_nonpositive_of(x); }
 
 // a . b over n floats: 16 lanes at a time, then the lanes and the tail (a reduction the compiler does not
 // vectorize itself without -ffast-math).
