@@ -51,9 +51,13 @@ def logits(rows: int, vocab: int, case: str, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("case", ["plain", "ties", "flat", "masked", "nan", "large"])
 def test_log_softmax_topk_is_torch_topk_of_the_log_softmax(rows, vocab, k, case):
     x = logits(rows, vocab, case, seed=rows * vocab + k)
-    values, tokens = torch.ops.widebeam.log_softmax_topk(x, k)
+    values, tokens, shifts = torch.ops.widebeam.log_softmax_topk(x, k)
     expected_values, expected_tokens = reference(x, k)
     assert torch.equal(tokens, expected_tokens)
+    # each row's (max, log-sum-exp): the two the log-softmax subtracts
+    expected_max = x.max(dim=1).values
+    assert torch.equal(shifts[:, 0], expected_max) or case == "nan" and torch.allclose(
+        shifts[:, 0], expected_max, equal_nan=True)
     assert torch.equal(values, expected_values) or case == "nan" and torch.allclose(
         values, expected_values, equal_nan=True)
 
@@ -64,13 +68,41 @@ def test_strided_rows_and_the_limits():
     or a non-float32 input is refused with the reason."""
     wide = logits(8, 1100, "ties", seed=3)
     x = wide[:, :1000]
-    values, tokens = torch.ops.widebeam.log_softmax_topk(x, 12)
+    values, tokens, _ = torch.ops.widebeam.log_softmax_topk(x, 12)
     expected_values, expected_tokens = reference(x, 12)
     assert torch.equal(values, expected_values) and torch.equal(tokens, expected_tokens)
     with pytest.raises(RuntimeError, match="partial-sort"):
         torch.ops.widebeam.log_softmax_topk(x, 16)  # 16 x 64 > 1000
     with pytest.raises(RuntimeError, match="float32"):
         torch.ops.widebeam.log_softmax_topk(x.double(), 4)
+    with pytest.raises(RuntimeError, match="rows index past"):
+        torch.ops.widebeam.log_softmax_topk(x, 4, torch.tensor([0, 8]))
+    with pytest.raises(RuntimeError, match="shifts"):
+        torch.ops.widebeam.log_softmax_topk(x, 4, torch.tensor([0, 7]), torch.zeros(3, 2))
+
+
+@needs_selection
+@pytest.mark.parametrize("case", ["plain", "ties", "masked", "nan", "large"])
+def test_chosen_rows_in_place_and_a_deeper_search_from_known_shifts(case):
+    """`rows` reads those rows of x in place, as a gathered copy would give them; `shifts` handed back
+    from the first call (the rows' max and log-sum-exp) give a deeper search bit for bit what a fresh
+    one gives, and each is what torch.topk of the log-softmax gives."""
+    x = logits(40, 4096, case, seed=11)
+    _, _, shifts = torch.ops.widebeam.log_softmax_topk(x, 6)
+    rows = torch.tensor([39, 0, 17, 17, 20])
+    expected = reference(x.index_select(0, rows), 48)
+    fresh = torch.ops.widebeam.log_softmax_topk(x, 48, rows)
+    known = torch.ops.widebeam.log_softmax_topk(x, 48, rows, shifts.index_select(0, rows))
+    for got in (fresh, known):
+        assert torch.equal(got[1], expected.indices)
+        assert torch.allclose(got[0], expected.values, equal_nan=True, rtol=0, atol=0)
+        assert torch.allclose(got[2], shifts.index_select(0, rows), equal_nan=True, rtol=0, atol=0)
+    # the shifts are used, not recomputed: a shifted lse moves every value by as much
+    moved = shifts.index_select(0, rows) + torch.tensor([0.0, 1.0])
+    values, tokens, _ = torch.ops.widebeam.log_softmax_topk(x, 48, rows, moved)
+    assert torch.equal(tokens, expected.indices) or case in ("ties", "large")
+    finite = torch.isfinite(values)
+    assert torch.allclose(values[finite], expected.values[finite] - 1.0, atol=1e-4)
 
 
 @needs_selection
@@ -88,7 +120,7 @@ def test_a_beam_step_takes_the_kernel_and_ranks_as_the_torch_path(monkeypatch, r
     kernel = torch.ops.widebeam.log_softmax_topk
 
     def spy(*args):
-        calls.append(args[1])
+        calls.append((args[1], args[2] is not None, args[3] is not None))  # x, k, rows, shifts
         return kernel(*args)
 
     monkeypatch.setattr(ranking, "_log_softmax_topk", spy)
@@ -98,5 +130,36 @@ def test_a_beam_step_takes_the_kernel_and_ranks_as_the_torch_path(monkeypatch, r
     calls.clear()
     without = top_candidates(x, running, 2 * rows, None, normalize=True)
     assert not calls
+    for a, b in zip(with_kernel, without):
+        assert torch.equal(a, b)
+
+
+@needs_selection
+@pytest.mark.parametrize("ties", [False, True])
+def test_a_deeper_search_reads_its_rows_in_place_with_known_shifts(monkeypatch, ties):
+    """Rows that hold more of the K best than the shallow list offers (two rows far ahead of the rest)
+    are searched deeper by the kernel, in place and from the first pass's shifts, and the step ranks
+    bit for bit as the torch path does."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(96, 16384, generator=gen) * 3  # wide enough for the kernel at every depth
+    if ties:
+        x = torch.round(x)
+    running = torch.zeros(96)
+    running[[7, 60]] = 40.0  # these two beams hold all of the 192 best
+    calls = []
+    kernel = torch.ops.widebeam.log_softmax_topk
+
+    def spy(*args):
+        calls.append((args[1], None if args[2] is None else args[2].tolist(), args[3] is not None))
+        return kernel(*args)
+
+    monkeypatch.setattr(ranking, "_log_softmax_topk", spy)
+    with_kernel = top_candidates(x, running, 192, None, normalize=True)
+    assert calls[0][1:] == (None, False)
+    deeper = calls[1:]
+    assert deeper and all(rows is not None and known for _, rows, known in deeper), calls
+    assert {7, 60} <= set(deeper[0][1])
+    monkeypatch.setattr(kernels, "SELECTION_ENABLED", False)
+    without = top_candidates(x, running, 192, None, normalize=True)
     for a, b in zip(with_kernel, without):
         assert torch.equal(a, b)

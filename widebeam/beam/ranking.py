@@ -17,7 +17,9 @@ Where the C++ kernels are built (`make setup`) a CPU step goes one better: `log_
 row from cache three times and writes nothing row-sized, where torch.topk copies every row into (value,
 index) pairs before its partial sort. Its values are the log-softmax's bit for bit and its order
 torch.topk's, ties included (model/kernels/row_top.cpp); it serves where torch.topk partial-sorts
-(k x 64 <= vocab), the chunks above everywhere else.
+(k x 64 <= vocab), the chunks above everywhere else. A deeper search reads its rows in place (no gathered
+copy) and reuses each row's max and log-sum-exp from the first pass, so it costs a scan of those rows,
+not their exps again.
 """
 
 from __future__ import annotations
@@ -33,21 +35,31 @@ from widebeam.model import kernels
 CHUNK_BYTES = 2 << 20
 
 
-def _log_softmax_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.ops.widebeam.log_softmax_topk(x, k)
+def _log_softmax_topk(x: torch.Tensor, k: int, rows: torch.Tensor | None = None,
+                      shifts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.ops.widebeam.log_softmax_topk(x, k, rows, shifts)
 
 
-def row_top(x: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's k best: of `x` itself, or (`normalize`) of its float32 log-softmax, chunk by chunk."""
+def row_top(x: torch.Tensor, k: int, normalize: bool, rows: torch.Tensor | None = None,
+            shifts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Each row's k best: of `x` itself, or (`normalize`) of its float32 log-softmax, chunk by chunk.
+
+    `rows`: only these rows of `x` (the kernel reads them in place; the torch paths gather them).
+    Returns (values, tokens, shifts): shifts are the kernel's per-row (max, log-sum-exp), None from
+    the torch paths; handing them back with the same rows of the same `x` spares the kernel their
+    max and exps (a deeper search of rows it has read).
+    """
+    if normalize and (k * 64 <= x.shape[1] and x.device.type == "cpu" and x.dtype == torch.float32
+                      and x.stride(1) == 1 and kernels.selection_enabled()):
+        return _log_softmax_topk(x, k, rows, shifts)
+    if rows is not None:
+        x = x.index_select(0, rows)
     if not normalize:
-        return torch.topk(x, k, dim=1)
+        return *torch.topk(x, k, dim=1), None
     num_rows, vocab = x.shape
-    if (k * 64 <= vocab and x.device.type == "cpu" and x.dtype == torch.float32 and x.stride(1) == 1
-            and kernels.selection_enabled()):
-        return _log_softmax_topk(x, k)
     rows_per_chunk = max(1, CHUNK_BYTES // (4 * vocab))
     if num_rows <= rows_per_chunk:
-        return torch.topk(torch.log_softmax(x, dim=1), k, dim=1)
+        return *torch.topk(torch.log_softmax(x, dim=1), k, dim=1), None
     values = torch.empty((num_rows, k), dtype=torch.float32, device=x.device)
     tokens = torch.empty((num_rows, k), dtype=torch.long, device=x.device)
     buffer = torch.empty((rows_per_chunk, vocab), dtype=torch.float32, device=x.device)
@@ -56,7 +68,7 @@ def row_top(x: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, tor
         chunk = buffer[:end - start]
         torch.log_softmax(x[start:end], dim=1, out=chunk)
         torch.topk(chunk, k, dim=1, out=(values[start:end], tokens[start:end]))
-    return values, tokens
+    return values, tokens, None
 
 
 def top_candidates(lp: torch.Tensor, running: torch.Tensor, num_candidates: int, eos: torch.Tensor | None,
@@ -79,7 +91,7 @@ def top_candidates(lp: torch.Tensor, running: torch.Tensor, num_candidates: int,
         k_shallow = k_full
     else:
         k_shallow = min(k_full, -(-num_candidates // rows) + 8 + n_mask)
-    top_values, top_tokens = row_top(lp, k_shallow, normalize)
+    top_values, top_tokens, shifts = row_top(lp, k_shallow, normalize)
     # each row's last offered sum, before EOS is masked: a row whose last reaches the threshold may hold more
     last = top_values[:, -1] + running if lp.shape[0] == rows else None
     if eos is not None:
@@ -107,7 +119,8 @@ def top_candidates(lp: torch.Tensor, running: torch.Tensor, num_candidates: int,
         if not deep.numel():
             break
         k = min(k_full, 4 * k)
-        deep_values, deep_tokens = row_top(lp.index_select(0, deep), k, normalize)
+        deep_values, deep_tokens, _ = row_top(lp, k, normalize, rows=deep,
+                                              shifts=None if shifts is None else shifts.index_select(0, deep))
         deep_running = running.index_select(0, deep)
         last = last.index_copy(0, deep, deep_values[:, -1] + deep_running)
         if eos is not None:
