@@ -17,6 +17,7 @@ from widebeam.llm import LLM
 from widebeam.model import kernels
 from widebeam.model.attention import backends
 from widebeam.model.attention.metadata import DecodeGroup
+from widebeam.model.attention.quantized_kv import dequantize, quantize
 from widebeam.params import BeamSearchParams, SamplingParams
 
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason="C++ kernels not built")
@@ -170,3 +171,66 @@ def test_the_engine_generates_the_same_with_the_kernel_on_and_off(monkeypatch, t
             if kind == 1:
                 assert [a.score for a in on.outputs] == pytest.approx([b.score for b in off.outputs],
                                                                       abs=tolerance)
+
+
+class FixedBias:
+    """A position bias with set values for a group's own keys ([H, B, S]), as PositionBias hands them."""
+
+    def __init__(self, suffix: torch.Tensor):
+        self.suffix = suffix
+
+    def group_suffix(self, group):
+        return self.suffix
+
+    def group_prefix(self, group):
+        raise AssertionError("a group with no shared prefix has no prefix bias")
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype, tolerance", DTYPES, ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("beams, own_keys", [(1, [5]), (4, [3, 1, 7, 2]), (16, [9] * 16)])
+@pytest.mark.parametrize("num_heads", [8, 6], ids=["T5: one head a KV head", "3 heads a KV head"])
+def test_a_position_bias_over_own_keys_reads_the_same_through_the_kernel(monkeypatch, dtype, tolerance, beams,
+                                                                         own_keys, num_heads):
+    """A group with no shared prefix and a position bias (T5's decoder at W=1, or beams that share nothing
+    yet) goes through the group op with the bias added to each head's own-key scores, as the torch path
+    adds it to its mask; a spy proves which ran."""
+    kv_heads = num_heads if num_heads == 8 else 2
+    k_cache, v_cache = filled_cache(3200, kv_heads, 64, dtype, seed=beams)
+    group = decode_group(beams, 0, own_keys, True, seed=beams)
+    gen = torch.Generator().manual_seed(11)
+    q = (torch.randn(beams, num_heads, 64, generator=gen) * 0.5).to(dtype)
+    bias = FixedBias(torch.randn(num_heads, beams, max(own_keys), generator=gen) * 3)
+    calls = []
+    monkeypatch.setattr(backends, "_kernel_group",
+                        lambda *a: calls.append(a[5] is not None) or KERNEL_GROUP(*a))
+    results = {}
+    for on in (True, False):
+        monkeypatch.setattr(kernels, "DENSE_ATTENTION_ENABLED", on)
+        results[on] = backends._attend_group(q, k_cache, v_cache, group, 1.0, bias)
+    assert calls == [True], "the kernel serves the biased group with it on, the torch path with it off"
+    torch.testing.assert_close(results[True], results[False], atol=tolerance, rtol=tolerance)
+
+
+@needs_kernels
+def test_the_suffix_bias_checks_its_shape_and_reaches_an_int8_pool():
+    """A bias of the wrong shape is refused with the reason; through an int8 pool a bias that hides all
+    but one own key leaves that key's V (dequantized) as each head's output."""
+    k_cache, v_cache = filled_cache(64, 2, 64, torch.float32, seed=1)
+    q = torch.randn(2, 2, 64)
+    slots = torch.tensor([[3, 4, 5], [6, 7, 0]])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    with pytest.raises(RuntimeError, match="suffix_bias"):
+        torch.ops.widebeam.dense_group_attention(q, 1.0, k_cache, v_cache, 0, 0, None, slots, mask,
+                                                 torch.zeros(2, 3, 2))
+    k_values, k_scales = quantize(k_cache)
+    v_values, v_scales = quantize(v_cache)
+    values, scales = torch.stack((k_values, v_values)), torch.stack((k_scales, v_scales))  # the pool's pair
+    bias = torch.full((2, 2, 3), -1e4)
+    bias[:, 0, 1] = 0.0  # beam 0 sees key 1 (slot 4) only
+    bias[:, 1, 0] = 0.0  # beam 1 key 0 (slot 6)
+    out = torch.ops.widebeam.int8_group_attention(q, 1.0, values, scales, 0, 0, None, slots, mask, False,
+                                                  bias)
+    dequantized_v = dequantize(v_values, v_scales, torch.float32)
+    torch.testing.assert_close(out[0], dequantized_v[4], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[1], dequantized_v[6], atol=1e-5, rtol=1e-5)

@@ -26,7 +26,15 @@ import os
 import torch
 from torch.nn import functional as F
 
-from widebeam.model import kernels
+from widebeam.model.attention.kernel_reads import (  # noqa: F401 (the names tests and benchmarks reach here)
+    DENSE_KERNEL_MAX_ROWS,
+    KERNEL_GROUP_MAX_ROWS,
+    KERNEL_MAX_ROWS,
+    kernel_shared_keys,
+)
+from widebeam.model.attention.kernel_reads import kernel_attention as _kernel_attention
+from widebeam.model.attention.kernel_reads import kernel_group as _kernel_group
+from widebeam.model.attention.kernel_reads import use_kernel as _use_kernel
 from widebeam.model.attention.metadata import (
     AttentionMetadata,
     DecodeGroup,
@@ -44,24 +52,6 @@ FUSED_PREFIX_MIN_ROWS = 96
 # An int8 cache's shared prefix is dequantized and attended this many tokens at a time (a chunk's K and V
 # for 3 KV heads of 64 dims: 0.4 MB in float32, in cache), so no full-precision copy of the prompt is made.
 PREFIX_CHUNK_TOKENS = 512
-# An int8 cache's reads with at most this many query rows (a KV head's grouped heads times the beams)
-# go through the C++ kernel (kernels/attention.cpp: dequantized on the fly, float32), wider ones through
-# the chunked dequantize and PyTorch's flash kernel, which wins at many rows. Measured
-# on a shared prefix of 512 tokens, 3 KV heads of 64, 2 threads (kernel / torch path, us a layer): 3 rows
-# 62 / 190, 48 rows 262 / 333, 96 rows 423 / 477, 192 rows 823 / 701.
-KERNEL_MAX_ROWS = 96
-# A decode group's prefix and beams' own keys in one kernel op (`_kernel_group`) up to this many rows:
-# besides the prefix it saves the suffix's gathers, dequantizing, score tensors and merge. Measured
-# (a group with 16 own keys a beam, us a layer, kernel / torch path): 512 prefix tokens, 48 rows 357 /
-# 907, 192 rows 1,097 / 1,313, 384 rows 2,302 / 2,288; 2,048 prefix tokens, 96 rows 1,808 / 2,692, 192
-# rows 3,909 / 3,883.
-KERNEL_GROUP_MAX_ROWS = 192
-# A float32 or bfloat16 cache's reads go through the kernel (nothing to dequantize: what it saves is the
-# torch path's ops, gathers and score tensors) up to this many rows. Measured (`_attend_group`, 16 own
-# keys a beam, 3 KV heads of 64, us a layer, kernel / torch path): float32, 128 prefix tokens, 12 rows 57 /
-# 165, 48 rows 130 / 243; 1,024 tokens 12 rows 187 / 282, 48 rows 543 / 589, 96 rows 999 / 883; bfloat16
-# 12 rows 62 / 302 (128 tokens), 170 / 444 (1,024), 96 rows 923 / 1,033.
-DENSE_KERNEL_MAX_ROWS = 64
 ATTENTION_BACKEND_ENV = "WIDEBEAM_ATTENTION_BACKEND"
 
 
@@ -250,6 +240,10 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     rows = batch * group_size
     if group.key_ranges is not None and position_bias is None:
         return _attend_in_place(q, k_cache, v_cache, group.key_ranges, scale)
+    if position_bias is not None and not group.prefix_tokens and _use_kernel(k_cache, v_cache, rows,
+                                                                             KERNEL_GROUP_MAX_ROWS):
+        # a bias over own keys only (T5's decoder at W=1): the group op adds it to the scores
+        return _kernel_group(q, k_cache, v_cache, group, scale, position_bias.group_suffix(group))
     if not group.prefix_tokens:
         # Nothing shared: each row attends its own keys, which PyTorch's fused kernel does best.
         k, v = _gather_kv(k_cache, v_cache, group.suffix_slots)
@@ -344,75 +338,6 @@ def _prefix_attention(q_rows: torch.Tensor, k_cache, v_cache, group: DecodeGroup
         out = out.mul_((lse - total).exp_()).add_(part_out.mul_((part_lse - total).exp_()))
         lse = total
     return out, lse
-
-
-def _use_kernel(k_cache, v_cache, rows: int, max_rows: int = KERNEL_MAX_ROWS) -> bool:
-    """Whether a read of `rows` query rows goes through the C++ kernel (kernels/attention.cpp): a CPU
-    cache, few rows (or any number, tiled, at a head size `kernels.FLASH_HEAD_DIMS` lists), the kernels
-    built and on; an int8 pair read in the stored domain (nothing to
-    un-rotate) as float32 or bfloat16 (which the kernel rounds to as the torch path does), or a float32 or
-    bfloat16 cache laid out as the pools allocate it."""
-    if k_cache.device.type != "cpu":
-        return False
-    dense = isinstance(k_cache, torch.Tensor)
-    if rows > (min(max_rows, DENSE_KERNEL_MAX_ROWS) if dense else max_rows) and not (
-            kernels.flash_rows_enabled() and k_cache.shape[-1] in kernels.FLASH_HEAD_DIMS):
-        return False
-    if not dense:
-        return (is_pair(k_cache, v_cache) and k_cache.unrotate is None and v_cache.unrotate is None
-                and kernels.enabled() and k_cache.read_dtype in (torch.float32, torch.bfloat16))
-    return (kernels.dense_attention_enabled()
-            and k_cache.dtype in (torch.float32, torch.bfloat16) and v_cache.dtype == k_cache.dtype
-            and k_cache.is_contiguous() and v_cache.is_contiguous())
-
-
-def _kernel_attention(q_rows: torch.Tensor, k_cache, v_cache, start: int = 0, end: int = 0,
-                      index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`chunk_attention` of q_rows [KV, R, d] (scaled) against the slots start..end (or the slots
-    `index`) in one op: (out [KV, R, d], lse [KV, R, 1]), float32; an int8 pair's K/V dequantized as read
-    (and rounded to the cache's read dtype)."""
-    q_rows = q_rows.float().contiguous()
-    if isinstance(k_cache, torch.Tensor):
-        return torch.ops.widebeam.dense_attention(q_rows, k_cache, v_cache, start, end, index)
-    return torch.ops.widebeam.int8_attention(q_rows, k_cache.pair_values, k_cache.pair_scales, start, end,
-                                             index, k_cache.read_dtype == torch.bfloat16)
-
-
-def _kernel_group(q: torch.Tensor, k_cache, v_cache, group: DecodeGroup, scale: float) -> torch.Tensor:
-    """`_attend_group`'s prefix and suffix parts, merged, in one op of the C++ kernel: q [B, H, d] ->
-    [B, H, d], nothing gathered (or dequantized) in between; q scaled and regrouped into the kernel's
-    [KV, B*G, d] rows, and the output back into [B, H, d], inside the op."""
-    if group.prefix_start is not None:
-        start, end, index = group.prefix_start, group.prefix_start + group.prefix_tokens, None
-    else:
-        start, end, index = 0, 0, group.prefix_slots.contiguous()
-    suffix_slots, suffix_mask = group.suffix_slots.contiguous(), group.suffix_mask.contiguous()
-    if isinstance(k_cache, torch.Tensor):
-        return torch.ops.widebeam.dense_group_attention(q, scale, k_cache, v_cache, start, end, index,
-                                                        suffix_slots, suffix_mask)
-    return torch.ops.widebeam.int8_group_attention(
-        q, scale, k_cache.pair_values, k_cache.pair_scales, start, end, index, suffix_slots, suffix_mask,
-        k_cache.read_dtype == torch.bfloat16)
-
-
-def kernel_shared_keys(q: torch.Tensor, k_cache, v_cache, slots: torch.Tensor,
-                       slot_run: tuple[int, int] | None, scale: float) -> torch.Tensor | None:
-    """q [n, H, d] against every key at `slots` (a run of slots start..end when `slot_run` says so), no
-    mask: a cross-attention group (cross.py), through the kernel's group op with no own keys. None where
-    the kernel does not serve (the caller's torch path does)."""
-    num_kv_heads = k_cache.shape[1]
-    # an int8 pool as the runner hands it is read un-rotated: `_use_kernel` leaves that to the torch path
-    if not _use_kernel(k_cache, v_cache, q.shape[0] * (q.shape[1] // num_kv_heads), KERNEL_GROUP_MAX_ROWS):
-        return None
-    start, end, index = (*slot_run, None) if slot_run is not None else (0, 0, slots.contiguous())
-    no_keys = torch.empty(q.shape[0], 0, dtype=torch.long, device=q.device)
-    no_mask = torch.empty(q.shape[0], 0, dtype=torch.bool, device=q.device)
-    if isinstance(k_cache, torch.Tensor):
-        return torch.ops.widebeam.dense_group_attention(q, scale, k_cache, v_cache, start, end, index,
-                                                        no_keys, no_mask)
-    return torch.ops.widebeam.int8_group_attention(q, scale, k_cache.pair_values, k_cache.pair_scales, start,
-                                                   end, index, no_keys, no_mask,
-                                                   k_cache.read_dtype == torch.bfloat16)
 
 
 def chunk_attention(q_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

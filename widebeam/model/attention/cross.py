@@ -10,7 +10,7 @@ share one cross block table (the beams of a request, with their prefill or decod
 group, their K/V are gathered once and every query of the group is scored against them in one
 matrix-matrix product, instead of one read and one matrix-vector product per beam. The runner builds
 the groups (`groups(device)`) once per step, before the forward; every layer then reads the same index
-tensors, with no host reads. Where the C++ kernels serve (backends.kernel_shared_keys) a group is one op:
+tensors, with no host reads. Where the C++ kernels serve (kernel_reads.kernel_shared_keys) a group is one op:
 its encoder K/V read in place (a run of slots) or by index, nothing gathered.
 """
 
@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from widebeam.model.attention.backends import fused_attention, kernel_shared_keys
+from widebeam.model.attention.backends import fused_attention
+from widebeam.model.attention.kernel_reads import kernel_shared_keys
 
 
 @dataclass

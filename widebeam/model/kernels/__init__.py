@@ -39,7 +39,7 @@ HERE = Path(__file__).resolve().parent
 SOURCES = (HERE / "int8_kv.cpp", HERE / "attention.cpp", HERE / "row_top.cpp", HERE / "few_rows.cpp",
            HERE / "elementwise.cpp", HERE / "copy_rows.cpp", HERE / "quantize_rows.cpp")
 # in the stamp, not on the compile line
-HEADERS = (HERE / "common.h", HERE / "sources.h", HERE / "flash_rows.h")
+HEADERS = (HERE / "common.h", HERE / "sources.h", HERE / "flash_rows.h", HERE / "few_row_keys.h")
 BUILD_DIR = HERE / "_build"
 LIBRARY = BUILD_DIR / "kernels.so"
 # the sources' hash, the torch version and the vector capability the library was built for

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "common.h"
+#include "few_row_keys.h"
 #include "flash_rows.h"
 #include "sources.h"
 
@@ -34,141 +35,12 @@ namespace {
 
 using namespace widebeam_kernels;
 
-constexpr int64_t kKeyBlock = 64;
 // From this many query rows a read goes through flash_rows.h (a head size it serves); settable
 // (`set_flash_min_rows`) so tests reach both paths at any row count and A/Bs can move the switch.
 int64_t flash_min_rows = 12;
 // ... and from this many rows x keys: at a short prompt the few-row path is as fast (12 rows x 300 keys:
 // 0.88x PyTorch's time against the tiled path's 1.02x; 48 rows x 300 keys 1.05x against 0.88x)
 int64_t flash_min_work = 6144;  // keys read at a time (K transposed: head_dim x 64 floats, in L1)
-
-// One (KV head, run of keys) of attention: the rows' running max m [R], sum of exponentials l [R] and
-// unnormalized output o [R, head_dim] over keys key_begin..key_end, merged across runs afterwards.
-struct Partial {
-  float* m;
-  float* l;
-  float* o;
-};
-
-// kDim: head_dim as a compile-time constant (a multiple of 16: the loops over it unroll into registers),
-// or 0 for any head_dim (the same arithmetic through plain loops).
-template <int64_t kDim, typename Source>
-void attend_keys(const float* q, int64_t rows, int64_t head_dim_arg, const Source& k_source,
-                 const Source& v_source, int64_t head, const int64_t* slot_index, int64_t first_slot,
-                 int64_t key_begin, int64_t key_end, bool bf16, Partial partial) {
-  const int64_t head_dim = kDim != 0 ? kDim : head_dim_arg;
-  const int64_t num_keys = key_end - key_begin;
-  std::vector<float> scores(rows * num_keys);
-  std::vector<float> block(kKeyBlock * head_dim);  // a block of K or V, as floats: [key][head_dim]
-  std::vector<float> k_t(head_dim * kKeyBlock);    // the K block transposed: [head_dim][key]
-  // Pass 1: scores [R, keys] = q . k a block of 64 keys at a time; the inner loop runs over the block's
-  // keys (four 16-float accumulators), not a reduction over head_dim, so no sum is reassociated.
-  for (int64_t b0 = key_begin; b0 < key_end; b0 += kKeyBlock) {
-    const int64_t nb = std::min(kKeyBlock, key_end - b0);
-    read_rows(k_source, head, slot_index, first_slot, b0, nb, bf16, block.data());
-    for (int64_t b = 0; b < nb; ++b) {
-      for (int64_t j = 0; j < head_dim; ++j) k_t[j * kKeyBlock + b] = block[b * head_dim + j];
-    }
-    // two rows at a time: eight independent accumulator chains (enough to cover the FMA latency), and
-    // each K load used twice
-    for (int64_t r = 0; r < rows; r += 2) {
-      const bool pair = r + 1 < rows;
-      const float* q0 = q + r * head_dim;
-      const float* q1 = pair ? q0 + head_dim : q0;
-      Vec16 a0 = {}, a1 = {}, a2 = {}, a3 = {}, c0 = {}, c1 = {}, c2 = {}, c3 = {};
-      for (int64_t j = 0; j < head_dim; ++j) {
-        const float* kj = k_t.data() + j * kKeyBlock;
-        const Vec16 k0 = load16(kj), k1 = load16(kj + 16), k2 = load16(kj + 32), k3 = load16(kj + 48);
-        a0 += q0[j] * k0;
-        a1 += q0[j] * k1;
-        a2 += q0[j] * k2;
-        a3 += q0[j] * k3;
-        c0 += q1[j] * k0;
-        c1 += q1[j] * k1;
-        c2 += q1[j] * k2;
-        c3 += q1[j] * k3;
-      }
-      float acc[2 * kKeyBlock];
-      store16(acc, a0);
-      store16(acc + 16, a1);
-      store16(acc + 32, a2);
-      store16(acc + 48, a3);
-      store16(acc + 64, c0);
-      store16(acc + 80, c1);
-      store16(acc + 96, c2);
-      store16(acc + 112, c3);
-      std::copy(acc, acc + nb, scores.begin() + r * num_keys + (b0 - key_begin));
-      if (pair) std::copy(acc + kKeyBlock, acc + kKeyBlock + nb, scores.begin() + (r + 1) * num_keys + (b0 - key_begin));
-    }
-  }
-  // Pass 2: each row's max, exponentials (in place) and their sum, in 16 lanes so each loop vectorizes.
-  for (int64_t r = 0; r < rows; ++r) {
-    float* s = scores.data() + r * num_keys;
-    float lanes[16];
-    std::fill(lanes, lanes + 16, -std::numeric_limits<float>::infinity());
-    int64_t i = 0;
-    for (; i + 16 <= num_keys; i += 16) {
-      for (int64_t t = 0; t < 16; ++t) lanes[t] = lanes[t] < s[i + t] ? s[i + t] : lanes[t];
-    }
-    float m = *std::max_element(lanes, lanes + 16);
-    for (; i < num_keys; ++i) m = std::max(m, s[i]);
-    for (i = 0; i < num_keys; ++i) s[i] = exp_nonpositive(s[i] - m);
-    std::fill(lanes, lanes + 16, 0.0f);
-    for (i = 0; i + 16 <= num_keys; i += 16) {
-      for (int64_t t = 0; t < 16; ++t) lanes[t] += s[i + t];
-    }
-    float l = 0.0f;
-    for (; i < num_keys; ++i) l += s[i];
-    for (int64_t t = 0; t < 16; ++t) l += lanes[t];
-    if (bf16) {  // the weights as the bfloat16 product with V takes them (the sum from the unrounded ones)
-      for (i = 0; i < num_keys; ++i) s[i] = round_bf16(s[i]);
-    }
-    partial.m[r] = m;
-    partial.l[r] = l;
-  }
-  // Pass 3: o [R, d] += p [R, key] * v [key, d], V dequantized a block at a time for every row.
-  std::fill(partial.o, partial.o + rows * head_dim, 0.0f);
-  for (int64_t b0 = key_begin; b0 < key_end; b0 += kKeyBlock) {
-    const int64_t nb = std::min(kKeyBlock, key_end - b0);
-    read_rows(v_source, head, slot_index, first_slot, b0, nb, bf16, block.data());
-    for (int64_t r = 0; r < rows; r += 2) {  // two rows at a time, as in pass 1
-      const bool pair = r + 1 < rows;
-      const float* p0 = scores.data() + r * num_keys + (b0 - key_begin);
-      const float* p1 = pair ? p0 + num_keys : p0;
-      float* o0 = partial.o + r * head_dim;
-      if constexpr (kDim != 0) {
-        constexpr int64_t kVecs = kDim / 16;
-        Vec16 acc0[kVecs], acc1[kVecs];
-        for (int64_t c = 0; c < kVecs; ++c) {
-          acc0[c] = load16(o0 + 16 * c);
-          acc1[c] = Vec16{};
-        }
-        for (int64_t b = 0; b < nb; ++b) {
-          const float* vb = block.data() + b * kDim;
-          for (int64_t c = 0; c < kVecs; ++c) {
-            const Vec16 vc = load16(vb + 16 * c);
-            acc0[c] += p0[b] * vc;
-            acc1[c] += p1[b] * vc;
-          }
-        }
-        for (int64_t c = 0; c < kVecs; ++c) store16(o0 + 16 * c, acc0[c]);
-        if (pair) {
-          float* o1 = o0 + kDim;
-          for (int64_t c = 0; c < kVecs; ++c) store16(o1 + 16 * c, load16(o1 + 16 * c) + acc1[c]);
-        }
-      } else {
-        for (int64_t rr = r; rr < std::min(rows, r + 2); ++rr) {
-          const float* p = scores.data() + rr * num_keys + (b0 - key_begin);
-          float* o = partial.o + rr * head_dim;
-          for (int64_t b = 0; b < nb; ++b) {
-            const float* vb = block.data() + b * head_dim;
-            for (int64_t j = 0; j < head_dim; ++j) o[j] += p[b] * vb[j];
-          }
-        }
-      }
-    }
-  }
-}
 
 // q_rows float32 [KV, R, d] against `num_keys` keys of K/V (slots first_slot.. consecutively, or the
 // slots slot_index): (out float32 [KV, R, d], lse float32 [KV, R, 1]), as backends.chunk_attention returns
@@ -291,11 +163,13 @@ at::Tensor group_rows(const at::Tensor& q, int64_t kv_heads, double scale) {
 // A decode group (the beams of one request): q [B, H, d] (unscaled; heads h * G .. h * G + G - 1 share KV
 // head h) against the shared prefix (slots first_slot.., or slot_index) and each beam's own keys
 // (suffix_slots [B, S], real where suffix_mask [B, S]), merged by log-sum-exp: out [B, H, d] in q's dtype,
-// as backends._attend_group's prefix and suffix parts compute it together.
+// as backends._attend_group's prefix and suffix parts compute it together. `suffix_bias` (optional, float32
+// [H, B, S]): added to each query head's scaled score of each own key (T5's relative position bias).
 template <typename Source>
 at::Tensor attend_group(const at::Tensor& q, double scale, const Source& k_source, const Source& v_source,
                         int64_t num_slots, int64_t first_slot, int64_t num_keys, const int64_t* slot_index,
-                        const at::Tensor& suffix_slots, const at::Tensor& suffix_mask, bool bf16) {
+                        const at::Tensor& suffix_slots, const at::Tensor& suffix_mask, bool bf16,
+                        const std::optional<at::Tensor>& suffix_bias) {
   const int64_t kv_heads = k_source.kv_heads, head_dim = k_source.head_dim;
   TORCH_CHECK(q.dim() == 3 && q.size(2) == head_dim, "q: [beams, heads, head_dim] matching the cache");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
@@ -307,6 +181,13 @@ at::Tensor attend_group(const at::Tensor& q, double scale, const Source& k_sourc
               "suffix_mask: contiguous bool [beams, keys]");
   const int64_t beams = suffix_slots.size(0), keys = suffix_slots.size(1);
   TORCH_CHECK(beams > 0 && q.size(0) == beams, "q: one row of heads per beam of the suffix");
+  const float* bias = nullptr;
+  if (suffix_bias.has_value() && suffix_bias->defined()) {
+    TORCH_CHECK(suffix_bias->scalar_type() == at::kFloat && suffix_bias->is_contiguous() &&
+                    suffix_bias->sizes() == at::IntArrayRef({q.size(1), beams, keys}),
+                "suffix_bias: contiguous float32 [heads, beams, keys]");
+    bias = suffix_bias->data_ptr<float>();
+  }
   const at::Tensor q_rows = group_rows(q, kv_heads, scale);
   at::Tensor prefix_out, prefix_lse;
   std::tie(prefix_out, prefix_lse) = attend(q_rows, k_source, v_source, first_slot, num_keys, slot_index, bf16);
@@ -323,13 +204,17 @@ at::Tensor attend_group(const at::Tensor& q, double scale, const Source& k_sourc
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attend_group", [&] {
     scalar_t* out_data = out.data_ptr<scalar_t>();
     at::parallel_for(0, kv_heads * beams, 16, [&](int64_t begin, int64_t finish) {
-      std::vector<int64_t> own;  // the beam's real keys' slots
+      std::vector<int64_t> own, own_at;  // the beam's real keys' slots, and where each sits in its row
       std::vector<float> k(keys * head_dim), v(keys * head_dim), q_row(head_dim), p(keys);
       for (int64_t task = begin; task < finish; ++task) {
         const int64_t head = task / beams, beam = task % beams;
         own.clear();
+        own_at.clear();
         for (int64_t i = 0; i < keys; ++i) {
-          if (real[beam * keys + i]) own.push_back(slot[beam * keys + i]);
+          if (real[beam * keys + i]) {
+            own.push_back(slot[beam * keys + i]);
+            own_at.push_back(i);
+          }
         }
         const int64_t n = static_cast<int64_t>(own.size());
         if (n > 0) {
@@ -344,8 +229,11 @@ at::Tensor attend_group(const at::Tensor& q, double scale, const Source& k_sourc
               q_row[j] = bf16 ? round_bf16(q_data[row * head_dim + j]) : q_data[row * head_dim + j];
             }
             float m = lse[row];
+            // query head h * G + g's bias row for this beam
+            const float* bias_row = bias ? bias + ((head * group_heads + g) * beams + beam) * keys : nullptr;
             for (int64_t i = 0; i < n; ++i) {
               p[i] = dot(q_row.data(), k.data() + i * head_dim, head_dim);
+              if (bias_row) p[i] += bias_row[own_at[i]];
               m = std::max(m, p[i]);
             }
             // the prefix counts as exp(lse) of summed weight, its output already normalized by it
@@ -412,12 +300,13 @@ std::tuple<at::Tensor, at::Tensor> int8_attention(const at::Tensor& q_rows, cons
 at::Tensor int8_group_attention(const at::Tensor& q, double scale, const at::Tensor& pair_values,
                                 const at::Tensor& pair_scales, int64_t start, int64_t end,
                                 const std::optional<at::Tensor>& index, const at::Tensor& suffix_slots,
-                                const at::Tensor& suffix_mask, bool bf16) {
+                                const at::Tensor& suffix_mask, bool bf16,
+                                const std::optional<at::Tensor>& suffix_bias) {
   auto [k_source, v_source] = int8_sources(pair_values, pair_scales);
   const int64_t num_slots = pair_values.size(1);
   auto [first_slot, num_keys, slot_index] = key_slots(start, end, index, num_slots);
   return attend_group(q, scale, k_source, v_source, num_slots, first_slot, num_keys, slot_index, suffix_slots,
-                      suffix_mask, bf16);
+                      suffix_mask, bf16, suffix_bias);
 }
 
 // A float32 or bfloat16 cache pair, each [num_slots, kv_heads, head_dim]: `fn` called with their sources
@@ -451,12 +340,13 @@ std::tuple<at::Tensor, at::Tensor> dense_attention(const at::Tensor& q_rows, con
 
 at::Tensor dense_group_attention(const at::Tensor& q, double scale, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                  int64_t start, int64_t end, const std::optional<at::Tensor>& index,
-                                 const at::Tensor& suffix_slots, const at::Tensor& suffix_mask) {
+                                 const at::Tensor& suffix_slots, const at::Tensor& suffix_mask,
+                                 const std::optional<at::Tensor>& suffix_bias) {
   const int64_t num_slots = k_cache.size(0);
   auto [first_slot, num_keys, slot_index] = key_slots(start, end, index, num_slots);
   return with_dense_sources(k_cache, v_cache, [&](const auto& k_source, const auto& v_source, bool bf16) {
     return attend_group(q, scale, k_source, v_source, num_slots, first_slot, num_keys, slot_index, suffix_slots,
-                        suffix_mask, bf16);
+                        suffix_mask, bf16, suffix_bias);
   });
 }
 
@@ -479,11 +369,11 @@ TORCH_LIBRARY_FRAGMENT(widebeam, m) {
   m.def("int8_attention(Tensor q_rows, Tensor pair_values, Tensor pair_scales, int start, int end, "
         "Tensor? index, bool bf16) -> (Tensor, Tensor)");
   m.def("int8_group_attention(Tensor q, float scale, Tensor pair_values, Tensor pair_scales, int start, int end, "
-        "Tensor? index, Tensor suffix_slots, Tensor suffix_mask, bool bf16) -> Tensor");
+        "Tensor? index, Tensor suffix_slots, Tensor suffix_mask, bool bf16, Tensor? suffix_bias=None) -> Tensor");
   m.def("dense_attention(Tensor q_rows, Tensor k_cache, Tensor v_cache, int start, int end, Tensor? index) "
         "-> (Tensor, Tensor)");
   m.def("dense_group_attention(Tensor q, float scale, Tensor k_cache, Tensor v_cache, int start, int end, "
-        "Tensor? index, Tensor suffix_slots, Tensor suffix_mask) -> Tensor");
+        "Tensor? index, Tensor suffix_slots, Tensor suffix_mask, Tensor? suffix_bias=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(widebeam, CPU, m) {
