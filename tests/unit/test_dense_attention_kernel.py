@@ -174,16 +174,21 @@ def test_the_engine_generates_the_same_with_the_kernel_on_and_off(monkeypatch, t
 
 
 class FixedBias:
-    """A position bias with set values for a group's own keys ([H, B, S]), as PositionBias hands them."""
+    """A position bias with set values for a group's own keys ([H, B, S]) and its shared prefix ([H, B, P],
+    if any), as PositionBias hands them."""
 
-    def __init__(self, suffix: torch.Tensor):
-        self.suffix = suffix
+    def __init__(self, suffix: torch.Tensor, prefix: torch.Tensor | None = None):
+        self.suffix, self.prefix = suffix, prefix
 
     def group_suffix(self, group):
         return self.suffix
 
     def group_prefix(self, group):
-        raise AssertionError("a group with no shared prefix has no prefix bias")
+        assert self.prefix is not None, "a group with no shared prefix has no prefix bias"
+        return self.prefix
+
+    def group_keys(self, group):
+        return torch.cat((self.prefix, self.suffix), dim=2)
 
 
 @needs_kernels
@@ -234,3 +239,58 @@ def test_the_suffix_bias_checks_its_shape_and_reaches_an_int8_pool():
     dequantized_v = dequantize(v_values, v_scales, torch.float32)
     torch.testing.assert_close(out[0], dequantized_v[4], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out[1], dequantized_v[6], atol=1e-5, rtol=1e-5)
+
+
+def biased_reference(q, k_cache, v_cache, group, bias):
+    """Each beam's attention over the prefix and its own keys in float64 (q, K, V as stored), the bias
+    added to the scores: [B, H, d]."""
+    beams, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    out = torch.empty(beams, heads, head_dim, dtype=torch.float64)
+    for b in range(beams):
+        slots = torch.cat((group.prefix_slots, group.suffix_slots[b][group.suffix_mask[b]]))
+        keys = group.prefix_tokens + int(group.suffix_mask[b].sum())
+        real = torch.cat((torch.ones(group.prefix_tokens, dtype=torch.bool), group.suffix_mask[b]))
+        row_bias = bias.group_keys(group)[:, b, :][:, real]
+        k = k_cache[slots].double().repeat_interleave(heads // kv_heads, dim=1)  # [S, H, d]
+        v = v_cache[slots].double().repeat_interleave(heads // kv_heads, dim=1)
+        scores = torch.einsum("hd,shd->hs", q[b].double(), k) + row_bias.double()
+        assert scores.shape[1] == keys
+        out[b] = torch.einsum("hs,shd->hd", scores.softmax(dim=-1), v)
+    return out
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype, tolerance", DTYPES, ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("consecutive", [True, False], ids=["prefix a run of slots", "prefix gathered"])
+@pytest.mark.parametrize("beams, own_keys", [(1, [2]), (4, [3, 0, 7, 1]), (16, [5] * 16)])
+def test_a_biased_group_with_a_shared_prefix_reads_it_per_beam_through_the_kernel(
+        monkeypatch, dtype, tolerance, consecutive, beams, own_keys):
+    """T5's beams share their first tokens' blocks: the group op reads the prefix as each beam's own keys
+    with each key's bias, as plain attention in float64 gives (and as the torch path gives in float32;
+    in bfloat16 the torch path rounds its prefix scores to bfloat16 where the kernel keeps float32); past
+    BIASED_GROUP_MAX_KEYS beams x keys the torch path serves."""
+    k_cache, v_cache = filled_cache(3200, 8, 64, dtype, seed=beams)
+    group = decode_group(beams, 40, own_keys, consecutive, seed=beams)
+    gen = torch.Generator().manual_seed(13)
+    q = (torch.randn(beams, 8, 64, generator=gen) * 0.5).to(dtype)
+    # a bfloat16 model's bias table is bfloat16: its values are exact in it
+    bias = FixedBias((torch.randn(8, beams, max(own_keys), generator=gen) * 3).to(dtype).float(),
+                     (torch.randn(8, beams, 40, generator=gen) * 3).to(dtype).float())
+    calls = []
+    real = backends._kernel_biased_group
+    monkeypatch.setattr(backends, "_kernel_biased_group", lambda *a: calls.append(1) or real(*a))
+    results = {}
+    for on in (True, False):
+        monkeypatch.setattr(kernels, "DENSE_ATTENTION_ENABLED", on)
+        results[on] = backends._attend_group(q, k_cache, v_cache, group, 1.0, bias)
+    assert calls == [1]
+    expected = biased_reference(q, k_cache, v_cache, group, bias)
+    torch.testing.assert_close(results[True].double(), expected, atol=tolerance, rtol=tolerance)
+    if dtype == torch.float32:
+        torch.testing.assert_close(results[True], results[False], atol=tolerance, rtol=tolerance)
+    monkeypatch.setattr(kernels, "DENSE_ATTENTION_ENABLED", True)
+    monkeypatch.setattr(backends, "BIASED_GROUP_MAX_KEYS", beams * (40 + max(own_keys)) - 1)
+    calls.clear()
+    torch.testing.assert_close(backends._attend_group(q, k_cache, v_cache, group, 1.0, bias), results[False])
+    assert not calls, "past the bound the torch path serves"

@@ -27,12 +27,14 @@ import torch
 from torch.nn import functional as F
 
 from widebeam.model.attention.kernel_reads import (  # noqa: F401 (the names tests and benchmarks reach here)
+    BIASED_GROUP_MAX_KEYS,
     DENSE_KERNEL_MAX_ROWS,
     KERNEL_GROUP_MAX_ROWS,
     KERNEL_MAX_ROWS,
     kernel_shared_keys,
 )
 from widebeam.model.attention.kernel_reads import kernel_attention as _kernel_attention
+from widebeam.model.attention.kernel_reads import kernel_biased_group as _kernel_biased_group
 from widebeam.model.attention.kernel_reads import kernel_group as _kernel_group
 from widebeam.model.attention.kernel_reads import use_kernel as _use_kernel
 from widebeam.model.attention.metadata import (
@@ -240,10 +242,13 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     rows = batch * group_size
     if group.key_ranges is not None and position_bias is None:
         return _attend_in_place(q, k_cache, v_cache, group.key_ranges, scale)
-    if position_bias is not None and not group.prefix_tokens and _use_kernel(k_cache, v_cache, rows,
-                                                                             KERNEL_GROUP_MAX_ROWS):
-        # a bias over own keys only (T5's decoder at W=1): the group op adds it to the scores
-        return _kernel_group(q, k_cache, v_cache, group, scale, position_bias.group_suffix(group))
+    if position_bias is not None and _use_kernel(k_cache, v_cache, rows, KERNEL_GROUP_MAX_ROWS):
+        # the group op adds a bias to the scores of the keys it reads per beam: all of them where the
+        # group shares nothing (T5's decoder at W=1), or the prefix too while that stays small
+        if not group.prefix_tokens:
+            return _kernel_group(q, k_cache, v_cache, group, scale, position_bias.group_suffix(group))
+        if batch * (group.prefix_tokens + group.suffix_slots.shape[1]) <= BIASED_GROUP_MAX_KEYS:
+            return _kernel_biased_group(q, k_cache, v_cache, group, scale, position_bias)
     if not group.prefix_tokens:
         # Nothing shared: each row attends its own keys, which PyTorch's fused kernel does best.
         k, v = _gather_kv(k_cache, v_cache, group.suffix_slots)

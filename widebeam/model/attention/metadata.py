@@ -345,3 +345,8 @@ class PositionBias:
         """[H, B, S] float32: each row's query against its own (padded) keys."""
         return self._memo(group, "suffix", lambda: self.fn(
             self._positions(group.seq_lens - 1)[:, None], self._positions(group.suffix_positions)).float())
+
+    def group_keys(self, group: DecodeGroup) -> torch.Tensor:
+        """[H, B, P + S] float32: the prefix's bias then the own keys', as one row of keys per beam."""
+        return self._memo(group, "keys", lambda: torch.cat((self.group_prefix(group),
+                                                             self.group_suffix(group)), dim=2).contiguous())
