@@ -26,6 +26,7 @@ import os
 import torch
 from torch.nn import functional as F
 
+from widebeam.model.attention import kernel_reads
 from widebeam.model.attention.kernel_reads import (  # noqa: F401 (the names tests and benchmarks reach here)
     BIASED_GROUP_MAX_KEYS,
     DENSE_KERNEL_MAX_ROWS,
@@ -242,7 +243,8 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     rows = batch * group_size
     if group.key_ranges is not None and position_bias is None:
         return _attend_in_place(q, k_cache, v_cache, group.key_ranges, scale)
-    if position_bias is not None and _use_kernel(k_cache, v_cache, rows, KERNEL_GROUP_MAX_ROWS):
+    if (position_bias is not None and kernel_reads.BIASED_GROUPS_ENABLED
+            and _use_kernel(k_cache, v_cache, rows, KERNEL_GROUP_MAX_ROWS)):
         # the group op adds a bias to the scores of the keys it reads per beam: all of them where the
         # group shares nothing (T5's decoder at W=1), or the prefix too while that stays small
         if not group.prefix_tokens:

@@ -34,9 +34,11 @@ DENSE_KERNEL_MAX_ROWS = 64
 # A biased group (T5's decoder self-attention) goes through the group op, each beam reading the shared
 # prefix as its own keys, while beams x keys stays at most this: a wider group reads its prefix B times
 # over (from cache: T5-small's 8 heads x 64 keys of 64 dims are 128 KB). Measured (t5-small shape, 4
-# sources, 64 new tokens, whole run, kernel / torch path): float32 W=4 0.82x, 16 0.90x, 64 (4,500 keys)
-# 0.89x; int8 W=1 0.81x, 4 0.95x, 16 0.81x.
+# sources, 64 new tokens, whole run, kernel / torch path, benchmarks/seq2seq_switch_ab.py): float32 W=1
+# 0.99x, 4 0.90x, 16 0.92x, 64 (~4,500 keys) 0.96x; int8 0.96x, 0.87x, 0.75x, 0.87x.
 BIASED_GROUP_MAX_KEYS = 16384
+# biased groups through the group op at all (benchmarks/seq2seq_switch_ab.py switches it; tests too)
+BIASED_GROUPS_ENABLED = True
 
 
 def use_kernel(k_cache, v_cache, rows: int, max_rows: int = KERNEL_MAX_ROWS) -> bool:
