@@ -30,7 +30,8 @@ step() {  # step NAME SECONDS COMMAND...: one part, bounded, logged; a failure i
     | tee -a "$LOG" || { echo "no CUDA device: nothing to check" | tee -a "$LOG"; exit 2; }
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv >> "$LOG" 2>&1 || true
 echo "CPU-only paths, not run here: the C++ kernels of widebeam/model/kernels/ (the tiled prompt read, the" \
-    "few-row and cross-attention reads, the K/V row copies, the int8 row quantizer, norms, rotary, selection);" \
+    "few-row and cross-attention reads, T5's position-biased groups, the K/V row copies, the int8 row" \
+    "quantizer, norms, rotary, selection and its in-place deeper rows);" \
     "on CUDA the torch path serves every one of them (the cuda tests below run it)" | tee -a "$LOG"
 
 step "cuda tests" 150 "$PY" -m pytest -q -m cuda tests
