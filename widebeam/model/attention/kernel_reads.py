@@ -44,9 +44,9 @@ BIASED_GROUPS_ENABLED = True
 def use_kernel(k_cache, v_cache, rows: int, max_rows: int = KERNEL_MAX_ROWS) -> bool:
     """Whether a read of `rows` query rows goes through the C++ kernel (kernels/attention.cpp): a CPU
     cache, few rows (or any number, tiled, at a head size `kernels.FLASH_HEAD_DIMS` lists), the kernels
-    built and on; an int8 pair read in the stored domain (nothing to
-    un-rotate) as float32 or bfloat16 (which the kernel rounds to as the torch path does), or a float32 or
-    bfloat16 cache laid out as the pools allocate it."""
+    built and on; an int8 pair read in the stored domain (nothing to un-rotate) as float32 or bfloat16
+    (which the kernel rounds to as the torch path does), or a float32 or bfloat16 cache laid out as the
+    pools allocate it."""
     if k_cache.device.type != "cpu":
         return False
     dense = isinstance(k_cache, torch.Tensor)
@@ -62,7 +62,7 @@ def use_kernel(k_cache, v_cache, rows: int, max_rows: int = KERNEL_MAX_ROWS) -> 
 
 
 def kernel_attention(q_rows: torch.Tensor, k_cache, v_cache, start: int = 0, end: int = 0,
-                      index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`backends.chunk_attention` of q_rows [KV, R, d] (scaled) against the slots start..end (or the slots
     `index`) in one op: (out [KV, R, d], lse [KV, R, 1]), float32; an int8 pair's K/V dequantized as read
     (and rounded to the cache's read dtype)."""
@@ -74,7 +74,7 @@ def kernel_attention(q_rows: torch.Tensor, k_cache, v_cache, start: int = 0, end
 
 
 def kernel_group(q: torch.Tensor, k_cache, v_cache, group: DecodeGroup, scale: float,
-                  suffix_bias: torch.Tensor | None = None) -> torch.Tensor:
+                 suffix_bias: torch.Tensor | None = None) -> torch.Tensor:
     """`backends._attend_group`'s prefix and suffix parts, merged, in one op of the C++ kernel: q [B, H, d] ->
     [B, H, d], nothing gathered (or dequantized) in between; q scaled and regrouped into the kernel's
     [KV, B*G, d] rows, and the output back into [B, H, d], inside the op. `suffix_bias` [H, B, S] float32:
@@ -120,7 +120,7 @@ def kernel_shared_keys(q: torch.Tensor, k_cache, v_cache, slots: torch.Tensor,
     mask: a cross-attention group (cross.py), through the kernel's group op with no own keys. None where
     the kernel does not serve (the caller's torch path does)."""
     num_kv_heads = k_cache.shape[1]
-    # an int8 pool as the runner hands it is read un-rotated: `_use_kernel` leaves that to the torch path
+    # an int8 pool as the runner hands it is read un-rotated: `use_kernel` leaves that to the torch path
     if not use_kernel(k_cache, v_cache, q.shape[0] * (q.shape[1] // num_kv_heads), KERNEL_GROUP_MAX_ROWS):
         return None
     start, end, index = (*slot_run, None) if slot_run is not None else (0, 0, slots.contiguous())
