@@ -243,14 +243,13 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     rows = batch * group_size
     if group.key_ranges is not None and position_bias is None:
         return _attend_in_place(q, k_cache, v_cache, group.key_ranges, scale)
+    # the group op adds a bias to the scores of the keys it reads per beam: their own (T5's decoder at W=1),
+    # and a shared prefix too while re-reading it per beam stays small
     if (position_bias is not None and kernel_reads.BIASED_GROUPS_ENABLED
-            and _use_kernel(k_cache, v_cache, rows, KERNEL_GROUP_MAX_ROWS)):
-        # the group op adds a bias to the scores of the keys it reads per beam: all of them where the
-        # group shares nothing (T5's decoder at W=1), or the prefix too while that stays small
-        if not group.prefix_tokens:
-            return _kernel_group(q, k_cache, v_cache, group, scale, position_bias.group_suffix(group))
-        if batch * (group.prefix_tokens + group.suffix_slots.shape[1]) <= BIASED_GROUP_MAX_KEYS:
-            return _kernel_biased_group(q, k_cache, v_cache, group, scale, position_bias)
+            and _use_kernel(k_cache, v_cache, rows, KERNEL_GROUP_MAX_ROWS)
+            and (not group.prefix_tokens
+                 or batch * (group.prefix_tokens + group.suffix_slots.shape[1]) <= BIASED_GROUP_MAX_KEYS)):
+        return _kernel_biased_group(q, k_cache, v_cache, group, scale, position_bias)
     if not group.prefix_tokens:
         # Nothing shared: each row attends its own keys, which PyTorch's fused kernel does best.
         k, v = _gather_kv(k_cache, v_cache, group.suffix_slots)

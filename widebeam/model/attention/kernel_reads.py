@@ -73,14 +73,10 @@ def kernel_attention(q_rows: torch.Tensor, k_cache, v_cache, start: int = 0, end
                                              index, k_cache.read_dtype == torch.bfloat16)
 
 
-def kernel_group(q: torch.Tensor, k_cache, v_cache, group: DecodeGroup, scale: float,
-                 suffix_bias: torch.Tensor | None = None) -> torch.Tensor:
+def kernel_group(q: torch.Tensor, k_cache, v_cache, group: DecodeGroup, scale: float) -> torch.Tensor:
     """`backends._attend_group`'s prefix and suffix parts, merged, in one op of the C++ kernel: q [B, H, d] ->
     [B, H, d], nothing gathered (or dequantized) in between; q scaled and regrouped into the kernel's
-    [KV, B*G, d] rows, and the output back into [B, H, d], inside the op. `suffix_bias` [H, B, S] float32:
-    added to the own keys' scores (a group with no shared prefix only)."""
-    if suffix_bias is not None:  # in q's dtype first, as the torch path's float mask carries it
-        suffix_bias = suffix_bias.to(q.dtype).float().contiguous()
+    [KV, B*G, d] rows, and the output back into [B, H, d], inside the op."""
     if group.prefix_start is not None:
         start, end, index = group.prefix_start, group.prefix_start + group.prefix_tokens, None
     else:
@@ -88,18 +84,19 @@ def kernel_group(q: torch.Tensor, k_cache, v_cache, group: DecodeGroup, scale: f
     suffix_slots, suffix_mask = group.suffix_slots.contiguous(), group.suffix_mask.contiguous()
     if isinstance(k_cache, torch.Tensor):
         return torch.ops.widebeam.dense_group_attention(q, scale, k_cache, v_cache, start, end, index,
-                                                        suffix_slots, suffix_mask, suffix_bias)
+                                                        suffix_slots, suffix_mask)
     return torch.ops.widebeam.int8_group_attention(
         q, scale, k_cache.pair_values, k_cache.pair_scales, start, end, index, suffix_slots, suffix_mask,
-        k_cache.read_dtype == torch.bfloat16, suffix_bias)
+        k_cache.read_dtype == torch.bfloat16)
 
 
 def kernel_biased_group(q: torch.Tensor, k_cache, v_cache, group: DecodeGroup, scale: float,
                         position_bias) -> torch.Tensor:
-    """A decode group with a position bias (T5's decoder) in one op: each beam reads the shared prefix
-    as its own keys (slots and mask [B, P + S], bias `position_bias.group_keys`), since a bias differs per
-    beam and key. Worth it only while B x (P + S) stays small (BIASED_GROUP_MAX_KEYS): the prefix is read
-    once a beam, not once a group."""
+    """A decode group with a position bias (T5's decoder) in one op, the bias added to every score: each
+    beam reads its own keys and the shared prefix (if any) as its own keys too (slots and mask [B, P + S],
+    bias `position_bias.group_keys`), since a bias differs per beam and key. With a prefix, worth it only
+    while B x (P + S) stays small (BIASED_GROUP_MAX_KEYS): the prefix is read once a beam, not once a
+    group."""
     batch, prefix_tokens = group.suffix_slots.shape[0], group.prefix_tokens
     slots = torch.cat((group.prefix_slots[None, :].expand(batch, prefix_tokens), group.suffix_slots), dim=1)
     mask = torch.cat((torch.ones(batch, prefix_tokens, dtype=torch.bool, device=slots.device),
