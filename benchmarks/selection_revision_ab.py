@@ -2,9 +2,8 @@
 
     python benchmarks/selection_revision_ab.py --base 775aa57 --widths 256 1024
 
-The C++ ops of two revisions cannot load side by side under one name, so the base revision's
-`widebeam/model/kernels/row_top.cpp` is compiled on the spot (torch.utils.cpp_extension, the flags
-build.py uses) under another op namespace (`widebeam_base`). The logits are real: a beam search of the
+The base revision's `widebeam/model/kernels/row_top.cpp` is compiled on the spot under another op
+namespace (`widebeam_base`, benchmarks/base_kernel.py). The logits are real: a beam search of the
 default model at each width (P = `--prompt-len`, `--steps` decode steps) records every step's
 `top_candidates` arguments. Then `top_candidates` runs over those steps with each op in turn, interleaved
 (benchmarks/interleaved.py); the base op is called as the base revision's ranking called it (a deeper
@@ -16,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shlex
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
+from base_kernel import load_base_kernel
 from interleaved import best_times
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,20 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def load_base_op(revision: str, into: Path):
     """The base revision's row_top.cpp compiled under the `widebeam_base` op namespace."""
-    from torch.utils.cpp_extension import load
-
-    from widebeam.model import kernels
-    from widebeam.model.kernels import build
-
-    source = subprocess.run(["git", "show", f"{revision}:widebeam/model/kernels/row_top.cpp"], cwd=ROOT,
-                            check=True, capture_output=True, text=True).stdout
-    source = re.sub(r"TORCH_LIBRARY_(FRAGMENT|IMPL)\(widebeam,", r"TORCH_LIBRARY_\1(widebeam_base,", source)
-    path = into / "row_top_base.cpp"
-    path.write_text(source)
-    flags = ["-O3", "-march=native", "-std=c++17", "-fopenmp"] + build.capability_defines(
-        kernels.cpu_capability())
-    load("row_top_base", [str(path)], extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False,
-         build_directory=str(into))
+    load_base_kernel(revision, "row_top.cpp", into)
     return torch.ops.widebeam_base.log_softmax_topk
 
 
