@@ -57,6 +57,16 @@ def _collector_unfrozen_after_each_test():
         gc.unfreeze()
 
 
+@pytest.fixture
+def dense_kernel_reads_anywhere(monkeypatch):
+    """The dense-cache attention kernels on whatever capability this build has: the engine keeps them to
+    `kernels.DENSE_ATTENTION_CAPABILITIES` for speed (slower than the torch path on AVX2), not correctness,
+    so the tests of those reads run them on every build."""
+    from widebeam.model import kernels
+
+    monkeypatch.setattr(kernels, "DENSE_ATTENTION_CAPABILITIES", (kernels._BUILT_FOR,))
+
+
 # One thread: the suite runs beside server processes it starts, and two threads on two busy cores
 # spin-wait on each other (measured 6x slower under load); tiny models gain nothing from two.
 torch.set_num_threads(1)

@@ -17,6 +17,9 @@ import torch
 
 from widebeam.model.attention.backends import attention_backend_names, get_attention_backend
 
+# the dense-cache kernel reads run here on every build (tests/conftest.py), not only where they pay
+pytestmark = pytest.mark.usefixtures("dense_kernel_reads_anywhere")
+
 
 class Layout:
     """A paged cache filled token by token; `seqs` hold each sequence's table and its keys/values."""

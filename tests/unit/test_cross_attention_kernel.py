@@ -14,6 +14,9 @@ from widebeam.model.attention import backends
 from widebeam.model.attention.cross import CrossAttentionMetadata, cross_attention
 from widebeam.model.attention.quantized_kv import QuantizedKV, write_pair
 
+# the dense-cache kernel reads run here on every build (tests/conftest.py), not only where they pay
+pytestmark = pytest.mark.usefixtures("dense_kernel_reads_anywhere")
+
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason="C++ kernels not built")
 T = 4
 

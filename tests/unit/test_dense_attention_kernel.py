@@ -20,6 +20,9 @@ from widebeam.model.attention.metadata import DecodeGroup
 from widebeam.model.attention.quantized_kv import dequantize, quantize
 from widebeam.params import BeamSearchParams, SamplingParams
 
+# the dense-cache kernel reads run here on every build (tests/conftest.py), not only where they pay
+pytestmark = pytest.mark.usefixtures("dense_kernel_reads_anywhere")
+
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason="C++ kernels not built")
 
 DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)]
@@ -146,6 +149,31 @@ def test_which_reads_go_through_the_dense_kernel(monkeypatch, dtype, kernel_in_p
 
 
 PROMPTS = [[(i * 31 + k) % 120 + 3 for i in range(n)] for k, n in ((1, 9), (5, 23), (11, 70))]
+
+
+@needs_kernels
+def test_the_dense_reads_serve_only_builds_of_a_listed_capability(monkeypatch, tiny_llama_head64_dir):
+    """`kernels.DENSE_ATTENTION_CAPABILITIES` keeps the dense-cache reads to the builds where they pay
+    (AVX-512; on AVX2 they lost to the torch path): built for another capability, a beam search reads
+    through the torch path, not one call of the kernel; built for a listed one, through the kernel; the
+    same beams either way."""
+    llm = LLM(str(tiny_llama_head64_dir), device="cpu", dtype="float32", kv_cache_memory="4MiB",
+              tokens_per_block=4, enable_prefix_caching=False)
+    calls = []
+    monkeypatch.setattr(backends, "_kernel_group", lambda *a: calls.append(1) or KERNEL_GROUP(*a))
+    requests = [{"prompt_token_ids": p} for p in PROMPTS]
+    params = BeamSearchParams(beam_width=4, max_new_tokens=8)
+    outputs = {}
+    for listed in (False, True):
+        built = kernels._BUILT_FOR
+        listed_capabilities = (built,) if listed else ("NOT_" + built,)
+        monkeypatch.setattr(kernels, "DENSE_ATTENTION_CAPABILITIES", listed_capabilities)
+        assert kernels.dense_attention_enabled() is listed
+        calls.clear()
+        outputs[listed] = llm.generate(requests, params, use_tqdm=False)
+        assert bool(calls) is listed
+    for on, off in zip(outputs[True], outputs[False], strict=True):
+        assert on.outputs[0].token_ids == off.outputs[0].token_ids
 
 
 @needs_kernels

@@ -19,6 +19,9 @@ from widebeam.model.attention.metadata import DecodeGroup
 from widebeam.model.attention.quantized_kv import QuantizedKV, write_pair
 from widebeam.params import BeamSearchParams
 
+# the dense-cache kernel reads run here on every build (tests/conftest.py), not only where they pay
+pytestmark = pytest.mark.usefixtures("dense_kernel_reads_anywhere")
+
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason="C++ kernels not built")
 NEVER = 2**62
 

@@ -16,6 +16,9 @@ from test_attention_backends import random_layout
 from widebeam.model.attention.backends import get_attention_backend
 from widebeam.model.attention.metadata import PositionBias, tree_ancestry, tree_depths
 
+# the dense-cache kernel reads run here on every build (tests/conftest.py), not only where they pay
+pytestmark = pytest.mark.usefixtures("dense_kernel_reads_anywhere")
+
 RELATIVE_RANGE = 12
 
 

@@ -53,6 +53,11 @@ SELECTION_ENABLED = ENABLED
 LINEAR_ENABLED = ENABLED
 # float32/bfloat16 caches' attention through `dense_attention` (model/attention/backends.py)
 DENSE_ATTENTION_ENABLED = ENABLED
+# ... where the library was built for one of these: its reads hold 16 floats as one value (common.h's
+# Vec16), one AVX-512 register. Built for AVX2 they lost end to end on a 2-core AVX2 EPYC: 1.11-1.73x the
+# torch path's time at W=4/16, P=320/2,048 (benchmarks/results/dense_attention_enabled_ab_float32_avx2.json)
+# and 2-5x a read of one row (SDPA's fused kernel 79-375 us a layer, the kernel 174-1,900 at 150-2,100 keys)
+DENSE_ATTENTION_CAPABILITIES = ("AVX512",)
 # RMSNorm and the rotary embedding as one op each (model/families/layers.py)
 ELEMENTWISE_ENABLED = ENABLED
 # many query rows (a wide group against its prompt) through the tiled kernel (flash_rows.h), past the
@@ -122,8 +127,8 @@ def selection_enabled() -> bool:
 
 def dense_attention_enabled() -> bool:
     """Whether a float32 or bfloat16 cache's few-row reads go through `dense_attention` and
-    `dense_group_attention`: loaded and switched on."""
-    return _AVAILABLE and DENSE_ATTENTION_ENABLED
+    `dense_group_attention`: loaded, switched on, and built for one of DENSE_ATTENTION_CAPABILITIES."""
+    return _AVAILABLE and DENSE_ATTENTION_ENABLED and _BUILT_FOR in DENSE_ATTENTION_CAPABILITIES
 
 
 def flash_rows_enabled() -> bool:
