@@ -1,4 +1,4 @@
-"""Int8 linear kernels (widebeam/model/linears/int8.py): one definition of the math, two kernels
+"""Int8 linear kernels (widebeam/model/linears/int8.py): one definition of the math, three kernels
 that must compute it bit for bit. The reference here is the definition itself in float64 (int32
 products are exact there), not either kernel."""
 
@@ -11,6 +11,7 @@ from widebeam.model import kernels
 from widebeam.model.linears.int8 import (
     Int8Linear,
     fbgemm_exact,
+    float_exact_product,
     int_mm_product,
     quantize_int8,
     quantize_rows,
@@ -49,7 +50,7 @@ def inputs(rows: int, in_features: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("in_features, out_features", SHAPES)
-@pytest.mark.parametrize("kernel", ["int_mm", pytest.param("fbgemm", marks=needs_fbgemm)])
+@pytest.mark.parametrize("kernel", ["int_mm", "float_exact", pytest.param("fbgemm", marks=needs_fbgemm)])
 def test_each_kernel_computes_the_definition_exactly(kernel, in_features, out_features):
     torch.manual_seed(in_features * 7 + out_features)
     linear = torch.nn.Linear(in_features, out_features)
@@ -71,15 +72,36 @@ def test_fbgemm_is_the_default_where_exact_and_holds_one_int8_copy():
     assert layer.weight_q.dtype == torch.int8
 
 
-def test_without_an_exact_fbgemm_the_reference_kernel_serves(monkeypatch):
+def test_without_an_exact_fbgemm_the_float_exact_kernel_serves_then_the_reference(monkeypatch):
     from widebeam.model.linears import int8 as int8_linear
 
     monkeypatch.setattr(int8_linear, "fbgemm_exact", lambda: False)
+    assert Int8Linear(torch.nn.Linear(8, 4)).kernel == "float_exact"
+    assert Int8Linear(torch.nn.Linear(8, 4), "fbgemm").kernel == "float_exact"
+    assert Int8Linear(torch.nn.Linear(8, 4), "int_mm").kernel == "int_mm"
+    # float32 products that may round (TF32 / bfloat16 shortcuts) are not exact: the reference serves
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "medium")
     assert Int8Linear(torch.nn.Linear(8, 4)).kernel == "int_mm"
-    assert Int8Linear(torch.nn.Linear(8, 4), "fbgemm").kernel == "int_mm"
+    assert Int8Linear(torch.nn.Linear(8, 4), "float_exact").kernel == "int_mm"
 
 
-@pytest.mark.parametrize("kernel", ["int_mm", pytest.param("fbgemm", marks=needs_fbgemm)])
+@pytest.mark.parametrize("rows", [1, 5, 17, 64])
+@pytest.mark.parametrize("in_features", [1024, 1025, 1536, 4100])
+def test_the_float_exact_product_is_the_int32_one_at_the_extremes(rows, in_features):
+    """Every input at +-127 times a weight of +-127 (the largest sums the quantizer allows, past 2^24 once
+    more than 1,040 inputs add up): the chunked float32 product equals `_int_mm`'s, bit for bit."""
+    generator = torch.Generator().manual_seed(rows * 31 + in_features)
+    q_x = (torch.randint(0, 2, (rows, in_features), generator=generator) * 254 - 127).float()
+    weight_q = torch.full((24, in_features), 127, dtype=torch.int8)
+    weight_q[1::2] = -127
+    weight_q[2, ::3] = 5  # one channel with mixed signs
+    q_x[0] = 127.0  # its sum with channel 0 is in x 127 x 127: past float32's whole numbers at 1,041 inputs
+    weight_t, weight_scale = weight_q.t().contiguous(), torch.rand(24, generator=generator) + 0.5
+    assert torch.equal(float_exact_product(q_x, weight_t, weight_scale),
+                       int_mm_product(q_x, weight_t, weight_scale))
+
+
+@pytest.mark.parametrize("kernel", ["int_mm", "float_exact", pytest.param("fbgemm", marks=needs_fbgemm)])
 def test_a_rows_output_does_not_depend_on_its_batch(kernel):
     linear = torch.nn.Linear(96, 40)
     layer = Int8Linear(linear, kernel)
@@ -104,7 +126,8 @@ def test_the_reference_product_pads_few_rows():
 
 
 def test_an_unknown_kernel_is_named():
-    with pytest.raises(ValueError, match="int8 kernel must be one of fbgemm, int_mm, got 'vnni'"):
+    message = "int8 kernel must be one of fbgemm, float_exact, int_mm, got 'vnni'"
+    with pytest.raises(ValueError, match=message):
         Int8Linear(torch.nn.Linear(4, 4), "vnni")
 
 
@@ -117,7 +140,7 @@ def test_quantize_int8_swaps_every_linear_and_needs_a_cpu():
         quantize_int8(torch.nn.Linear(2, 2), torch.device("meta"))
 
 
-@pytest.mark.parametrize("kernel", ["int_mm", pytest.param("fbgemm", marks=needs_fbgemm)])
+@pytest.mark.parametrize("kernel", ["int_mm", "float_exact", pytest.param("fbgemm", marks=needs_fbgemm)])
 @pytest.mark.parametrize("biases", [(True, True, True), (False, False, False), (True, False, True)])
 def test_concatenated_layers_equal_the_parts_bit_for_bit(kernel, biases):
     torch.manual_seed(5)
