@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml Makefile
 KERNELS      := widebeam/model/kernels
 KERNEL_STAMP := $(KERNELS)/_build/kernels.stamp
 
-$(KERNEL_STAMP): $(STAMP) $(KERNELS)/int8_kv.cpp $(KERNELS)/attention.cpp $(KERNELS)/common.h $(KERNELS)/sources.h $(KERNELS)/flash_rows.h $(KERNELS)/few_row_keys.h $(KERNELS)/row_top.cpp $(KERNELS)/few_rows.cpp $(KERNELS)/elementwise.cpp $(KERNELS)/copy_rows.cpp $(KERNELS)/quantize_rows.cpp $(KERNELS)/build.py $(KERNELS)/__init__.py
+$(KERNEL_STAMP): $(STAMP) $(KERNELS)/int8_kv.cpp $(KERNELS)/attention.cpp $(KERNELS)/common.h $(KERNELS)/sources.h $(KERNELS)/flash_rows.h $(KERNELS)/few_row_keys.h $(KERNELS)/row_top.cpp $(KERNELS)/few_rows.cpp $(KERNELS)/elementwise.cpp $(KERNELS)/copy_rows.cpp $(KERNELS)/quantize_rows.cpp $(KERNELS)/int8_rows.cpp $(KERNELS)/build.py $(KERNELS)/__init__.py
 	$(PY) -m widebeam.model.kernels.build
 
 setup: $(STAMP) $(KERNEL_STAMP)

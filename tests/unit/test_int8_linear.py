@@ -12,6 +12,7 @@ from widebeam.model.linears.int8 import (
     Int8Linear,
     fbgemm_exact,
     float_exact_product,
+    int8_few_rows,
     int_mm_product,
     quantize_int8,
     quantize_rows,
@@ -97,8 +98,32 @@ def test_the_float_exact_product_is_the_int32_one_at_the_extremes(rows, in_featu
     weight_q[2, ::3] = 5  # one channel with mixed signs
     q_x[0] = 127.0  # its sum with channel 0 is in x 127 x 127: past float32's whole numbers at 1,041 inputs
     weight_t, weight_scale = weight_q.t().contiguous(), torch.rand(24, generator=generator) + 0.5
-    assert torch.equal(float_exact_product(q_x, weight_t, weight_scale),
-                       int_mm_product(q_x, weight_t, weight_scale))
+    reference = int_mm_product(q_x, weight_t, weight_scale)
+    assert torch.equal(float_exact_product(q_x, weight_t, weight_scale), reference)
+    if rows <= 8:  # the few-row kernel reads the int8 weight itself: the same int32 sums
+        assert kernels.int8_rows_enabled() == kernels.available()
+        if kernels.available():
+            assert torch.equal(int8_few_rows(q_x, weight_q, weight_scale), reference)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="C++ kernels not built")
+def test_the_float_exact_layer_reads_few_rows_through_the_int8_kernel(monkeypatch):
+    """At 1-8 rows a "float_exact" layer calls `int8_few_rows` on its own int8 weight (no float32 copy),
+    past them the chunked float32 product; both give the reference's output bit for bit."""
+    from widebeam.model.linears import int8 as int8_linear
+
+    monkeypatch.setattr(int8_linear, "fbgemm_exact", lambda: False)
+    linear = torch.nn.Linear(1100, 72)
+    layer, reference = Int8Linear(linear), Int8Linear(linear, "int_mm")
+    assert layer.kernel == "float_exact" and layer.weight_t.t().is_contiguous()
+    calls = []
+    real = int8_linear.int8_few_rows
+    monkeypatch.setattr(int8_linear, "int8_few_rows", lambda *a: calls.append(1) or real(*a))
+    for rows in (1, 3, 8, 9, 40):
+        x = inputs(rows, 1100, seed=rows)
+        calls.clear()
+        assert torch.equal(layer(x), reference(x)), f"{rows} rows"
+        assert bool(calls) == (rows <= 8)
 
 
 @pytest.mark.parametrize("kernel", ["int_mm", "float_exact", pytest.param("fbgemm", marks=needs_fbgemm)])

@@ -37,7 +37,8 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 SOURCES = (HERE / "int8_kv.cpp", HERE / "attention.cpp", HERE / "row_top.cpp", HERE / "few_rows.cpp",
-           HERE / "elementwise.cpp", HERE / "copy_rows.cpp", HERE / "quantize_rows.cpp")
+           HERE / "elementwise.cpp", HERE / "copy_rows.cpp", HERE / "quantize_rows.cpp",
+           HERE / "int8_rows.cpp")
 # in the stamp, not on the compile line
 HEADERS = (HERE / "common.h", HERE / "sources.h", HERE / "flash_rows.h", HERE / "few_row_keys.h")
 BUILD_DIR = HERE / "_build"
@@ -65,6 +66,8 @@ ELEMENTWISE_ENABLED = ENABLED
 FLASH_ROWS_ENABLED = ENABLED
 # an int8 linear's activations quantized per row in one op (quantize_rows.cpp, model/linears/int8.py)
 QUANTIZE_ROWS_ENABLED = ENABLED
+# an int8 linear's 1-8 rows read from its int8 weight, exact, where FBGEMM is not (int8_rows.cpp)
+INT8_ROWS_ENABLED = ENABLED
 # the step's K/V write and the copy-on-write copies as one row-copying op each (copy_rows.cpp)
 COPY_ROWS_ENABLED = ENABLED
 # the head sizes flash_rows.h serves (its products are unrolled for them)
@@ -135,6 +138,11 @@ def flash_rows_enabled() -> bool:
     """Whether reads of many query rows (past backends.py's few-row caps) go through the tiled C++ kernel:
     loaded and on."""
     return _AVAILABLE and FLASH_ROWS_ENABLED
+
+
+def int8_rows_enabled() -> bool:
+    """Whether `int8_few_rows` serves the "float_exact" int8 linears' 1-8 rows: loaded and on."""
+    return _AVAILABLE and INT8_ROWS_ENABLED
 
 
 def quantize_rows_enabled() -> bool:

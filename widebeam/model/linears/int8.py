@@ -74,6 +74,10 @@ def int_mm_product(quantized_rows: torch.Tensor, weight_t: torch.Tensor,
 
 # inputs a chunk of the float32 product may sum while every partial sum stays a whole number below 2^24
 FLOAT_EXACT_CHUNK = 1024
+# up to this many rows "float_exact" reads the int8 weight through kernels/int8_rows.cpp (exact int32 sums)
+# instead of widening it to float32: 1.90 -> 1.19 s at W=1, P=320, N=8 on a 2-core AVX2 EPYC (W=4: 2.37 ->
+# 1.44; docs/benchmarks.md, "An AVX2 host")
+INT8_ROWS_MAX_ROWS = 8
 
 
 def float_exact_product(quantized_rows: torch.Tensor, weight_t: torch.Tensor,
@@ -90,6 +94,12 @@ def float_exact_product(quantized_rows: torch.Tensor, weight_t: torch.Tensor,
         part = (quantized_rows[:, start:end] @ weight_t[start:end].float()).to(torch.int32)
         total = part if total is None else total.add_(part)
     return total.float() * weight_scale
+
+
+def int8_few_rows(quantized_rows: torch.Tensor, weight_q: torch.Tensor,
+                  weight_scale: torch.Tensor) -> torch.Tensor:
+    """`int_mm_product` of 1-8 rows bit for bit, reading weight_q [out, in] int8 as it is (C++)."""
+    return torch.ops.widebeam.int8_few_rows(quantized_rows, weight_q, weight_scale)
 
 
 def float_exact_available() -> bool:
@@ -168,7 +178,10 @@ class Int8Linear(torch.nn.Module):
         if self.kernel == "fbgemm":
             self._packed = fbgemm_pack(weight_q, weight_scale)  # a script object, not a buffer
         else:
-            self.register_buffer("weight_t", weight_q.t().contiguous())  # [in, out]
+            # [in, out] for the products over many rows; "float_exact" holds it as the view of a contiguous
+            # [out, in], the layout its few-row kernel streams (one copy either way)
+            held = weight_q.contiguous().t() if self.kernel == "float_exact" else weight_q.t().contiguous()
+            self.register_buffer("weight_t", held)
 
     @classmethod
     def concat(cls, layers: list[Int8Linear]) -> Int8Linear:
@@ -202,9 +215,15 @@ class Int8Linear(torch.nn.Module):
         if self.kernel == "fbgemm":
             out = fbgemm_product(quantized, self._packed)
         elif self.kernel == "float_exact" and float_exact_available():
-            out = float_exact_product(quantized, self.weight_t, self.weight_scale)
+            weight_rows = self.weight_t.t()  # [out, in]
+            if (quantized.shape[0] <= INT8_ROWS_MAX_ROWS and kernels.int8_rows_enabled()
+                    and weight_rows.is_contiguous()):
+                # a decode step's rows from the int8 weight itself, exact (kernels/int8_rows.cpp)
+                out = int8_few_rows(quantized, weight_rows, self.weight_scale)
+            else:
+                out = float_exact_product(quantized, self.weight_t, self.weight_scale)
         else:
-            out = int_mm_product(quantized, self.weight_t, self.weight_scale)
+            out = int_mm_product(quantized, self.weight_t.contiguous(), self.weight_scale)
         out.mul_(scale)
         if self.bias is not None:
             out += self.bias
