@@ -124,6 +124,7 @@ def test_the_float_exact_layer_reads_few_rows_through_the_int8_kernel(monkeypatc
         calls.clear()
         assert torch.equal(layer(x), reference(x)), f"{rows} rows"
         assert bool(calls) == (rows <= 8)
+    assert layer(torch.zeros(0, 1100)).shape == (0, 72)  # no rows: nothing for the kernel, no error
 
 
 @pytest.mark.parametrize("kernel", ["int_mm", "float_exact", pytest.param("fbgemm", marks=needs_fbgemm)])

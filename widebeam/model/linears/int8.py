@@ -216,7 +216,7 @@ class Int8Linear(torch.nn.Module):
             out = fbgemm_product(quantized, self._packed)
         elif self.kernel == "float_exact" and float_exact_available():
             weight_rows = self.weight_t.t()  # [out, in]
-            if (quantized.shape[0] <= INT8_ROWS_MAX_ROWS and kernels.int8_rows_enabled()
+            if (1 <= quantized.shape[0] <= INT8_ROWS_MAX_ROWS and kernels.int8_rows_enabled()
                     and weight_rows.is_contiguous()):
                 # a decode step's rows from the int8 weight itself, exact (kernels/int8_rows.cpp)
                 out = int8_few_rows(quantized, weight_rows, self.weight_scale)
