@@ -97,8 +97,9 @@ void rows_times_weight(const T* x, int64_t x_stride, const T* w, int64_t in, con
 #if defined(CPU_CAPABILITY_AVX2)
   } else if (R == 1 && std::is_same_v<T, float>) {
     // One float32 row on AVX2 (an AMD EPYC with 8-lane vectors): eight weight rows read side by side, eight
-    // streams in flight, stream 1.1-1.7x faster than one row at a time (20-33 against 15-21 GB/s where a
-    // 2-thread sum reads 21-27; benchmarks/few_rows_revision_ab.py). Measured there only: AVX-512 keeps one.
+    // streams in flight: 1.01-1.05x one row at a time over SmolLM2's 121 linears (a harness over copies of
+    // single weights had shown 1.1-1.7x; benchmarks/few_rows_revision_ab.py). Measured there only: AVX-512
+    // keeps one row at a time.
     rows_times_weight<T, 1, 8, 1>(x, x_stride, w, in, bias, out, out_stride, o_begin, o_end);
 #endif
   } else if (R * in * static_cast<int64_t>(sizeof(T)) > kInputPanelBytes) {
